@@ -1,0 +1,43 @@
+"""async_stager: stage PyTorch state dicts into reusable host memory, awaitably.
+
+``await Stager().stage(sd)`` copies every tensor of a nested state dict (GPU or CPU)
+into reusable pinned and/or shared host memory without blocking an asyncio or trio
+event loop. ``DefaultStager`` keeps PyTorch DCP's staging API on the same engine.
+"""
+
+from ._errors import (
+    ClosedError,
+    CopyError,
+    HostAllocationError,
+    PinningError,
+    StagingError,
+    UncopyableObjectError,
+    UnsupportedError,
+    UnsupportedTensorError,
+)
+from ._options import StagerOptions
+from ._seed import CheckpointStager, CheckpointStagerConfig, DefaultStager
+from ._stager import Stager
+from ._stats import StageStats
+from ._waiting import Backoff
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backoff",
+    "CheckpointStager",
+    "CheckpointStagerConfig",
+    "ClosedError",
+    "CopyError",
+    "DefaultStager",
+    "HostAllocationError",
+    "PinningError",
+    "StageStats",
+    "Stager",
+    "StagerOptions",
+    "StagingError",
+    "UncopyableObjectError",
+    "UnsupportedError",
+    "UnsupportedTensorError",
+    "__version__",
+]

@@ -1,0 +1,307 @@
+"""Host memory: arenas of pinned and/or shared memory, carved into exact-size blocks.
+
+An arena is one ``mmap`` region: anonymous memory, or a memfd when it must be shared
+with another process (one file descriptor per arena, whatever the number of tensors).
+When pinning is asked for, the whole arena is registered with CUDA once
+(``cudaHostRegister``), never per tensor and never rounded up to a power of two.
+
+Each block gets its own exact-size torch storage (``torch.frombuffer`` over a slice of
+the mapping). That matters downstream: DCP's FileSystemWriter clones any tensor whose
+storage is larger than the tensor, and ``torch.save`` of a view writes its whole
+storage, so views into one big storage would cost a second copy in the writer.
+
+Ownership: the pool owns its arenas; a block's tensor keeps the mapping alive (the
+memoryview export), so a staged tensor a user still holds after ``close()`` stays valid
+host memory. Close unpins and drops the pool's references; the kernel unmaps the region
+when the last tensor viewing it dies.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ._errors import HostAllocationError, PinningError
+
+__all__ = ["ALIGN", "Arena", "Block", "CudaPinner", "HostPool", "Pinner"]
+
+#: Block alignment in bytes: a cache line, and enough for any dtype and for DMA.
+ALIGN = 64
+_PAGE = mmap.PAGESIZE
+#: Each new arena is at least this big (bytes), so a trickle of new small storages
+#: does not make one mapping (and one pin registration) each.
+MIN_ARENA_BYTES = 1 << 20
+
+
+def _align(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+class Pinner(Protocol):
+    """Registers host memory with an accelerator (page-locks it) and back."""
+
+    def register(self, ptr: int, nbytes: int) -> None: ...
+
+    def unregister(self, ptr: int) -> None: ...
+
+
+class CudaPinner:
+    """cudaHostRegister/cudaHostUnregister through torch's bundled cudart bindings."""
+
+    # cudaHostRegisterPortable: the pinning is visible to every CUDA context, so one
+    # arena serves copies from any device.
+    _FLAGS = 1
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        rt = torch.cuda.cudart()
+        err = rt.cudaHostRegister(ptr, nbytes, self._FLAGS)
+        if int(err) != 0:
+            raise PinningError(
+                f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(err)}"
+            )
+
+    def unregister(self, ptr: int) -> None:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+class Arena:
+    """One mapping of ``nbytes`` bytes: anonymous, or a memfd when ``shared``."""
+
+    def __init__(self, nbytes: int, *, shared: bool, pinner: Pinner | None) -> None:
+        self.nbytes = nbytes
+        self.shared = shared
+        self.fd = -1
+        self._pinner = pinner
+        self._pinned_ptr = 0
+        try:
+            if shared:
+                self.fd = _make_shared_fd(nbytes)
+                self.mm = mmap.mmap(self.fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE)
+            else:
+                # MAP_PRIVATE: a forked child gets copy-on-write pages, never a view that
+                # a later stage in the parent writes into (Megatron-LM #2288).
+                flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE
+                self.mm = mmap.mmap(-1, nbytes, flags=flags)
+        except OSError as e:
+            self._close_fd()
+            raise HostAllocationError(
+                f"could not map {nbytes} bytes of {'shared' if shared else 'host'} memory: {e}"
+            ) from e
+        # The base tensor views the whole mapping; its data_ptr is the arena's address.
+        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.base = self.tensor.data_ptr()
+        if pinner is not None:
+            try:
+                pinner.register(self.base, nbytes)
+            except Exception as e:
+                self._release_mapping()
+                if isinstance(e, PinningError):
+                    raise
+                raise PinningError(f"pinning {nbytes} bytes failed: {e}") from e
+            self._pinned_ptr = self.base
+
+    @property
+    def pinned(self) -> bool:
+        return self._pinned_ptr != 0
+
+    def block_tensor(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor whose storage is exactly bytes [offset, offset+nbytes)."""
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(self.mm, dtype=torch.uint8, count=nbytes, offset=offset)
+
+    def close(self) -> None:
+        """Unpin and drop this arena's references; idempotent."""
+        if self._pinned_ptr and self._pinner is not None:
+            ptr, self._pinned_ptr = self._pinned_ptr, 0
+            self._pinner.unregister(ptr)
+        self._release_mapping()
+
+    def _release_mapping(self) -> None:
+        self.__dict__.pop("tensor", None)
+        mm = self.__dict__.pop("mm", None)
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                # Staged tensors still view the mapping (a user holds them): it is
+                # unmapped when the last of them dies.
+                pass
+        self._close_fd()
+
+    def _close_fd(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def _make_shared_fd(nbytes: int) -> int:
+    """A file descriptor of ``nbytes`` bytes of shared memory, with no name to leak."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("async_stager", os.MFD_CLOEXEC)
+    else:  # pragma: no cover - non-Linux
+        import tempfile
+
+        d = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, name = tempfile.mkstemp(prefix="async_stager-", dir=d)
+        os.unlink(name)
+    try:
+        os.ftruncate(fd, nbytes)
+        # Reserve the pages now: a full tmpfs then fails here with ENOSPC instead of
+        # killing the process with SIGBUS at the first copy.
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, nbytes)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+@dataclass(eq=False)
+class Block:
+    """Bytes [offset, offset+nbytes) of ``arena``; ``tensor`` is its exact-size uint8 view."""
+
+    arena: Arena
+    offset: int
+    nbytes: int
+    tensor: torch.Tensor
+
+
+class HostPool:
+    """Arenas of one kind (pinned/shared) and the free space in them.
+
+    Thread-safe: the worker thread allocates while the loop thread may close.
+    """
+
+    def __init__(self, *, shared: bool, pinner: Pinner | None) -> None:
+        self.shared = shared
+        self._pinner = pinner
+        self._lock = threading.Lock()
+        self.arenas: list[Arena] = []
+        # Per arena: sorted, coalesced free ranges [(offset, size)].
+        self._free: dict[Arena, list[tuple[int, int]]] = {}
+        self._used: dict[Arena, int] = {}
+        self.arenas_made = 0
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of host memory mapped by this pool (the arenas' sizes)."""
+        return sum(a.nbytes for a in self.arenas)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(self._used.values())
+
+    def allocate(self, sizes: Sequence[int], reserve_extra: int = 0) -> list[Block]:
+        """One block per size (bytes), from free space first, then one new arena for
+        the rest, sized to exactly what is missing (plus ``reserve_extra`` bytes).
+
+        Blocks of one call that land in a new arena are adjacent and in order, which
+        lets the device layer move a run of small ones with one copy.
+        """
+        with self._lock:
+            out: list[Block | None] = [None] * len(sizes)
+            pending = [i for i, n in enumerate(sizes) if n > 0]
+            for i, n in enumerate(sizes):
+                if n == 0:
+                    out[i] = Block(
+                        _EMPTY_ARENA, 0, 0, torch.empty(0, dtype=torch.uint8)
+                    )  # type: ignore[arg-type]
+            for arena in self.arenas:
+                if not pending:
+                    break
+                pending = self._fit(arena, sizes, pending, out)
+            if pending:
+                need = sum(_align(sizes[i]) for i in pending) + reserve_extra
+                arena = Arena(
+                    max(need, MIN_ARENA_BYTES), shared=self.shared, pinner=self._pinner
+                )
+                self.arenas.append(arena)
+                self.arenas_made += 1
+                self._free[arena] = [(0, arena.nbytes)]
+                self._used[arena] = 0
+                pending = self._fit(arena, sizes, pending, out)
+                assert not pending
+            return out  # type: ignore[return-value]
+
+    def _fit(
+        self,
+        arena: Arena,
+        sizes: Sequence[int],
+        pending: list[int],
+        out: list[Block | None],
+    ) -> list[int]:
+        # Greedy and linear: walk the free ranges once, placing requests in order.
+        free = self._free[arena]
+        new_free: list[tuple[int, int]] = []
+        k = 0
+        for off, size in free:
+            while k < len(pending):
+                i = pending[k]
+                n = _align(sizes[i])
+                if n > size:
+                    break
+                out[i] = Block(arena, off, sizes[i], arena.block_tensor(off, sizes[i]))
+                self._used[arena] += n
+                off += n
+                size -= n
+                k += 1
+            if size:
+                new_free.append((off, size))
+        self._free[arena] = new_free
+        return pending[k:]
+
+    def free(self, blocks: Sequence[Block]) -> None:
+        """Give blocks back; whole arenas that become free are released (unpinned)."""
+        with self._lock:
+            by_arena: dict[Arena, list[tuple[int, int]]] = {}
+            for b in blocks:
+                if b.nbytes == 0 or b.arena not in self._free:
+                    continue
+                by_arena.setdefault(b.arena, []).append((b.offset, _align(b.nbytes)))
+                self._used[b.arena] -= _align(b.nbytes)
+            for arena, ranges in by_arena.items():
+                if self._used[arena] == 0:
+                    self._drop(arena)
+                    continue
+                merged: list[tuple[int, int]] = []
+                for off, size in sorted(self._free[arena] + ranges):
+                    if merged and merged[-1][0] + merged[-1][1] == off:
+                        merged[-1] = (merged[-1][0], merged[-1][1] + size)
+                    else:
+                        merged.append((off, size))
+                self._free[arena] = merged
+
+    def _drop(self, arena: Arena) -> None:
+        self.arenas.remove(arena)
+        del self._free[arena]
+        del self._used[arena]
+        arena.close()
+
+    def close(self) -> None:
+        """Release every arena; idempotent."""
+        with self._lock:
+            for arena in list(self.arenas):
+                self._drop(arena)
+
+
+class _EmptyArena:
+    """Stands in for the arena of zero-byte blocks, which need no memory."""
+
+    nbytes = 0
+    shared = False
+    fd = -1
+    base = 0
+    pinned = False
+
+
+_EMPTY_ARENA = _EmptyArena()

@@ -1,0 +1,235 @@
+"""Source storage -> host block, validated on every hit; plans; buffer sets and leases.
+
+A BufferSet is one generation of host buffers: its own arenas (HostPool), its storage
+cache and its plans. A stage writes into exactly one set; a set that is leased (a
+consumer holds its result) or still has copies in flight is never written.
+
+The storage cache is keyed by the source storage's identity (its StorageImpl address,
+kept unique by a weak reference that pins the impl, not the data) and re-validated on
+each hit by data pointer, size and device. An entry whose storage died is dropped at
+the next slow-path stage and its block goes back to the arena (never a stale hit, and
+memory does not grow across checkpoints of fresh tensors).
+
+A Plan remembers one state dict's layout (the host tensor of each leaf and the copy
+program) plus a fingerprint of its leaves; when the next state dict's leaves have the
+same fingerprint the engine reuses it without touching the cache (the fast path).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ._arena import Block, HostPool, Pinner
+from ._device import Completion
+
+__all__ = ["BufferSet", "CacheEntry", "Plan", "Run", "StorageCache", "Unit"]
+
+#: Plans kept per buffer set (several state dicts staged in turn, e.g. model and optim).
+MAX_PLANS = 4
+
+
+@dataclass(eq=False)
+class CacheEntry:
+    weak: StorageWeakRef
+    ptr: int
+    nbytes: int
+    device: torch.device
+    block: Block
+
+
+class StorageCache:
+    """Maps live source storages to their host blocks in one HostPool."""
+
+    def __init__(self, pool: HostPool) -> None:
+        self.pool = pool
+        self._entries: dict[int, CacheEntry] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(
+        self, storage: torch.UntypedStorage, device: torch.device
+    ) -> Block | None:
+        """The block of ``storage`` if it is cached and still the same memory."""
+        e = self._entries.get(storage._cdata)
+        if e is None:
+            return None
+        if (
+            e.weak.expired()
+            or e.ptr != storage.data_ptr()
+            or e.nbytes != storage.nbytes()
+            or e.device != device
+        ):
+            # Same impl, other memory (moved, resized, reallocated): never a stale hit.
+            del self._entries[storage._cdata]
+            self.pool.free([e.block])
+            return None
+        return e.block
+
+    def insert(
+        self, storage: torch.UntypedStorage, device: torch.device, block: Block
+    ) -> None:
+        self._entries[storage._cdata] = CacheEntry(
+            StorageWeakRef(storage), storage.data_ptr(), storage.nbytes(), device, block
+        )
+
+    def sweep(self) -> int:
+        """Drop entries whose source storage died; free their blocks. Returns how many."""
+        dead = [k for k, e in self._entries.items() if e.weak.expired()]
+        if dead:
+            blocks = [self._entries.pop(k).block for k in dead]
+            self.pool.free(blocks)
+        return len(dead)
+
+    def clear(self) -> None:
+        self.pool.free([e.block for e in self._entries.values()])
+        self._entries.clear()
+
+
+@dataclass(eq=False)
+class Unit:
+    """One source storage's copy: leaf ``rep`` (or its whole storage) -> ``dst``.
+
+    ``whole`` False: the leaf covers its storage exactly and is copied typed, as is.
+    ``whole`` True: the storage is copied as bytes (views, aliases, partial coverage).
+    """
+
+    rep: int
+    dst: torch.Tensor
+    nbytes: int
+    whole: bool
+    device: torch.device
+    block: Block
+
+
+@dataclass(eq=False)
+class Run:
+    """Small units whose host blocks are adjacent: gathered on the device into
+    ``scratch`` (one fused copy per dtype), then moved by one copy into ``span``."""
+
+    span: torch.Tensor
+    scratch: torch.Tensor
+    # Per dtype: scratch views and the leaf index (or unit) feeding each.
+    groups: list[tuple[list[torch.Tensor], list[Unit]]]
+    nbytes: int
+
+
+@dataclass(eq=False)
+class DeviceProgram:
+    """What to copy from one source device, in order."""
+
+    device: torch.device
+    direct: list[Unit] = field(default_factory=list)
+    runs: list[Run] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Plan:
+    """A state dict's layout in one buffer set, reusable while its fingerprint holds."""
+
+    signature: Any
+    hosts: list[Any]
+    programs: list[DeviceProgram]
+    units: list[Unit]
+    # Fingerprint of the leaves, one list per attribute (compared as whole lists).
+    ptrs: list[int]
+    dtypes: list[torch.dtype]
+    dims: list[int]
+    numels: list[int]
+    devices: list[int]
+    # For whole-storage units: (leaf index, storage ptr, storage nbytes) of the rep and
+    # (leaf index, size, stride, offset) of every member, checked one by one.
+    whole_checks: list[tuple[int, int, int]]
+    member_meta: list[tuple[int, tuple[int, ...], tuple[int, ...], int]]
+    nbytes: int
+    storages: int
+
+
+class BufferSet:
+    """One generation of host buffers (see module doc). Fields are guarded by the
+    engine's condition variable, except ``cache``/``plans``, which only the worker
+    thread touches while the set is selected."""
+
+    def __init__(self, index: int, *, shared: bool, pinner: Pinner | None) -> None:
+        self.index = index
+        self.pool = HostPool(shared=shared, pinner=pinner)
+        self.cache = StorageCache(self.pool)
+        self.plans: OrderedDict[Any, Plan] = OrderedDict()
+        self.leases = 0
+        self.busy = False  # selected by a stage that has not finished enqueueing
+        self.inflight: list[Completion] = []
+        self.lock = threading.Lock()
+
+    def plan_for(self, signature: Any) -> Plan | None:
+        plan = self.plans.get(signature)
+        if plan is not None:
+            self.plans.move_to_end(signature)
+        return plan
+
+    def remember(self, plan: Plan) -> None:
+        self.plans[plan.signature] = plan
+        self.plans.move_to_end(plan.signature)
+        while len(self.plans) > MAX_PLANS:
+            self.plans.popitem(last=False)
+
+    def wait_inflight(self) -> None:
+        """Block (worker thread) until copies still in flight into this set finish."""
+        for c in list(self.inflight):
+            c.synchronize()
+        self.inflight.clear()
+
+    def close(self) -> None:
+        self.wait_inflight()
+        self.plans.clear()
+        self.cache.clear()
+        self.pool.close()
+
+
+def signature_of(sd: Any) -> Any:
+    """A cheap key to pick the plan to try first: type, size, first and last key."""
+    cls = type(sd)
+    if isinstance(sd, dict):
+        n = len(sd)
+        if not n:
+            return (cls, 0)
+        it = iter(sd)
+        first = next(it)
+        last = next(reversed(sd)) if n > 1 else first
+        return (cls, n, _hashable(first), _hashable(last))
+    if isinstance(sd, (list, tuple)):
+        return (cls, len(sd))
+    return (cls,)
+
+
+def _hashable(k: Any) -> Any:
+    try:
+        hash(k)
+    except TypeError:
+        return id(k)
+    return k
+
+
+def fingerprint(
+    leaves: Sequence[torch.Tensor],
+) -> tuple[list[int], list[torch.dtype], list[int], list[int], list[int]]:
+    """Per-leaf data pointer, dtype, dim, numel and device index, at C speed (map)."""
+    T = torch.Tensor
+    return (
+        list(map(T.data_ptr, leaves)),
+        list(map(_DTYPE_GET, leaves)),
+        list(map(T.dim, leaves)),
+        list(map(T.numel, leaves)),
+        list(map(T.get_device, leaves)),
+    )
+
+
+_DTYPE_GET = torch.Tensor.dtype.__get__  # type: ignore[attr-defined]

@@ -1,0 +1,89 @@
+"""The error hierarchy: every failure async_stager raises on purpose is a StagingError.
+
+Errors that concern one place in the state dict carry that place as ``path`` (a tuple of
+keys and attribute names from the root) and show it as ``sd['optim']['state'][3]``.
+The original exception, where there is one, is chained as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = [
+    "ClosedError",
+    "CopyError",
+    "HostAllocationError",
+    "PinningError",
+    "StagingError",
+    "UncopyableObjectError",
+    "UnsupportedError",
+    "UnsupportedTensorError",
+    "format_path",
+]
+
+
+class Attr(str):
+    """A path step that is an attribute (``.name``) rather than a key (``[key]``)."""
+
+    __slots__ = ()
+
+
+def format_path(path: Sequence[Any], root: str = "sd") -> str:
+    """Render a path from the root as Python source: ``sd['optim']['state'][3].exp_avg``."""
+    parts = [root]
+    for step in path:
+        if isinstance(step, Attr):
+            parts.append(f".{step}")
+        else:
+            parts.append(f"[{step!r}]")
+    return "".join(parts)
+
+
+class StagingError(Exception):
+    """Base of every error async_stager raises on purpose.
+
+    ``path`` is the place in the state dict the error concerns (empty when it concerns
+    the stager as a whole; ``()`` is the root itself). The stager stays usable after any StagingError except
+    ClosedError, which says it was closed.
+    """
+
+    def __init__(self, message: str, *, path: Sequence[Any] | None = None) -> None:
+        self.path: tuple[Any, ...] | None = None if path is None else tuple(path)
+        self.message = message
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        if self.path is None:
+            return self.message
+        return f"{format_path(self.path)}: {self.message}"
+
+
+class ClosedError(StagingError):
+    """The stager was closed; it cannot stage again."""
+
+
+class UnsupportedError(StagingError):
+    """An option or feature this machine or this torch build cannot provide."""
+
+
+class UnsupportedTensorError(StagingError):
+    """A tensor that cannot be staged faithfully: meta, sparse, quantized, nested,
+    freed storage (no data but elements), or a second accelerator device."""
+
+
+class UncopyableObjectError(StagingError):
+    """A non-tensor object in the state dict that cannot be copied (its reduce or copy
+    raised); the original exception is the cause."""
+
+
+class HostAllocationError(StagingError):
+    """Host memory for a staging buffer could not be had (memory, /dev/shm full)."""
+
+
+class PinningError(HostAllocationError):
+    """Host memory could not be registered (pinned) with the accelerator."""
+
+
+class CopyError(StagingError):
+    """A device-to-host or host-to-host copy failed; the original error is the cause."""

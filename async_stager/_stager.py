@@ -1,0 +1,377 @@
+"""Stager: the awaitable staging API for asyncio, uvloop and trio.
+
+``stage(sd)`` captures the snapshot point synchronously at the call (an event on the
+caller's current CUDA stream), queues the walk-and-enqueue job on the stager's worker
+thread, and returns a coroutine that waits for the job (the worker wakes the loop) and
+then polls the copies' completion event with back-off. The event loop never blocks.
+
+Validity of results: a plain ``stage()`` result views host buffers that the *next*
+stage into the same buffer set overwrites (checkpoint every N steps reuses memory; this
+is the point). Hold it longer with ``snapshot()``: a leased result is never overwritten;
+later stages use another buffer set (up to ``max_buffer_sets``) or wait for the release.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+import weakref
+from collections.abc import Callable, Coroutine
+from types import TracebackType
+from typing import Any, Generic, TypeVar
+
+import anyio
+
+from ._arena import Pinner
+from ._device import Backend
+from ._engine import Engine, Staged
+from ._errors import ClosedError
+from ._options import DEFAULT_SCRATCH_BYTES, DEFAULT_SMALL_TENSOR_BYTES, StagerOptions, resolve_options
+from ._stats import StageStats
+from ._waiting import Backoff, poll_completion, wait_future
+from ._worker import Worker
+
+__all__ = ["Stager"]
+
+T = TypeVar("T")
+
+#: Bandwidth (bytes/second) assumed for a device before one copy was measured.
+_DEFAULT_BANDWIDTH = 20e9
+
+
+class _Job:
+    """One submitted stage. Whoever ends up owning a lease it took must release it:
+    the awaiting coroutine, or, if that was cancelled first, the job's done-callback.
+    An abandoned job is kept in ``pending`` (owned by the stager) until its future is
+    done, so the callback (which holds only a weak reference) still finds it."""
+
+    __slots__ = ("__weakref__", "cancel", "engine", "future", "lock", "pending", "state", "t0")
+
+    def __init__(self, engine: Engine, pending: set[_Job]) -> None:
+        self.engine = engine
+        self.pending = pending
+        self.cancel = threading.Event()
+        self.lock = threading.Lock()
+        self.state = "pending"  # -> "taken" | "abandoned"
+        self.t0 = time.perf_counter()
+        self.future: Any = None
+
+    def take(self) -> None:
+        with self.lock:
+            self.state = "taken"
+
+    def abandon(self) -> None:
+        """The waiter went away (cancelled): stop the job, or undo its lease."""
+        self.cancel.set()
+        with self.lock:
+            if self.state != "pending":
+                return
+            self.state = "abandoned"
+            fut = self.future
+            if fut is not None and not fut.done():
+                self.pending.add(self)
+                return
+        _release_if_leased(self.engine, fut)
+
+    def done(self, fut: Any) -> None:
+        with self.lock:
+            if self.state != "abandoned":
+                return
+            self.pending.discard(self)
+        _release_if_leased(self.engine, fut)
+
+
+def _job_done(ref: weakref.ref[_Job], fut: Any) -> None:
+    job = ref()
+    if job is not None:
+        job.done(fut)
+
+
+def _release_if_leased(engine: Engine, fut: Any) -> None:
+    if fut.cancelled() or fut.exception() is not None:
+        return
+    staged: Staged = fut.result()
+    if staged.leased:
+        engine.release(staged.bufset)
+
+
+class Stager:
+    """Stages nested state dicts into reusable host memory, awaitably.
+
+    Keyword options (``None`` means what this machine supports):
+
+    - ``pin_memory``: register host arenas with CUDA (default: when CUDA is available).
+    - ``share_memory``: host arenas in shared memory, for writer processes (default off).
+    - ``non_blocking``: asynchronous device-to-host copies (default: with CUDA).
+    - ``max_buffer_sets``: host buffer generations, so leased results are not overwritten.
+    - ``on_stage``: called on the event loop thread with each stage's StageStats.
+    - ``backend``/``pinner``: the device seam (``async_stager.testing`` has fakes).
+
+    Constructing binds nothing: the stager works with whichever loop awaits it. Use it
+    as ``async with Stager() as stager:`` or call ``await stager.aclose()``.
+    """
+
+    def __init__(
+        self,
+        *,
+        pin_memory: bool | None = None,
+        share_memory: bool = False,
+        non_blocking: bool | None = None,
+        max_buffer_sets: int = 2,
+        small_tensor_bytes: int = DEFAULT_SMALL_TENSOR_BYTES,
+        scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
+        yield_interval: float = 0.0005,
+        backoff: Backoff | None = None,
+        on_stage: Callable[[StageStats], None] | None = None,
+        backend: Backend | None = None,
+        pinner: Pinner | None = None,
+    ) -> None:
+        cuda = None
+        if backend is not None or pinner is not None:
+            # A given seam (a fake, in tests) stands in for the accelerator: its
+            # features count as available, and pinning follows whether a pinner came.
+            cuda = True
+            if pin_memory is None:
+                pin_memory = pinner is not None
+        self.options: StagerOptions = resolve_options(
+            pin_memory=pin_memory,
+            share_memory=share_memory,
+            non_blocking=non_blocking,
+            max_buffer_sets=max_buffer_sets,
+            small_tensor_bytes=small_tensor_bytes,
+            scratch_bytes=scratch_bytes,
+            yield_interval=yield_interval,
+            cuda=cuda,
+        )
+        self._engine = Engine(self.options, backend=backend, pinner=pinner)
+        self._worker = Worker()
+        self._backoff = backoff if backoff is not None else Backoff()
+        self._on_stage = on_stage
+        self._stats: StageStats | None = None
+        self._last_job: _Job | None = None
+        self._closed = False
+        self._close_future: Any = None
+        self._abandoned: set[_Job] = set()
+
+    # -- staging ----------------------------------------------------------------------
+
+    def stage(self, sd: T) -> Coroutine[Any, Any, T]:
+        """Stage ``sd``; await the returned coroutine for the staged copy.
+
+        The snapshot point is this call: values as of now, after all work already
+        queued on the caller's current CUDA stream. Do not modify the sources in place
+        until the coroutine returns (or ``await fence()`` has returned).
+
+        The result stays valid until the next stage into the same buffer set (use
+        ``snapshot()`` to hold one longer).
+
+        Cancellation: a cancelled stage returned nothing. If the worker had not yet
+        enqueued the copies, it stops; copies already in flight finish in the
+        background with their buffers reserved, and the next stage waits for them.
+        The stager stays usable. Raises ClosedError if the stager is closed, and
+        StagingError subclasses naming the path for bad input.
+        """
+        job = self._submit(sd, lease=False, copy=True)
+        return self._result(job)
+
+    async def _result(self, job: _Job) -> Any:
+        staged = await self._complete(job)
+        return staged.result
+
+    def snapshot(self, sd: T) -> _Snapshot[T]:
+        """``async with stager.snapshot(sd) as staged:`` a leased staged copy.
+
+        The snapshot point is entering the block. No later stage overwrites the leased
+        buffers until the block exits; such a stage uses a spare buffer set, or, when
+        ``max_buffer_sets`` are all leased, waits (cancellably) for a release.
+
+        Cancellation: while entering, as for ``stage()`` (no lease is left behind).
+        Leaving the block releases the lease synchronously, so it cannot be
+        interrupted.
+        """
+        return _Snapshot(self, sd)
+
+    async def reserve(self, sd: Any) -> StageStats:
+        """Allocate (and pin) host buffers and plan the layout for ``sd`` now, without
+        copying, so the first real checkpoint costs what later ones do.
+
+        Cancellation: as for ``stage()``; buffers already allocated stay cached.
+        """
+        job = self._submit(sd, lease=False, copy=False)
+        await self._complete(job)
+        assert self._stats is not None
+        return self._stats
+
+    async def fence(self) -> None:
+        """Make the caller's current CUDA stream wait for the latest stage's copies.
+
+        Waits (without blocking the loop) until the worker has *enqueued* the copies,
+        then orders the current stream after them: the host is never blocked on the
+        copies themselves. Call it before modifying the sources in place (e.g. before
+        ``optimizer.step()``) while a stage overlaps training. On the CPU the copies run
+        in the worker, so this returns once they are done.
+
+        Cancellation: only the wait is cancelled; no ordering was added.
+        """
+        job = self._last_job
+        if job is None:
+            return
+        try:
+            staged = await wait_future(job.future)
+        except Exception:
+            return  # that stage failed: nothing of it is in flight
+        if staged.completions:
+            self._engine.fence(staged.completions, staged.devices)
+
+    # -- internals --------------------------------------------------------------------
+
+    def _submit(self, sd: Any, *, lease: bool, copy: bool) -> _Job:
+        if self._closed:
+            raise ClosedError("the stager is closed")
+        captures = self._engine.capture()
+        job = _Job(self._engine, self._abandoned)
+        fn = functools.partial(self._engine.run, sd, captures, lease=lease, cancel=job.cancel, copy=copy)
+        try:
+            job.future = self._worker.submit(fn)
+        except RuntimeError:
+            raise ClosedError("the stager is closed") from None
+        # A weak reference: the future must not keep its job (and engine) alive in a
+        # reference cycle.
+        job.future.add_done_callback(functools.partial(_job_done, weakref.ref(job)))
+        self._last_job = job
+        return job
+
+    async def _complete(self, job: _Job) -> Staged:
+        try:
+            staged: Staged = await wait_future(job.future)
+        except BaseException:
+            job.abandon()
+            raise
+        job.take()
+        polls = 1
+        t_wait = time.perf_counter()
+        try:
+            if staged.completions:
+                for completion, device in zip(staged.completions, staged.devices):
+                    bw = self._engine.bandwidth.get(device, _DEFAULT_BANDWIDTH)
+                    polls += await poll_completion(
+                        completion, expected_seconds=staged.nbytes / bw, backoff=self._backoff
+                    )
+                self._engine.settle(staged)
+        except BaseException:
+            # Cancelled while the copies were in flight: they finish in the background
+            # and the set keeps them as in flight; the lease (if any) goes back now.
+            if staged.leased:
+                self._engine.release(staged.bufset)
+            raise
+        now = time.perf_counter()
+        wait_seconds = now - t_wait
+        if staged.completions and wait_seconds > 0 and staged.nbytes:
+            seen = staged.nbytes / max(wait_seconds, 1e-6)
+            for d in staged.devices:
+                old = self._engine.bandwidth.get(d)
+                self._engine.bandwidth[d] = seen if old is None else 0.7 * old + 0.3 * seen
+        stats = StageStats(
+            tensors=staged.tensors,
+            storages=staged.storages,
+            bytes=staged.nbytes,
+            cache_hits=staged.hits,
+            cache_misses=staged.misses,
+            fast_path=staged.fast_path,
+            buffer_set=staged.bufset.index,
+            host_bytes=self._engine.host_bytes,
+            seconds=now - job.t0,
+            worker_seconds=staged.worker_seconds,
+            wait_seconds=wait_seconds,
+            polls=polls,
+        )
+        self._stats = stats
+        if self._on_stage is not None:
+            self._on_stage(stats)
+        return staged
+
+    # -- state ------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> StageStats | None:
+        """The last completed stage's statistics (None before the first)."""
+        return self._stats
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory (bytes) this stager holds in its arenas."""
+        return self._engine.host_bytes
+
+    @property
+    def buffer_sets(self) -> int:
+        """Buffer sets made so far (at most ``options.max_buffer_sets``)."""
+        return self._engine.buffer_sets
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- lifetime ---------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Close: idempotent. A stage in its walk is stopped (it raises ClosedError);
+        copies in flight are waited for; every arena is released and unpinned; the
+        worker thread ends.
+
+        Cancellation: the closing runs shielded, so it always completes.
+        """
+        fut = self._begin_close()
+        with anyio.CancelScope(shield=True):
+            if fut is not None:
+                await wait_future(fut)
+        self._worker.stop()
+
+    def close(self) -> None:
+        """Blocking ``aclose`` for synchronous code; do not call it on a running loop."""
+        fut = self._begin_close()
+        if fut is not None:
+            fut.result()
+        self._worker.stop()
+
+    def _begin_close(self) -> Any:
+        if self._close_future is None:
+            self._closed = True
+            # Stops a walk at its next tick; queued jobs then fail with ClosedError.
+            self._engine.closed = True
+            try:
+                self._close_future = self._worker.submit(self._engine.close)
+            except RuntimeError:
+                self._engine.close()
+                return None
+        return self._close_future
+
+    async def __aenter__(self) -> Stager:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+
+class _Snapshot(Generic[T]):
+    """The async context manager ``Stager.snapshot`` returns (see there)."""
+
+    def __init__(self, stager: Stager, sd: T) -> None:
+        self._stager = stager
+        self._sd = sd
+        self._staged: Staged | None = None
+
+    async def __aenter__(self) -> T:
+        job = self._stager._submit(self._sd, lease=True, copy=True)
+        self._staged = await self._stager._complete(job)
+        result: T = self._staged.result
+        return result
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            self._stager._engine.release(staged.bufset)

@@ -1,0 +1,466 @@
+"""Walk and rebuild of nested state dicts.
+
+One pass over the structure (dict, list, tuple, namedtuple, OrderedDict, defaultdict,
+set, dataclasses and any object through the copy/pickle protocol, with shared and
+self references) copies every container and collects the tensor leaves in order.
+Each leaf is replaced by ``hosts[i]``, the host tensor prepared for the i-th leaf, so
+the walk *is* the rebuild: the engine runs it with last time's host tensors, and keeps
+the result when the leaves turn out unchanged (the fast path), or runs it twice,
+collect-then-build, when they did not.
+
+Hazards:
+- The walk runs in a worker thread holding the GIL; ``tick`` is called every few
+  hundred leaves so the engine can hand the GIL to the event loop.
+- Errors carry the path from the root: each container frame prepends its key on the
+  way up (try/except costs nothing until something raises).
+- Objects made during the walk (reduce results) are kept alive until it ends, so
+  ``id()`` keys in the memo stay unique.
+"""
+
+from __future__ import annotations
+
+import collections
+import copyreg
+import enum
+import types
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from ._errors import Attr, StagingError, UncopyableObjectError, UnsupportedTensorError
+
+__all__ = ["TENSOR_TYPES", "Walk", "check_tensor", "path_of_leaf"]
+
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+TENSOR_TYPES = (_Tensor, _Parameter)
+
+_ATOMIC: frozenset[type] = frozenset(
+    {
+        int,
+        float,
+        bool,
+        complex,
+        str,
+        bytes,
+        type(None),
+        type(Ellipsis),
+        type(NotImplemented),
+        type,
+        range,
+        types.FunctionType,
+        types.BuiltinFunctionType,
+        types.MethodType,
+        weakref.ref,
+        property,
+        torch.dtype,
+        torch.device,
+        torch.layout,
+        torch.memory_format,
+        torch.Size,
+        torch.finfo,
+        torch.iinfo,
+    }
+)
+
+#: Leaves between calls of ``tick``.
+_TICK_EVERY = 256
+
+
+def check_tensor(t: torch.Tensor) -> None:
+    """Raise UnsupportedTensorError (path ()) if ``t`` cannot be staged faithfully."""
+    if t.is_nested:
+        raise UnsupportedTensorError("nested tensors are not supported")
+    if t.layout is not torch.strided:
+        raise UnsupportedTensorError(
+            f"{t.layout} tensors are not supported (only strided)"
+        )
+    if t.is_quantized:
+        raise UnsupportedTensorError("quantized tensors are not supported")
+    dev = t.device
+    if dev.type == "meta":
+        raise UnsupportedTensorError("meta tensors have no data to stage")
+    n = t.numel()
+    if n:
+        st = t.untyped_storage()
+        if st.data_ptr() == 0:
+            raise UnsupportedTensorError(
+                f"storage was freed (data_ptr 0) but the tensor has {n} elements"
+            )
+        extent = (
+            t.storage_offset()
+            + 1
+            + sum((s - 1) * abs(d) for s, d in zip(t.shape, t.stride()))
+        )
+        if extent * t.element_size() > st.nbytes():
+            raise UnsupportedTensorError(
+                f"storage holds {st.nbytes()} bytes but the tensor needs "
+                f"{extent * t.element_size()} (was it resized?)"
+            )
+
+
+class Walk:
+    """A copy of one nested structure, with tensor leaf i replaced by ``hosts[i]``.
+
+    ``leaves`` receives every tensor leaf in order (one entry per occurrence).
+    With ``validate`` each new leaf is checked (``check_tensor``) and accelerator devices
+    must agree; errors name their path. Leaves past the end of ``hosts`` become None
+    (the result is then only good for its ``leaves``).
+    """
+
+    __slots__ = (
+        "accel",
+        "hosts",
+        "keep",
+        "leaves",
+        "memo",
+        "nhosts",
+        "stop_at",
+        "tick",
+        "validate",
+    )
+
+    def __init__(
+        self,
+        hosts: Sequence[torch.Tensor],
+        *,
+        validate: bool,
+        tick: Callable[[], None],
+    ) -> None:
+        self.leaves: list[torch.Tensor] = []
+        self.hosts = hosts
+        self.nhosts = len(hosts)
+        self.memo: dict[int, Any] = {}
+        self.keep: list[Any] = []
+        self.validate = validate
+        self.tick = tick
+        self.accel: torch.device | None = None
+        self.stop_at = -1
+
+    def run(self, obj: Any) -> Any:
+        try:
+            return self.walk(obj)
+        finally:
+            self.keep.clear()
+            self.memo.clear()
+
+    # -- dispatch ---------------------------------------------------------------------
+
+    def walk(self, obj: Any) -> Any:
+        cls = type(obj)
+        if cls in _ATOMIC:
+            return obj
+        fn = _DISPATCH.get(cls)
+        if fn is not None:
+            return fn(self, obj)
+        return self._other(obj)
+
+    def _leaf(self, t: torch.Tensor) -> Any:
+        leaves = self.leaves
+        i = len(leaves)
+        leaves.append(t)
+        if not i % _TICK_EVERY:
+            self.tick()
+        if self.validate:
+            self._check(t)
+        h = self.hosts[i] if i < self.nhosts else None
+        if t.__dict__:
+            # Python attributes on a tensor are state too: copy them, onto the host.
+            attrs = self._state_dict(t.__dict__)
+            if h is not None:
+                h.__dict__.clear()
+                h.__dict__.update(attrs)
+        return h
+
+    def _check(self, t: torch.Tensor) -> None:
+        if self.stop_at >= 0:
+            if len(self.leaves) - 1 == self.stop_at:
+                raise _LeafFound("found", path=())
+            return
+        check_tensor(t)
+        dev = t.device
+        if dev.type != "cpu":
+            if self.accel is None:
+                self.accel = dev
+            elif dev != self.accel:
+                raise UnsupportedTensorError(
+                    f"tensor on {dev}, but this state dict also has tensors on {self.accel}: "
+                    "stage one accelerator device per state dict"
+                )
+
+    # -- containers -------------------------------------------------------------------
+
+    def _dict(self, d: dict[Any, Any]) -> Any:
+        memo = self.memo
+        out = memo.get(id(d))
+        if out is not None:
+            return out
+        out = {}
+        memo[id(d)] = out
+        return self._dict_items(d, out)
+
+    def _dict_items(self, d: dict[Any, Any], out: dict[Any, Any]) -> Any:
+        leaves = self.leaves
+        hosts = self.hosts
+        nh = self.nhosts
+        validate = self.validate
+        k = None
+        try:
+            for k, v in d.items():
+                c = type(v)
+                if (c is _Tensor or c is _Parameter) and not v.__dict__:
+                    # The hot path, inlined: a plain tensor leaf. Every occurrence is a
+                    # leaf of its own (no memo), in every mode, so leaf indices agree
+                    # between the fast and the slow walk.
+                    i = len(leaves)
+                    leaves.append(v)
+                    if not i % _TICK_EVERY:
+                        self.tick()
+                    if validate:
+                        self._check(v)
+                    out[k] = hosts[i] if i < nh else None
+                elif c in _ATOMIC:
+                    out[k] = v
+                else:
+                    if type(k) not in _ATOMIC:
+                        k = self.walk(k)
+                    out[k] = self.walk(v)
+        except StagingError as e:
+            e.path = (k, *(e.path or ()))
+            raise
+        return out
+
+    def _ordered_dict(self, d: collections.OrderedDict[Any, Any]) -> Any:
+        memo = self.memo
+        if id(d) in memo:
+            return memo[id(d)]
+        out: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+        memo[id(d)] = out
+        return self._dict_items(d, out)
+
+    def _defaultdict(self, d: collections.defaultdict[Any, Any]) -> Any:
+        memo = self.memo
+        if id(d) in memo:
+            return memo[id(d)]
+        out: collections.defaultdict[Any, Any] = collections.defaultdict(
+            d.default_factory
+        )
+        memo[id(d)] = out
+        return self._dict_items(d, out)
+
+    def _list(self, lst: list[Any]) -> Any:
+        memo = self.memo
+        out = memo.get(id(lst))
+        if out is not None:
+            return out
+        out = []
+        memo[id(lst)] = out
+        self._items_into(lst, out.append)
+        return out
+
+    def _items_into(self, seq: Any, put: Callable[[Any], Any]) -> None:
+        leaves = self.leaves
+        hosts = self.hosts
+        nh = self.nhosts
+        validate = self.validate
+        j = 0
+        try:
+            for j, v in enumerate(seq):
+                c = type(v)
+                if (c is _Tensor or c is _Parameter) and not v.__dict__:
+                    i = len(leaves)
+                    leaves.append(v)
+                    if not i % _TICK_EVERY:
+                        self.tick()
+                    if validate:
+                        self._check(v)
+                    put(hosts[i] if i < nh else None)
+                elif c in _ATOMIC:
+                    put(v)
+                else:
+                    put(self.walk(v))
+        except StagingError as e:
+            e.path = (j, *(e.path or ()))
+            raise
+
+    def _tuple(self, t: tuple[Any, ...]) -> Any:
+        items: list[Any] = []
+        self._items_into(t, items.append)
+        # A cycle through a mutable child may have made this tuple already.
+        done = self.memo.get(id(t))
+        if done is not None:
+            return done
+        out = type(t)(items) if type(t) is tuple else type(t)._make(items)  # type: ignore[attr-defined]
+        self.memo[id(t)] = out
+        return out
+
+    def _set(self, s: set[Any] | frozenset[Any]) -> Any:
+        if id(s) in self.memo:
+            return self.memo[id(s)]
+        items: list[Any] = []
+        self._items_into(s, items.append)
+        out = type(s)(items)
+        self.memo[id(s)] = out
+        return out
+
+    # -- everything else --------------------------------------------------------------
+
+    def _other(self, obj: Any) -> Any:
+        if isinstance(obj, _Tensor):
+            return self._tensor(obj)
+        cls = type(obj)
+        if isinstance(obj, tuple) and hasattr(cls, "_fields") and hasattr(cls, "_make"):
+            return self._tuple(obj)  # namedtuple
+        if isinstance(obj, enum.Enum):
+            return obj
+        return self._reduce(obj)
+
+    def _tensor(self, t: torch.Tensor) -> Any:
+        if not is_traceable_wrapper_subclass(t):
+            return self._leaf(t)
+        memo = self.memo
+        if id(t) in memo:
+            return memo[id(t)]
+        # DTensor and other wrapper subclasses: stage the inner tensors, rebuild the
+        # wrapper around their host copies with the same metadata (mesh, placements).
+        names, ctx = t.__tensor_flatten__()
+        inner: dict[str, Any] = {}
+        for name in names:
+            try:
+                inner[name] = self._tensor(getattr(t, name))
+            except StagingError as e:
+                e.path = (Attr(name), *(e.path or ()))
+                raise
+        if any(v is None for v in inner.values()):
+            out = None
+        else:
+            try:
+                out = type(t).__tensor_unflatten__(inner, ctx, t.size(), t.stride())
+            except Exception as e:
+                raise UncopyableObjectError(
+                    f"could not rebuild {type(t).__name__} around its staged inner tensors: {e!r}",
+                    path=(),
+                ) from e
+        memo[id(t)] = out
+        self.keep.append(t)
+        return out
+
+    def _reduce(self, obj: Any) -> Any:
+        memo = self.memo
+        if id(obj) in memo:
+            return memo[id(obj)]
+        cls = type(obj)
+        try:
+            reductor = copyreg.dispatch_table.get(cls)
+            rv = reductor(obj) if reductor is not None else obj.__reduce_ex__(4)
+        except Exception as e:
+            raise UncopyableObjectError(
+                f"cannot copy {cls.__module__}.{cls.__qualname__}: its __reduce_ex__ raised {e!r}",
+                path=(),
+            ) from e
+        if isinstance(rv, str):  # a global: copy returns it as is
+            return obj
+        self.keep.append(rv)
+        return self._reconstruct(obj, rv)
+
+    def _reconstruct(self, obj: Any, rv: tuple[Any, ...]) -> Any:
+        func, args, state, listiter, dictiter = (tuple(rv) + (None,) * 5)[:5]
+        cls = type(obj)
+        try:
+            args = self.walk(args) if args else ()
+            y = func(*args)
+        except StagingError:
+            raise
+        except Exception as e:
+            raise UncopyableObjectError(
+                f"cannot copy {cls.__module__}.{cls.__qualname__}: rebuilding it raised {e!r}",
+                path=(),
+            ) from e
+        self.memo[id(obj)] = y
+        if state is not None:
+            if isinstance(state, dict):
+                state = self._state_dict(state)
+            else:
+                state = self.walk(state)
+            try:
+                if hasattr(y, "__setstate__"):
+                    y.__setstate__(state)
+                else:
+                    slotstate = None
+                    if isinstance(state, tuple) and len(state) == 2:
+                        state, slotstate = state
+                    if state:
+                        y.__dict__.update(state)
+                    if slotstate:
+                        for key, value in slotstate.items():
+                            setattr(y, key, value)
+            except Exception as e:
+                raise UncopyableObjectError(
+                    f"cannot copy {cls.__module__}.{cls.__qualname__}: restoring its state raised {e!r}",
+                    path=(),
+                ) from e
+        if listiter is not None:
+            items: list[Any] = []
+            self._items_into(listiter, items.append)
+            for item in items:
+                y.append(item)
+        if dictiter is not None:
+            k = None
+            try:
+                for k, v in dictiter:
+                    y[self.walk(k)] = self.walk(v)
+            except StagingError as e:
+                e.path = (k, *(e.path or ()))
+                raise
+        return y
+
+    def _state_dict(self, state: dict[Any, Any]) -> dict[Any, Any]:
+        # An object's __dict__: same as a dict, but its keys show as attributes.
+        out: dict[Any, Any] = {}
+        k = None
+        try:
+            for k, v in state.items():
+                out[k] = v if type(v) in _ATOMIC else self.walk(v)
+        except StagingError as e:
+            e.path = (Attr(k) if isinstance(k, str) else k, *(e.path or ()))
+            raise
+        return out
+
+
+_DISPATCH: dict[type, Callable[[Walk, Any], Any]] = {
+    dict: Walk._dict,
+    list: Walk._list,
+    tuple: Walk._tuple,
+    set: Walk._set,
+    frozenset: Walk._set,
+    collections.OrderedDict: Walk._ordered_dict,
+    collections.defaultdict: Walk._defaultdict,
+    _Tensor: Walk._tensor,
+    _Parameter: Walk._tensor,
+}
+
+
+class _LeafFound(StagingError):
+    """Internal: raised at the wanted leaf by ``path_of_leaf``; carries its path."""
+
+
+def path_of_leaf(sd: Any, index: int) -> tuple[Any, ...] | None:
+    """The path of the ``index``-th tensor leaf of ``sd`` in walk order (None if the
+    structure has fewer leaves now). Used to name the place of errors found after the
+    walk, such as a failed copy."""
+    walk = Walk((), validate=True, tick=_no_tick)
+    walk.stop_at = index
+    try:
+        walk.run(sd)
+    except _LeafFound as e:
+        return e.path or ()
+    except StagingError:
+        return None
+    return None
+
+
+def _no_tick() -> None:
+    pass

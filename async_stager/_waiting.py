@@ -1,0 +1,125 @@
+"""The event-loop adapter: wait for worker results and device events without blocking.
+
+Two waits, both usable on asyncio, uvloop and trio (through anyio and sniffio):
+
+- ``wait_future``: a ``concurrent.futures.Future`` completed by the worker thread wakes
+  the loop through a thread-safe call (asyncio ``call_soon_threadsafe``, trio's token).
+  If the loop has already closed when the worker finishes, the wake-up is dropped
+  quietly: nobody is waiting any more (anyio #1265 raced exactly there).
+- ``poll_completion``: a device completion event is polled with ``query()`` and an
+  adaptive back-off, predicted from the bytes in flight and the measured bandwidth, so
+  the loop never blocks and its other timers keep firing on time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import anyio
+import anyio.lowlevel
+import sniffio
+
+from ._errors import UnsupportedError
+
+__all__ = ["Backoff", "Pollable", "poll_completion", "wait_future"]
+
+T = TypeVar("T")
+
+
+class Pollable(Protocol):
+    def query(self) -> bool: ...
+
+
+def _threadsafe(fn: Callable[[], Any]) -> Callable[[], None]:
+    """A function any thread may call to run ``fn`` soon on the current event loop."""
+    lib = sniffio.current_async_library()
+    if lib == "asyncio":
+        loop = asyncio.get_running_loop()
+
+        def call() -> None:
+            try:
+                loop.call_soon_threadsafe(fn)
+            except RuntimeError:
+                pass  # the loop is closed: nobody is waiting any more
+
+        return call
+    if lib == "trio":
+        import trio
+
+        token = trio.lowlevel.current_trio_token()
+
+        def call_trio() -> None:
+            try:
+                token.run_sync_soon(fn)
+            except trio.RunFinishedError:
+                pass
+
+        return call_trio
+    raise UnsupportedError(f"async_stager runs on asyncio and trio, not {lib!r}")
+
+
+async def wait_future(fut: Future[T]) -> T:
+    """The result of ``fut`` (completed by another thread), without blocking the loop.
+
+    Cancellation: cancelling this wait stops waiting only; the job goes on in its
+    thread. Callers that care (the stager) tell the job separately.
+    """
+    if not fut.done():
+        event = anyio.Event()
+        wake = _threadsafe(event.set)
+        fut.add_done_callback(lambda _f: wake())
+        await event.wait()
+    return fut.result()
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Polling delays in seconds: first a bare yield to the loop, then the predicted
+    remaining time (halved, so as not to overshoot), within [min_delay, max_delay];
+    without a prediction, ``min_delay`` doubling up to ``max_delay``."""
+
+    min_delay: float = 0.0002
+    max_delay: float = 0.004
+
+    def next_delay(self, previous: float, remaining: float | None) -> float:
+        if remaining is not None and remaining > 0:
+            return min(max(remaining / 2, self.min_delay), self.max_delay)
+        if previous <= 0:
+            return self.min_delay
+        return min(previous * 2, self.max_delay)
+
+
+async def poll_completion(
+    event: Pollable,
+    *,
+    expected_seconds: float | None = None,
+    backoff: Backoff = Backoff(),
+    clock: Callable[[], float] = time.perf_counter,
+) -> int:
+    """Poll ``event.query()`` until True; returns how many queries it took.
+
+    ``expected_seconds`` is the predicted time from now to completion (bytes in flight
+    over measured bandwidth); the back-off follows it. Cancellation: the wait stops
+    and the copies go on; the caller keeps their buffers reserved.
+    """
+    polls = 1
+    if event.query():
+        return polls
+    start = clock()
+    # A bare yield first: tiny copies are often done by the time the loop comes back.
+    await anyio.lowlevel.checkpoint()
+    delay = 0.0
+    while True:
+        polls += 1
+        if event.query():
+            return polls
+        remaining = (
+            None if expected_seconds is None else expected_seconds - (clock() - start)
+        )
+        delay = backoff.next_delay(delay, remaining)
+        await anyio.sleep(delay)
