@@ -73,7 +73,7 @@ class CudaPinner:
 class Arena:
     """One mapping of ``nbytes`` bytes: anonymous, or a memfd when ``shared``."""
 
-    def __init__(self, nbytes: int, *, shared: bool, pinner: Pinner | None) -> None:
+    def __init__(self, nbytes: int, *, shared: bool, pinner: Pinner | None, prefault: bool = False) -> None:
         self.nbytes = nbytes
         self.shared = shared
         self.fd = -1
@@ -82,12 +82,18 @@ class Arena:
         try:
             if shared:
                 self.fd = _make_shared_fd(nbytes)
-                self.mm = mmap.mmap(self.fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE)
+                self.mm = mmap.mmap(self.fd, nbytes, flags=mmap.MAP_SHARED)
             else:
                 # MAP_PRIVATE: a forked child gets copy-on-write pages, never a view that
                 # a later stage in the parent writes into (Megatron-LM #2288).
-                flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE
-                self.mm = mmap.mmap(-1, nbytes, flags=flags)
+                self.mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            # Transparent huge pages where the kernel allows them: 512x fewer page
+            # faults on the first copy (MAP_POPULATE measured slower than lazy faults).
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                try:
+                    self.mm.madvise(mmap.MADV_HUGEPAGE)
+                except OSError:
+                    pass
         except OSError as e:
             self._close_fd()
             raise HostAllocationError(
@@ -96,6 +102,9 @@ class Arena:
         # The base tensor views the whole mapping; its data_ptr is the arena's address.
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.base = self.tensor.data_ptr()
+        if prefault:
+            # Touch every page now (reserve()): the first stage then pays no faults.
+            self.tensor.zero_()
         if pinner is not None:
             try:
                 pinner.register(self.base, nbytes)
@@ -139,9 +148,6 @@ class Arena:
         if self.fd >= 0:
             fd, self.fd = self.fd, -1
             os.close(fd)
-
-
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def _make_shared_fd(nbytes: int) -> int:
@@ -201,9 +207,9 @@ class HostPool:
     def used_bytes(self) -> int:
         return sum(self._used.values())
 
-    def allocate(self, sizes: Sequence[int], reserve_extra: int = 0) -> list[Block]:
+    def allocate(self, sizes: Sequence[int], *, prefault: bool = False) -> list[Block]:
         """One block per size (bytes), from free space first, then one new arena for
-        the rest, sized to exactly what is missing (plus ``reserve_extra`` bytes).
+        the rest, sized to exactly what is missing (``prefault``: touch its pages now).
 
         Blocks of one call that land in a new arena are adjacent and in order, which
         lets the device layer move a run of small ones with one copy.
@@ -221,9 +227,9 @@ class HostPool:
                     break
                 pending = self._fit(arena, sizes, pending, out)
             if pending:
-                need = sum(_align(sizes[i]) for i in pending) + reserve_extra
+                need = sum(_align(sizes[i]) for i in pending)
                 arena = Arena(
-                    max(need, MIN_ARENA_BYTES), shared=self.shared, pinner=self._pinner
+                    max(need, MIN_ARENA_BYTES), shared=self.shared, pinner=self._pinner, prefault=prefault
                 )
                 self.arenas.append(arena)
                 self.arenas_made += 1

@@ -130,6 +130,15 @@ class DeviceProgram:
     device: torch.device
     direct: list[Unit] = field(default_factory=list)
     runs: list[Run] = field(default_factory=list)
+    # Derived from ``direct`` once (by ``freeze``), so a stage does no per-unit Python.
+    direct_dsts: list[torch.Tensor] = field(default_factory=list)
+    direct_reps: list[int] = field(default_factory=list)
+    direct_whole: bool = False
+
+    def freeze(self) -> None:
+        self.direct_dsts = [u.dst for u in self.direct]
+        self.direct_reps = [u.rep for u in self.direct]
+        self.direct_whole = any(u.whole for u in self.direct)
 
 
 @dataclass(eq=False)
@@ -140,12 +149,8 @@ class Plan:
     hosts: list[Any]
     programs: list[DeviceProgram]
     units: list[Unit]
-    # Fingerprint of the leaves, one list per attribute (compared as whole lists).
-    ptrs: list[int]
-    dtypes: list[torch.dtype]
-    dims: list[int]
-    numels: list[int]
-    devices: list[int]
+    # Fingerprint of the leaves: one list per FINGERPRINT attribute.
+    fingerprint: list[list[Any]]
     # For whole-storage units: (leaf index, storage ptr, storage nbytes) of the rep and
     # (leaf index, size, stride, offset) of every member, checked one by one.
     whole_checks: list[tuple[int, int, int]]
@@ -218,18 +223,16 @@ def _hashable(k: Any) -> Any:
     return k
 
 
-def fingerprint(
-    leaves: Sequence[torch.Tensor],
-) -> tuple[list[int], list[torch.dtype], list[int], list[int], list[int]]:
-    """Per-leaf data pointer, dtype, dim, numel and device index, at C speed (map)."""
-    T = torch.Tensor
-    return (
-        list(map(T.data_ptr, leaves)),
-        list(map(_DTYPE_GET, leaves)),
-        list(map(T.dim, leaves)),
-        list(map(T.numel, leaves)),
-        list(map(T.get_device, leaves)),
-    )
+#: What a leaf's fingerprint is made of; each is mapped over all leaves at C speed.
+FINGERPRINT = (
+    torch.Tensor.data_ptr,
+    torch.Tensor.dtype.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.dim,
+    torch.Tensor.numel,
+    torch.Tensor.get_device,
+)
 
 
-_DTYPE_GET = torch.Tensor.dtype.__get__  # type: ignore[attr-defined]
+def fingerprint(leaves: Sequence[torch.Tensor]) -> list[list[Any]]:
+    """Per-leaf data pointer, dtype, dim, numel and device index (one list each)."""
+    return [list(map(f, leaves)) for f in FINGERPRINT]

@@ -25,6 +25,12 @@ DEFAULT_SMALL_TENSOR_BYTES = 64 * 1024
 DEFAULT_SCRATCH_BYTES = 256 * 1024 * 1024
 
 
+def loop_friendly_threads() -> int:
+    """Copy threads that leave one core to the event loop (at least one)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(torch.get_num_threads(), cores - 1))
+
+
 def cuda_available() -> bool:
     """True when torch was built with CUDA and a device is visible."""
     return bool(torch.cuda.is_available())
@@ -46,6 +52,9 @@ class StagerOptions:
     - ``scratch_bytes``: device scratch memory (bytes) per buffer set for that batching.
     - ``yield_interval``: seconds of Python work in the worker thread between short
       sleeps that hand the GIL to the event loop (keeps the loop's timers on time).
+    - ``worker_nice``: niceness added to the worker thread (Linux), 0 to leave it; the
+      event loop then preempts host copies at once (see docs/concepts.md).
+    - ``copy_threads``: torch threads for host-to-host copies; None: torch's setting.
     """
 
     pin_memory: bool
@@ -54,7 +63,9 @@ class StagerOptions:
     max_buffer_sets: int = 2
     small_tensor_bytes: int = DEFAULT_SMALL_TENSOR_BYTES
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES
-    yield_interval: float = 0.0005
+    yield_interval: float = 0.0003
+    worker_nice: int = 19
+    copy_threads: int | None = None
 
     def replace(self, **changes: object) -> StagerOptions:
         """A copy with some fields changed (validated again)."""
@@ -83,7 +94,9 @@ def resolve_options(
     max_buffer_sets: int = 2,
     small_tensor_bytes: int = DEFAULT_SMALL_TENSOR_BYTES,
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
-    yield_interval: float = 0.0005,
+    yield_interval: float = 0.0003,
+    worker_nice: int = 19,
+    copy_threads: int | None = None,
     cuda: bool | None = None,
 ) -> StagerOptions:
     """Resolve ``None`` to what the machine supports; reject what it cannot do.
@@ -117,6 +130,8 @@ def resolve_options(
         small_tensor_bytes=small_tensor_bytes,
         scratch_bytes=scratch_bytes,
         yield_interval=yield_interval,
+        worker_nice=worker_nice,
+        copy_threads=copy_threads,
     )
     opts.validate()
     return opts

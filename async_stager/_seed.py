@@ -24,7 +24,7 @@ from typing import Any
 from ._engine import Engine, Staged
 from ._errors import ClosedError
 from ._options import cuda_available, resolve_options
-from ._worker import Worker
+from ._worker import Worker, WorkerStopped
 
 __all__ = ["CheckpointStager", "CheckpointStagerConfig", "DefaultStager"]
 
@@ -91,7 +91,7 @@ class DefaultStager(CheckpointStager):
         self._engine = Engine(
             options, backend=engine_options.get("backend"), pinner=engine_options.get("pinner")
         )
-        self._worker = Worker("async-stager-dcp")
+        self._worker = Worker("async-stager-dcp", nice=options.worker_nice)
         self._pending: Future[STATE_DICT] | None = None
         self._closed = False
 
@@ -108,7 +108,12 @@ class DefaultStager(CheckpointStager):
         if self._closed:
             raise ClosedError("the DefaultStager is closed")
         captures = self._engine.capture()
-        fut: Future[STATE_DICT] = self._worker.submit(functools.partial(self._stage_blocking, state_dict, captures))
+        try:
+            fut: Future[STATE_DICT] = self._worker.submit(
+                functools.partial(self._stage_blocking, state_dict, captures)
+            )
+        except WorkerStopped:
+            raise ClosedError("the DefaultStager is closed") from None
         self._pending = fut
         if self._async:
             return fut

@@ -27,10 +27,16 @@ from ._arena import Pinner
 from ._device import Backend
 from ._engine import Engine, Staged
 from ._errors import ClosedError
-from ._options import DEFAULT_SCRATCH_BYTES, DEFAULT_SMALL_TENSOR_BYTES, StagerOptions, resolve_options
+from ._options import (
+    DEFAULT_SCRATCH_BYTES,
+    DEFAULT_SMALL_TENSOR_BYTES,
+    StagerOptions,
+    loop_friendly_threads,
+    resolve_options,
+)
 from ._stats import StageStats
 from ._waiting import Backoff, poll_completion, wait_future
-from ._worker import Worker
+from ._worker import Worker, WorkerStopped
 
 __all__ = ["Stager"]
 
@@ -105,6 +111,8 @@ class Stager:
     - ``share_memory``: host arenas in shared memory, for writer processes (default off).
     - ``non_blocking``: asynchronous device-to-host copies (default: with CUDA).
     - ``max_buffer_sets``: host buffer generations, so leased results are not overwritten.
+    - ``copy_threads``: torch threads for host copies (default: all cores but one,
+      which stays free for the event loop).
     - ``on_stage``: called on the event loop thread with each stage's StageStats.
     - ``backend``/``pinner``: the device seam (``async_stager.testing`` has fakes).
 
@@ -121,7 +129,9 @@ class Stager:
         max_buffer_sets: int = 2,
         small_tensor_bytes: int = DEFAULT_SMALL_TENSOR_BYTES,
         scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
-        yield_interval: float = 0.0005,
+        yield_interval: float = 0.0003,
+        worker_nice: int = 19,
+        copy_threads: int | None = None,
         backoff: Backoff | None = None,
         on_stage: Callable[[StageStats], None] | None = None,
         backend: Backend | None = None,
@@ -142,10 +152,12 @@ class Stager:
             small_tensor_bytes=small_tensor_bytes,
             scratch_bytes=scratch_bytes,
             yield_interval=yield_interval,
+            worker_nice=worker_nice,
+            copy_threads=copy_threads if copy_threads is not None else loop_friendly_threads(),
             cuda=cuda,
         )
         self._engine = Engine(self.options, backend=backend, pinner=pinner)
-        self._worker = Worker()
+        self._worker = Worker(nice=self.options.worker_nice)
         self._backoff = backoff if backoff is not None else Backoff()
         self._on_stage = on_stage
         self._stats: StageStats | None = None
@@ -234,7 +246,7 @@ class Stager:
         fn = functools.partial(self._engine.run, sd, captures, lease=lease, cancel=job.cancel, copy=copy)
         try:
             job.future = self._worker.submit(fn)
-        except RuntimeError:
+        except WorkerStopped:
             raise ClosedError("the stager is closed") from None
         # A weak reference: the future must not keep its job (and engine) alive in a
         # reference cycle.
@@ -341,7 +353,7 @@ class Stager:
             self._engine.closed = True
             try:
                 self._close_future = self._worker.submit(self._engine.close)
-            except RuntimeError:
+            except WorkerStopped:
                 self._engine.close()
                 return None
         return self._close_future

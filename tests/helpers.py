@@ -1,0 +1,90 @@
+"""Test helpers: synchronous staging through the engine, deep comparisons."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from async_stager._engine import Engine, Staged
+from async_stager._options import resolve_options
+
+
+def make_engine(**opts: Any) -> Engine:
+    backend = opts.pop("backend", None)
+    pinner = opts.pop("pinner", None)
+    cuda = True if backend is not None or pinner is not None else None
+    if cuda and "pin_memory" not in opts:
+        opts["pin_memory"] = pinner is not None
+    return Engine(resolve_options(cuda=cuda, **opts), backend=backend, pinner=pinner)
+
+
+def stage_sync(engine: Engine, sd: Any, **kw: Any) -> Staged:
+    """Stage on the calling thread and wait for the copies."""
+    staged = engine.run(sd, engine.capture(), **kw)
+    for c in staged.completions:
+        c.synchronize()
+    engine.settle(staged)
+    return staged
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's raw bytes (for bit-exact comparison of any dtype, NaNs included)."""
+    t = t.detach()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    c = t.contiguous()
+    if c.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return c.reshape(-1).view(torch.uint8)
+
+
+def assert_same(a: Any, b: Any, path: str = "sd") -> None:
+    """Deep equality: same types and structure, bit-equal tensors with the same
+    sizes, strides, offsets, dtype and class."""
+    assert type(a) is type(b), f"{path}: {type(a)} vs {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype, path
+        assert a.shape == b.shape, path
+        assert a.stride() == b.stride(), path
+        assert a.storage_offset() == b.storage_offset(), path
+        assert a.requires_grad == b.requires_grad, path
+        assert torch.equal(bits(a), bits(b)), f"{path}: values differ"
+        return
+    if isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}[{k!r}]")
+        return
+    if isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+        return
+    if dataclasses.is_dataclass(a):
+        for f in dataclasses.fields(a):
+            assert_same(getattr(a, f.name), getattr(b, f.name), f"{path}.{f.name}")
+        return
+    assert a == b, path
+
+
+def tensors_of(obj: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            out.extend(tensors_of(v))
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            out.extend(tensors_of(v))
+    return out
+
+
+def assert_no_alias(staged: Any, source: Any) -> None:
+    """No staged tensor shares memory with any source tensor."""
+    src_ptrs = {t.untyped_storage().data_ptr() for t in tensors_of(source) if t.numel()}
+    for t in tensors_of(staged):
+        if t.numel():
+            assert t.untyped_storage().data_ptr() not in src_ptrs
