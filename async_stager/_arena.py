@@ -62,9 +62,7 @@ class CudaPinner:
         rt = torch.cuda.cudart()
         err = rt.cudaHostRegister(ptr, nbytes, self._FLAGS)
         if int(err) != 0:
-            raise PinningError(
-                f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(err)}"
-            )
+            raise PinningError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(err)}")
 
     def unregister(self, ptr: int) -> None:
         torch.cuda.cudart().cudaHostUnregister(ptr)
@@ -219,9 +217,7 @@ class HostPool:
             pending = [i for i, n in enumerate(sizes) if n > 0]
             for i, n in enumerate(sizes):
                 if n == 0:
-                    out[i] = Block(
-                        _EMPTY_ARENA, 0, 0, torch.empty(0, dtype=torch.uint8)
-                    )  # type: ignore[arg-type]
+                    out[i] = Block(_EMPTY_ARENA, 0, 0, torch.empty(0, dtype=torch.uint8))  # type: ignore[arg-type]
             for arena in self.arenas:
                 if not pending:
                     break

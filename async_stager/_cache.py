@@ -56,9 +56,7 @@ class StorageCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(
-        self, storage: torch.UntypedStorage, device: torch.device
-    ) -> Block | None:
+    def lookup(self, storage: torch.UntypedStorage, device: torch.device) -> Block | None:
         """The block of ``storage`` if it is cached and still the same memory."""
         e = self._entries.get(storage._cdata)
         if e is None:
@@ -75,9 +73,7 @@ class StorageCache:
             return None
         return e.block
 
-    def insert(
-        self, storage: torch.UntypedStorage, device: torch.device, block: Block
-    ) -> None:
+    def insert(self, storage: torch.UntypedStorage, device: torch.device, block: Block) -> None:
         self._entries[storage._cdata] = CacheEntry(
             StorageWeakRef(storage), storage.data_ptr(), storage.nbytes(), device, block
         )

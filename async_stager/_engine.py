@@ -25,11 +25,12 @@ from typing import Any
 
 import torch
 
-from ._arena import ALIGN, CudaPinner, Pinner
-from ._cache import FINGERPRINT, BufferSet, DeviceProgram, Plan, Run, Unit, fingerprint, signature_of
+from ._arena import CudaPinner, Pinner
+from ._cache import BufferSet, Plan, signature_of
 from ._device import Backend, Completion, Copier, RealBackend
 from ._errors import ClosedError, CopyError, StagingError
 from ._options import StagerOptions
+from ._plan import make_plan, plan_holds, sources
 from ._tree import Walk, path_of_leaf
 
 __all__ = ["Cancelled", "Engine", "Staged"]
@@ -72,11 +73,7 @@ class Engine:
         pinner: Pinner | None = None,
     ) -> None:
         self.options = options
-        self.backend = (
-            backend
-            if backend is not None
-            else RealBackend(non_blocking=options.non_blocking)
-        )
+        self.backend = backend if backend is not None else RealBackend(non_blocking=options.non_blocking)
         if pinner is None and options.pin_memory:
             pinner = CudaPinner()
         self._pinner = pinner if options.pin_memory else None
@@ -149,12 +146,14 @@ class Engine:
                 walk = Walk(plan.hosts, validate=False, tick=tick)
                 result = walk.run(sd)
                 leaves = walk.leaves
-                fast = _plan_holds(plan, leaves, tick)
+                fast = plan_holds(plan, leaves, tick)
             if not fast:
                 collect = Walk((), validate=True, tick=tick)
                 collect.run(sd)
                 with _gc_paused():
-                    plan, hits, misses = self._make_plan(bufset, sig, collect.leaves, tick, prefault=not copy)
+                    plan, hits, misses = make_plan(
+                        self._copier, self.options, bufset, sig, collect.leaves, tick, prefault=not copy
+                    )
                 walk = Walk(plan.hosts, validate=False, tick=tick)
                 result = walk.run(sd)
                 leaves = walk.leaves
@@ -203,9 +202,7 @@ class Engine:
                 bufset.busy = False
                 self._cond.notify_all()
 
-    def _select(
-        self, sig: Any, lease: bool, cancel: threading.Event | None
-    ) -> BufferSet:
+    def _select(self, sig: Any, lease: bool, cancel: threading.Event | None) -> BufferSet:
         """A buffer set that is neither leased nor busy; waits (cancellably) if none."""
         with self._cond:
             while True:
@@ -239,170 +236,6 @@ class Engine:
                 # whether the stage was cancelled.
                 self._cond.wait(0.05)
 
-    def _make_plan(
-        self,
-        bufset: BufferSet,
-        sig: Any,
-        leaves: list[torch.Tensor],
-        tick: Callable[[], None],
-        *,
-        prefault: bool,
-    ) -> tuple[Plan, int, int]:
-        uniq: list[torch.Tensor] = []
-        leaf_u: list[int] = []
-        seen: dict[int, int] = {}
-        for t in leaves:
-            u = seen.get(id(t))
-            if u is None:
-                u = seen[id(t)] = len(uniq)
-                uniq.append(t)
-            leaf_u.append(u)
-        # Group by source storage: views and aliases share one host storage.
-        groups: dict[int, _Group] = {}
-        for u, t in enumerate(uniq):
-            st = t.untyped_storage()
-            g = groups.get(st._cdata)
-            if g is None:
-                g = groups[st._cdata] = _Group(st, t.device)
-            g.members.append(u)
-            if not u % 256:
-                tick()
-        if bufset.cache.sweep():
-            # Blocks went back to the arena and may be handed out again: no other plan
-            # of this set may keep writing into them.
-            bufset.plans.clear()
-        missing: list[_Group] = []
-        for g in groups.values():
-            g.block = bufset.cache.lookup(g.storage, g.device)
-            if g.block is None:
-                missing.append(g)
-        if missing:
-            # Smallest first: small storages land adjacent, so a device can move a run
-            # of them with one copy.
-            missing.sort(
-                key=lambda g: g.storage.nbytes() > self.options.small_tensor_bytes
-            )
-            blocks = bufset.pool.allocate([g.storage.nbytes() for g in missing], prefault=prefault)
-            for g, b in zip(missing, blocks):
-                g.block = b
-                bufset.cache.insert(g.storage, g.device, b)
-        tick()
-        host_u: list[Any] = [None] * len(uniq)
-        units: list[Unit] = []
-        whole_checks: list[tuple[int, int, int]] = []
-        member_meta: list[tuple[int, tuple[int, ...], tuple[int, ...], int]] = []
-        first_leaf = {u: i for i, u in reversed(list(enumerate(leaf_u)))}
-        nbytes = 0
-        for n, g in enumerate(groups.values()):
-            block = g.block
-            assert block is not None
-            base = block.tensor.untyped_storage()
-            for u in g.members:
-                t = uniq[u]
-                if block.nbytes:
-                    h = torch.empty(0, dtype=t.dtype).set_(
-                        base, t.storage_offset(), t.size(), t.stride()
-                    )
-                else:
-                    h = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype)
-                host_u[u] = h
-            size = block.nbytes
-            nbytes += size
-            rep_u = g.members[0]
-            t = uniq[rep_u]
-            whole = not (
-                len(g.members) == 1
-                and t.storage_offset() == 0
-                and t.numel() * t.element_size() == size
-                and t.is_contiguous()
-            )
-            if size:
-                rep = first_leaf[rep_u]
-                units.append(
-                    Unit(
-                        rep,
-                        block.tensor if whole else host_u[rep_u],
-                        size,
-                        whole,
-                        g.device,
-                        block,
-                    )
-                )
-                if whole:
-                    whole_checks.append((rep, g.storage.data_ptr(), size))
-                    for u in g.members:
-                        m = uniq[u]
-                        member_meta.append(
-                            (
-                                first_leaf[u],
-                                tuple(m.size()),
-                                m.stride(),
-                                m.storage_offset(),
-                            )
-                        )
-            if not n % 256:
-                tick()
-        wrapped = [_wrap(uniq[u], host_u[u]) for u in range(len(uniq))]
-        hosts = [wrapped[u] for u in leaf_u]
-        programs = self._programs(units, uniq, leaves)
-        plan = Plan(
-            signature=sig,
-            hosts=hosts,
-            programs=programs,
-            units=units,
-            fingerprint=fingerprint(leaves),
-            whole_checks=whole_checks,
-            member_meta=member_meta,
-            nbytes=nbytes,
-            storages=len(groups),
-        )
-        return plan, len(groups) - len(missing), len(missing)
-
-    def _programs(
-        self, units: list[Unit], uniq: list[torch.Tensor], leaves: list[torch.Tensor]
-    ) -> list[DeviceProgram]:
-        by_dev: dict[torch.device, DeviceProgram] = {}
-        for unit in units:
-            prog = by_dev.get(unit.device)
-            if prog is None:
-                prog = by_dev[unit.device] = DeviceProgram(unit.device)
-            prog.direct.append(unit)
-        budget = self.options.scratch_bytes
-        for prog in by_dev.values():
-            copier = self._copier(prog.device)
-            if not copier.batch_small:
-                continue
-            small = [
-                u for u in prog.direct if u.nbytes <= self.options.small_tensor_bytes
-            ]
-            small.sort(key=lambda u: (id(u.block.arena), u.block.offset))
-            runs: list[list[Unit]] = []
-            for u in small:
-                cur = runs[-1] if runs else None
-                if (
-                    cur is not None
-                    and cur[-1].block.arena is u.block.arena
-                    and cur[-1].block.offset + _align(cur[-1].nbytes) == u.block.offset
-                ):
-                    cur.append(u)
-                else:
-                    runs.append([u])
-            batched: set[int] = set()
-            for run in runs:
-                if len(run) < 2:
-                    continue
-                start = run[0].block.offset
-                end = run[-1].block.offset + run[-1].nbytes
-                if end - start > budget:
-                    continue
-                budget -= end - start
-                prog.runs.append(_make_run(copier, run, start, end, leaves))
-                batched.update(id(u) for u in run)
-            prog.direct = [u for u in prog.direct if id(u) not in batched]
-        for prog in by_dev.values():
-            prog.freeze()
-        return list(by_dev.values())
-
     def _enqueue(
         self,
         plan: Plan,
@@ -421,13 +254,13 @@ class Engine:
                 try:
                     for run in prog.runs:
                         for views, units in run.groups:
-                            srcs = _sources(units, leaves)
+                            srcs = sources(units, leaves)
                             _copy_chunked(copier, views, srcs, tick)
                             srcs_all.extend(srcs)
                         copier.copy([run.span], [run.scratch])
                     if prog.direct:
                         if prog.direct_whole:
-                            srcs = _sources(prog.direct, leaves)
+                            srcs = sources(prog.direct, leaves)
                         elif len(prog.direct_reps) == 1:
                             srcs = [leaves[prog.direct_reps[0]]]
                         else:
@@ -441,13 +274,11 @@ class Engine:
                     completions.append(done)
         return completions
 
-    def _copy_error(
-        self, sd: Any, plan: Plan, leaves: list[torch.Tensor]
-    ) -> StagingError:
+    def _copy_error(self, sd: Any, plan: Plan, leaves: list[torch.Tensor]) -> StagingError:
         """Find which unit's copy fails, for an error that names its path."""
         with torch.no_grad():
             for unit in plan.units:
-                src = _sources([unit], leaves)[0]
+                src = sources([unit], leaves)[0]
                 try:
                     unit.dst.copy_(src)
                 except RuntimeError as e:
@@ -477,9 +308,7 @@ class Engine:
                 bufset.leases -= 1
             self._cond.notify_all()
 
-    def fence(
-        self, completions: Sequence[Completion], devices: Sequence[torch.device]
-    ) -> None:
+    def fence(self, completions: Sequence[Completion], devices: Sequence[torch.device]) -> None:
         for c, d in zip(completions, devices):
             self._copier(d).fence(c)
 
@@ -512,19 +341,7 @@ class Engine:
                 errors.append(e)
         self._copiers.clear()
         if errors:
-            raise StagingError(
-                f"closing released everything but reported: {errors[0]!r}"
-            ) from errors[0]
-
-
-class _Group:
-    __slots__ = ("block", "device", "members", "storage")
-
-    def __init__(self, storage: torch.UntypedStorage, device: torch.device) -> None:
-        self.storage = storage
-        self.device = device
-        self.members: list[int] = []
-        self.block: Any = None
+            raise StagingError(f"closing released everything but reported: {errors[0]!r}") from errors[0]
 
 
 class _Ticker:
@@ -533,9 +350,7 @@ class _Ticker:
 
     __slots__ = ("cancel", "engine", "interval", "last")
 
-    def __init__(
-        self, interval: float, cancel: threading.Event | None, engine: Engine
-    ) -> None:
+    def __init__(self, interval: float, cancel: threading.Event | None, engine: Engine) -> None:
         self.interval = interval
         self.cancel = cancel
         self.engine = engine
@@ -573,10 +388,6 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
 #: Tensors per batched copy call. torch parses a tensor list holding the GIL (about
 #: 0.1 us a tensor, both lists): 20k tensors in one call held it for ~4 ms.
 _COPY_CHUNK = 1024
@@ -592,88 +403,3 @@ def _copy_chunked(
     for lo in range(0, n, _COPY_CHUNK):
         copier.copy(dsts[lo : lo + _COPY_CHUNK], srcs[lo : lo + _COPY_CHUNK])
         tick()
-
-
-def _make_run(
-    copier: Copier, run: list[Unit], start: int, end: int, leaves: list[torch.Tensor]
-) -> Run:
-    arena = run[0].block.arena
-    span = arena.tensor[start:end]
-    scratch = copier.scratch(end - start)
-    by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[Unit]]] = {}
-    for u in run:
-        rel = u.block.offset - start
-        piece = scratch[rel : rel + u.nbytes]
-        if u.whole:
-            view = piece
-        else:
-            t = leaves[u.rep]
-            view = piece.view(t.dtype).view(t.size())
-        views, members = by_dtype.setdefault(view.dtype, ([], []))
-        views.append(view)
-        members.append(u)
-    return Run(
-        span=span, scratch=scratch, groups=list(by_dtype.values()), nbytes=end - start
-    )
-
-
-def _sources(
-    units: Sequence[Unit], leaves: Sequence[torch.Tensor]
-) -> list[torch.Tensor]:
-    if not any(u.whole for u in units):
-        if len(units) == 1:
-            return [leaves[units[0].rep]]
-        return list(operator.itemgetter(*[u.rep for u in units])(leaves))
-    out = []
-    for u in units:
-        t = leaves[u.rep]
-        if u.whole:
-            # The whole source storage, as bytes (made per stage: holding it in the
-            # plan would keep the source memory alive).
-            t = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
-                t.untyped_storage()
-            )
-        out.append(t)
-    return out
-
-
-def _plan_holds(plan: Plan, leaves: list[torch.Tensor], tick: Callable[[], None]) -> bool:
-    """True when ``leaves`` can be copied with ``plan`` unchanged."""
-    n = len(leaves)
-    if n != len(plan.hosts):
-        return False
-    # In chunks, ticking between them: each map over all leaves holds the GIL.
-    for lo in range(0, n, _FP_CHUNK):
-        chunk = leaves[lo : lo + _FP_CHUNK]
-        for f, expected in zip(FINGERPRINT, plan.fingerprint):
-            if list(map(f, chunk)) != expected[lo : lo + _FP_CHUNK]:
-                return False
-        tick()
-    for i, ptr, nbytes in plan.whole_checks:
-        st = leaves[i].untyped_storage()
-        if st.data_ptr() != ptr or st.nbytes() != nbytes:
-            return False
-    for i, size, stride, offset in plan.member_meta:
-        t = leaves[i]
-        if tuple(t.size()) != size or t.stride() != stride or t.storage_offset() != offset:
-            return False
-    return True
-
-
-#: Leaves per fingerprint chunk (about 0.2 ms of GIL-holding work each).
-_FP_CHUNK = 512
-
-
-def _wrap(src: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
-    """The host tensor as the source's type: Parameter, subclass, requires_grad."""
-    cls = type(src)
-    if cls is torch.Tensor:
-        if src.requires_grad:
-            host.requires_grad_(True)
-        return host
-    if isinstance(src, torch.nn.Parameter):
-        return torch.Tensor._make_subclass(cls, host, src.requires_grad)
-    out = host.as_subclass(cls)
-    if src.requires_grad:
-        out.requires_grad_(True)
-    return out

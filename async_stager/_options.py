@@ -75,15 +75,11 @@ class StagerOptions:
 
     def validate(self) -> None:
         if self.max_buffer_sets < 1:
-            raise UnsupportedError(
-                f"max_buffer_sets must be >= 1, got {self.max_buffer_sets}"
-            )
+            raise UnsupportedError(f"max_buffer_sets must be >= 1, got {self.max_buffer_sets}")
         if self.small_tensor_bytes < 0 or self.scratch_bytes < 0:
             raise UnsupportedError("small_tensor_bytes and scratch_bytes must be >= 0")
         if not (0.0 < self.yield_interval <= 1.0):
-            raise UnsupportedError(
-                f"yield_interval must be in (0, 1] seconds, got {self.yield_interval}"
-            )
+            raise UnsupportedError(f"yield_interval must be in (0, 1] seconds, got {self.yield_interval}")
 
 
 def resolve_options(
@@ -107,20 +103,12 @@ def resolve_options(
     if pin_memory is None:
         pin_memory = has_cuda
     elif pin_memory and not has_cuda:
-        raise UnsupportedError(
-            "pin_memory=True needs CUDA, and no CUDA device is available"
-        )
+        raise UnsupportedError("pin_memory=True needs CUDA, and no CUDA device is available")
     if non_blocking is None:
         non_blocking = has_cuda
     elif non_blocking and not has_cuda:
-        raise UnsupportedError(
-            "non_blocking=True needs CUDA, and no CUDA device is available"
-        )
-    if (
-        share_memory
-        and not hasattr(os, "memfd_create")
-        and not os.path.isdir("/dev/shm")
-    ):
+        raise UnsupportedError("non_blocking=True needs CUDA, and no CUDA device is available")
+    if share_memory and not hasattr(os, "memfd_create") and not os.path.isdir("/dev/shm"):
         raise UnsupportedError("share_memory=True needs memfd_create or /dev/shm")
     opts = StagerOptions(
         pin_memory=bool(pin_memory),

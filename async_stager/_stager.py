@@ -231,8 +231,8 @@ class Stager:
             return
         try:
             staged = await wait_future(job.future)
-        except Exception:
-            return  # that stage failed: nothing of it is in flight
+        except Exception:  # noqa: BLE001 - that stage failed: nothing of it is in flight
+            return
         if staged.completions:
             self._engine.fence(staged.completions, staged.devices)
 

@@ -75,9 +75,7 @@ def check_tensor(t: torch.Tensor) -> None:
     if t.is_nested:
         raise UnsupportedTensorError("nested tensors are not supported")
     if t.layout is not torch.strided:
-        raise UnsupportedTensorError(
-            f"{t.layout} tensors are not supported (only strided)"
-        )
+        raise UnsupportedTensorError(f"{t.layout} tensors are not supported (only strided)")
     if t.is_quantized:
         raise UnsupportedTensorError("quantized tensors are not supported")
     dev = t.device
@@ -87,14 +85,8 @@ def check_tensor(t: torch.Tensor) -> None:
     if n:
         st = t.untyped_storage()
         if st.data_ptr() == 0:
-            raise UnsupportedTensorError(
-                f"storage was freed (data_ptr 0) but the tensor has {n} elements"
-            )
-        extent = (
-            t.storage_offset()
-            + 1
-            + sum((s - 1) * abs(d) for s, d in zip(t.shape, t.stride()))
-        )
+            raise UnsupportedTensorError(f"storage was freed (data_ptr 0) but the tensor has {n} elements")
+        extent = t.storage_offset() + 1 + sum((s - 1) * abs(d) for s, d in zip(t.shape, t.stride()))
         if extent * t.element_size() > st.nbytes():
             raise UnsupportedTensorError(
                 f"storage holds {st.nbytes()} bytes but the tensor needs "
@@ -245,9 +237,7 @@ class Walk:
         memo = self.memo
         if id(d) in memo:
             return memo[id(d)]
-        out: collections.defaultdict[Any, Any] = collections.defaultdict(
-            d.default_factory
-        )
+        out: collections.defaultdict[Any, Any] = collections.defaultdict(d.default_factory)
         memo[id(d)] = out
         return self._dict_items(d, out)
 
@@ -268,7 +258,7 @@ class Walk:
         validate = self.validate
         j = 0
         try:
-            for j, v in enumerate(seq):
+            for j, v in enumerate(seq):  # noqa: B007 - j names the path on errors
                 c = type(v)
                 if (c is _Tensor or c is _Parameter) and not v.__dict__:
                     i = len(leaves)

@@ -118,8 +118,6 @@ async def poll_completion(
         polls += 1
         if event.query():
             return polls
-        remaining = (
-            None if expected_seconds is None else expected_seconds - (clock() - start)
-        )
+        remaining = None if expected_seconds is None else expected_seconds - (clock() - start)
         delay = backoff.next_delay(delay, remaining)
         await anyio.sleep(delay)

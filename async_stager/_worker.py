@@ -47,7 +47,9 @@ class Worker:
             if self._thread is None:
                 # A daemon thread: a stager that is never closed must not keep the
                 # interpreter from exiting; close() joins it deterministically.
-                thread = threading.Thread(target=_run, args=(self._queue, self._nice), name=self._name, daemon=True)
+                thread = threading.Thread(
+                    target=_run, args=(self._queue, self._nice), name=self._name, daemon=True
+                )
                 try:
                     thread.start()
                 except RuntimeError as e:

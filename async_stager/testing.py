@@ -29,7 +29,9 @@ __all__ = ["FakeBackend", "FakeCopier", "FakeEvent", "FakePinner"]
 class FakeEvent:
     """A completion that the test controls; runs its recorded copies when it fires."""
 
-    def __init__(self, ops: list[Callable[[], None]], *, delay: float, polls: int | None, manual: bool) -> None:
+    def __init__(
+        self, ops: list[Callable[[], None]], *, delay: float, polls: int | None, manual: bool
+    ) -> None:
         self._ops = ops
         self._lock = threading.Lock()
         self._done = threading.Event()

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
+from helpers import assert_no_alias, assert_same, make_engine, stage_sync
 
 from async_stager import (
     StagingError,
@@ -18,7 +19,6 @@ from async_stager import (
     UnsupportedTensorError,
 )
 from async_stager.testing import FakeBackend
-from helpers import assert_no_alias, assert_same, make_engine, stage_sync
 
 pytestmark = pytest.mark.timeout(60)
 

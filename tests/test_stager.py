@@ -9,10 +9,10 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from helpers import assert_same
 
 from async_stager import ClosedError, Stager, StageStats, UnsupportedTensorError
 from async_stager.testing import FakeBackend, FakePinner
-from helpers import assert_same
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -107,19 +107,18 @@ async def test_stage_waits_for_a_lease_release(anyio_backend: Any) -> None:
     w = torch.zeros(64)
     async with Stager(max_buffer_sets=1) as stager:
         order: list[str] = []
-        async with anyio.create_task_group() as tg:
-            async with stager.snapshot({"w": w}) as held:
+        async with anyio.create_task_group() as tg, stager.snapshot({"w": w}) as held:
 
-                async def later() -> None:
-                    w.fill_(1.0)
-                    staged = await stager.stage({"w": w})
-                    order.append("staged")
-                    assert torch.equal(staged["w"], torch.ones(64))
+            async def later() -> None:
+                w.fill_(1.0)
+                staged = await stager.stage({"w": w})
+                order.append("staged")
+                assert torch.equal(staged["w"], torch.ones(64))
 
-                tg.start_soon(later)
-                await anyio.sleep(0.1)
-                order.append("released")
-                assert torch.equal(held["w"], torch.zeros(64))
+            tg.start_soon(later)
+            await anyio.sleep(0.1)
+            order.append("released")
+            assert torch.equal(held["w"], torch.zeros(64))
         assert order == ["released", "staged"]
 
 
