@@ -119,7 +119,7 @@ def make_plan(
                             first_leaf[u],
                             tuple(m.size()),
                             m.stride(),
-                            m.storage_offset(),
+                            int(m.storage_offset()),
                         )
                     )
         if not n % 256:
