@@ -10,9 +10,9 @@ the mapping). That matters downstream: DCP's FileSystemWriter clones any tensor 
 storage is larger than the tensor, and ``torch.save`` of a view writes its whole
 storage, so views into one big storage would cost a second copy in the writer.
 
-Ownership: the pool owns its arenas; a block's tensor keeps the mapping alive (the
-memoryview export), so a staged tensor a user still holds after ``close()`` stays valid
-host memory. Close unpins and drops the pool's references; the kernel unmaps the region
+Ownership: the pool owns its arenas; every block's tensor holds a reference to the
+arena's mmap object, so a staged tensor a user still holds after ``close()`` stays
+valid host memory. Close unpins and drops the pool's references; the region is unmapped
 when the last tensor viewing it dies.
 """
 
@@ -131,15 +131,13 @@ class Arena:
         self._release_mapping()
 
     def _release_mapping(self) -> None:
+        # Hazard: never mm.close() here. torch.frombuffer keeps a reference to the
+        # mmap object but no buffer export, so close() would unmap memory that staged
+        # tensors still view (a segfault on the next read). Dropping our references
+        # instead unmaps the region when the last tensor viewing it dies: at once if
+        # nobody holds a staged result any more.
         self.__dict__.pop("tensor", None)
-        mm = self.__dict__.pop("mm", None)
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:
-                # Staged tensors still view the mapping (a user holds them): it is
-                # unmapped when the last of them dies.
-                pass
+        self.__dict__.pop("mm", None)
         self._close_fd()
 
     def _close_fd(self) -> None:

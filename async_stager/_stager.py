@@ -351,6 +351,8 @@ class Stager:
             self._closed = True
             # Stops a walk at its next tick; queued jobs then fail with ClosedError.
             self._engine.closed = True
+            # The last job's future holds the last result: let its host memory go.
+            self._last_job = None
             try:
                 self._close_future = self._worker.submit(self._engine.close)
             except WorkerStopped:

@@ -1,0 +1,133 @@
+"""The event-loop adapter: polling with back-off, waiting on worker futures."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import anyio
+import pytest
+
+from async_stager import Backoff
+from async_stager._waiting import poll_completion, wait_future
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
+
+
+class CountingEvent:
+    """Completes after ``n`` queries; records when each query happened."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.times: list[float] = []
+
+    def query(self) -> bool:
+        self.times.append(time.perf_counter())
+        return len(self.times) >= self.n
+
+
+def test_backoff_follows_prediction_and_bounds() -> None:
+    b = Backoff(min_delay=0.001, max_delay=0.01)
+    assert b.next_delay(0.0, None) == 0.001
+    assert b.next_delay(0.001, None) == 0.002
+    assert b.next_delay(0.008, None) == 0.01  # capped
+    assert b.next_delay(0.0, 0.004) == 0.002  # half the predicted remaining time
+    assert b.next_delay(0.0, 1.0) == 0.01  # capped
+    assert b.next_delay(0.0, 0.0001) == 0.001  # floored
+    assert b.next_delay(0.004, -1.0) == 0.008  # prediction passed: back off
+
+
+async def test_poll_returns_at_once_when_done(anyio_backend: Any) -> None:
+    ev = CountingEvent(1)
+    assert await poll_completion(ev) == 1
+
+
+async def test_poll_backs_off_without_blocking(anyio_backend: Any) -> None:
+    ev = CountingEvent(6)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0)
+            ticks += 1
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        polls = await poll_completion(ev, backoff=Backoff(min_delay=0.002, max_delay=0.008))
+        tg.cancel_scope.cancel()
+    assert polls == 6
+    gaps = [b - a for a, b in zip(ev.times[1:], ev.times[2:])]
+    # Delays grow (2, 4, 8, 8 ms), and other tasks ran meanwhile.
+    assert gaps[-1] > gaps[0]
+    assert ticks > 6
+
+
+async def test_poll_with_prediction_wakes_near_it(anyio_backend: Any) -> None:
+    done_at = time.perf_counter() + 0.03
+
+    class Timed:
+        def __init__(self) -> None:
+            self.polls = 0
+
+        def query(self) -> bool:
+            self.polls += 1
+            return time.perf_counter() >= done_at
+
+    ev = Timed()
+    t0 = time.perf_counter()
+    await poll_completion(ev, expected_seconds=0.03, backoff=Backoff(min_delay=0.001, max_delay=0.05))
+    assert time.perf_counter() - t0 < 0.2
+    assert ev.polls < 15  # not a busy loop
+
+
+async def test_poll_is_cancellable(anyio_backend: Any) -> None:
+    ev = CountingEvent(10**9)
+    with anyio.move_on_after(0.05) as scope:
+        await poll_completion(ev)
+    assert scope.cancelled_caught
+
+
+async def test_wait_future_from_another_thread(anyio_backend: Any) -> None:
+    fut: Future[int] = Future()
+    threading.Timer(0.02, fut.set_result, args=(42,)).start()
+    assert await wait_future(fut) == 42
+    failed: Future[int] = Future()
+    failed.set_exception(ValueError("x"))
+    with pytest.raises(ValueError):
+        await wait_future(failed)
+
+
+async def test_wait_future_cancel_leaves_the_job(anyio_backend: Any) -> None:
+    fut: Future[int] = Future()
+    with anyio.move_on_after(0.02):
+        await wait_future(fut)
+    fut.set_result(1)  # completing later wakes nobody and raises nothing
+    await anyio.sleep(0.01)
+
+
+def test_wake_after_the_loop_closed_is_quiet() -> None:
+    # anyio #1265: the worker finishing after the loop has closed must not raise.
+    import asyncio
+
+    fut: Future[int] = Future()
+    errors: list[BaseException] = []
+
+    async def main() -> None:
+        with anyio.move_on_after(0.01):
+            await wait_future(fut)
+
+    asyncio.run(main())
+
+    def finish() -> None:
+        try:
+            fut.set_result(1)
+        except BaseException as e:  # pragma: no cover - the failure being tested
+            errors.append(e)
+
+    t = threading.Thread(target=finish)
+    t.start()
+    t.join()
+    assert not errors
