@@ -9,6 +9,7 @@ from ._errors import (
     ClosedError,
     CopyError,
     HostAllocationError,
+    NestingError,
     PinningError,
     StagingError,
     UncopyableObjectError,
@@ -17,6 +18,7 @@ from ._errors import (
 )
 from ._options import StagerOptions
 from ._seed import CheckpointStager, CheckpointStagerConfig, DefaultStager
+from ._share import AttachedStateDict, SharedArena, SharedHandle, attach_shared, export_shared
 from ._stager import Stager
 from ._stats import StageStats
 from ._waiting import Backoff
@@ -24,6 +26,7 @@ from ._waiting import Backoff
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttachedStateDict",
     "Backoff",
     "CheckpointStager",
     "CheckpointStagerConfig",
@@ -31,7 +34,10 @@ __all__ = [
     "CopyError",
     "DefaultStager",
     "HostAllocationError",
+    "NestingError",
     "PinningError",
+    "SharedArena",
+    "SharedHandle",
     "StageStats",
     "Stager",
     "StagerOptions",
@@ -39,5 +45,7 @@ __all__ = [
     "UncopyableObjectError",
     "UnsupportedError",
     "UnsupportedTensorError",
+    "attach_shared",
+    "export_shared",
     "__version__",
 ]

@@ -21,9 +21,10 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -77,9 +78,13 @@ class Arena:
         self.fd = -1
         self._pinner = pinner
         self._pinned_ptr = 0
+        self._fd_closer: weakref.finalize[Any, Any] | None = None
         try:
             if shared:
                 self.fd = _make_shared_fd(nbytes)
+                # An arena dropped without close() (a stager never closed) must not
+                # leak its descriptor: closed when the arena is collected.
+                self._fd_closer = weakref.finalize(self, os.close, self.fd)
                 self.mm = mmap.mmap(self.fd, nbytes, flags=mmap.MAP_SHARED)
             else:
                 # MAP_PRIVATE: a forked child gets copy-on-write pages, never a view that
@@ -124,11 +129,14 @@ class Arena:
         return torch.frombuffer(self.mm, dtype=torch.uint8, count=nbytes, offset=offset)
 
     def close(self) -> None:
-        """Unpin and drop this arena's references; idempotent."""
-        if self._pinned_ptr and self._pinner is not None:
-            ptr, self._pinned_ptr = self._pinned_ptr, 0
-            self._pinner.unregister(ptr)
-        self._release_mapping()
+        """Unpin and drop this arena's references; idempotent. The mapping and the
+        file descriptor are released even if unpinning raises (which is re-raised)."""
+        try:
+            if self._pinned_ptr and self._pinner is not None:
+                ptr, self._pinned_ptr = self._pinned_ptr, 0
+                self._pinner.unregister(ptr)
+        finally:
+            self._release_mapping()
 
     def _release_mapping(self) -> None:
         # Hazard: never mm.close() here. torch.frombuffer keeps a reference to the
@@ -142,8 +150,9 @@ class Arena:
 
     def _close_fd(self) -> None:
         if self.fd >= 0:
-            fd, self.fd = self.fd, -1
-            os.close(fd)
+            self.fd = -1
+            if self._fd_closer is not None:
+                self._fd_closer()  # os.close, once
 
 
 def _make_shared_fd(nbytes: int) -> int:
@@ -269,9 +278,10 @@ class HostPool:
                     continue
                 by_arena.setdefault(b.arena, []).append((b.offset, _align(b.nbytes)))
                 self._used[b.arena] -= _align(b.nbytes)
+            errors: list[BaseException] = []
             for arena, ranges in by_arena.items():
                 if self._used[arena] == 0:
-                    self._drop(arena)
+                    self._drop(arena, errors)
                     continue
                 merged: list[tuple[int, int]] = []
                 for off, size in sorted(self._free[arena] + ranges):
@@ -280,18 +290,36 @@ class HostPool:
                     else:
                         merged.append((off, size))
                 self._free[arena] = merged
+            _raise_first(errors)
 
-    def _drop(self, arena: Arena) -> None:
+    def _drop(self, arena: Arena, errors: list[BaseException]) -> None:
+        # Forgotten first, closed second: an arena whose unpinning fails is still
+        # unmapped and never handed out again; the error is collected, and the caller
+        # goes on releasing the rest before raising it.
         self.arenas.remove(arena)
         del self._free[arena]
         del self._used[arena]
-        arena.close()
+        try:
+            arena.close()
+        except Exception as e:  # noqa: BLE001 - re-raised by _raise_first
+            errors.append(e)
 
     def close(self) -> None:
-        """Release every arena; idempotent."""
+        """Release every arena; idempotent. Raises PinningError (after releasing
+        everything) if unpinning failed."""
         with self._lock:
+            errors: list[BaseException] = []
             for arena in list(self.arenas):
-                self._drop(arena)
+                self._drop(arena, errors)
+            _raise_first(errors)
+
+
+def _raise_first(errors: list[BaseException]) -> None:
+    if errors:
+        e = errors[0]
+        if isinstance(e, PinningError):
+            raise e
+        raise PinningError(f"unpinning host memory failed: {e!r}") from e
 
 
 class _EmptyArena:

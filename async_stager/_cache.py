@@ -148,9 +148,9 @@ class Plan:
     # Fingerprint of the leaves: one list per FINGERPRINT attribute.
     fingerprint: list[list[Any]]
     # For whole-storage units: (leaf index, storage ptr, storage nbytes) of the rep and
-    # (leaf index, size, stride, offset) of every member, checked one by one.
+    # (leaf index, size, stride, offset, conj/neg bits) of every member, one by one.
     whole_checks: list[tuple[int, int, int]]
-    member_meta: list[tuple[int, tuple[int, ...], tuple[int, ...], int]]
+    member_meta: list[tuple[int, tuple[int, ...], tuple[int, ...], int, int]]
     nbytes: int
     storages: int
 

@@ -31,12 +31,12 @@ from ._device import Backend, Completion, Copier, RealBackend
 from ._errors import ClosedError, CopyError, StagingError
 from ._options import StagerOptions
 from ._plan import make_plan, plan_holds, sources
-from ._tree import Walk, path_of_leaf
+from ._tree import Interrupt, Walk, path_of_leaf
 
 __all__ = ["Cancelled", "Engine", "Staged"]
 
 
-class Cancelled(Exception):
+class Cancelled(Interrupt):
     """Internal: the job was cancelled before its copies were enqueued."""
 
 
@@ -146,18 +146,25 @@ class Engine:
                 walk = Walk(plan.hosts, validate=False, tick=tick)
                 result = walk.run(sd)
                 leaves = walk.leaves
-                fast = plan_holds(plan, leaves, tick)
+                with _no_torch_function():
+                    fast = plan_holds(plan, leaves, tick)
             if not fast:
                 collect = Walk((), validate=True, tick=tick)
                 collect.run(sd)
-                with _gc_paused():
+                with _gc_paused(), _no_torch_function():
                     plan, hits, misses = make_plan(
                         self._copier, self.options, bufset, sig, collect.leaves, tick, prefault=not copy
                     )
                 walk = Walk(plan.hosts, validate=False, tick=tick)
                 result = walk.run(sd)
                 leaves = walk.leaves
-                if len(leaves) != len(collect.leaves):
+                # Hazard: another thread may have changed the state dict between the
+                # two walks. The copies read the second walk's leaves into the plan of
+                # the first: they must still fit it (a (1,)-tensor swapped in for a
+                # (4,)-tensor would even broadcast silently), or the stage is refused.
+                with _no_torch_function():
+                    holds = plan_holds(plan, leaves, tick)
+                if not holds:
                     raise StagingError(
                         "the state dict changed while it was being staged: "
                         "do not mutate it until stage() returns"
@@ -168,14 +175,17 @@ class Engine:
                 hits = plan.storages
             tick.check()
             completions: list[Completion] = []
+            devices: list[torch.device] = []
             if copy:
                 try:
-                    completions = self._enqueue(plan, leaves, captures, tick)
-                except RuntimeError:
+                    with _no_torch_function():
+                        completions, devices = self._enqueue(bufset, plan, leaves, captures, tick)
+                except RuntimeError as e:
                     if fast:
                         bufset.plans.pop(sig, None)
                         raise _PlanStale() from None
-                    raise self._copy_error(sd, plan, leaves) from None
+                    err = self._copy_error(sd, plan, leaves, bufset, e)
+                    raise err from err.__cause__
             with self._cond:
                 bufset.inflight.extend(completions)
             self._recent = bufset
@@ -191,7 +201,7 @@ class Engine:
                 misses=misses,
                 fast_path=fast,
                 worker_seconds=time.perf_counter() - t0,
-                devices=[p.device for p in plan.programs if completions],
+                devices=devices,
             )
         except BaseException:
             if lease:
@@ -238,12 +248,16 @@ class Engine:
 
     def _enqueue(
         self,
+        bufset: BufferSet,
         plan: Plan,
         leaves: list[torch.Tensor],
         captures: dict[torch.device, Any],
         tick: Callable[[], None],
-    ) -> list[Completion]:
+    ) -> tuple[list[Completion], list[torch.device]]:
+        """Enqueue every program's copies; returns the completions and, pairwise, the
+        device each belongs to (CPU programs finish inside and have none)."""
         completions: list[Completion] = []
+        devices: list[torch.device] = []
         with torch.no_grad():
             for prog in plan.programs:
                 copier = self._copier(prog.device)
@@ -255,8 +269,8 @@ class Engine:
                     for run in prog.runs:
                         for views, units in run.groups:
                             srcs = sources(units, leaves)
-                            _copy_chunked(copier, views, srcs, tick)
                             srcs_all.extend(srcs)
+                            _copy_chunked(copier, views, srcs, tick)
                         copier.copy([run.span], [run.scratch])
                     if prog.direct:
                         if prog.direct_whole:
@@ -265,30 +279,54 @@ class Engine:
                             srcs = [leaves[prog.direct_reps[0]]]
                         else:
                             srcs = list(operator.itemgetter(*prog.direct_reps)(leaves))
-                        _copy_chunked(copier, prog.direct_dsts, srcs, tick)
                         srcs_all.extend(srcs)
+                        _copy_chunked(copier, prog.direct_dsts, srcs, tick)
                     copier.protect(srcs_all)
-                finally:
-                    done = copier.end()
+                except BaseException:
+                    # Failed or cancelled (a tick) part way: copies enqueued before
+                    # that may still read the sources and land in this set's buffers.
+                    # Protect the sources and track the copies as in flight, so no
+                    # later stage (or close) reuses the buffers before they finish.
+                    try:
+                        copier.protect(srcs_all)
+                    finally:
+                        done = copier.end()
+                    if done is not None:
+                        completions.append(done)
+                        devices.append(prog.device)
+                    with self._cond:
+                        bufset.inflight.extend(completions)
+                    raise
+                done = copier.end()
                 if done is not None:
                     completions.append(done)
-        return completions
+                    devices.append(prog.device)
+        return completions, devices
 
-    def _copy_error(self, sd: Any, plan: Plan, leaves: list[torch.Tensor]) -> StagingError:
-        """Find which unit's copy fails, for an error that names its path."""
-        with torch.no_grad():
+    def _copy_error(
+        self, sd: Any, plan: Plan, leaves: list[torch.Tensor], bufset: BufferSet, cause: BaseException
+    ) -> StagingError:
+        """Find which unit's copy fails, for an error that names its path: each unit is
+        copied again on its own, through its device's copier (the failed batch may have
+        mixed many tensors)."""
+        with torch.no_grad(), _no_torch_function():
             for unit in plan.units:
-                src = sources([unit], leaves)[0]
+                copier = self._copier(unit.device)
+                copier.begin(None)
                 try:
-                    unit.dst.copy_(src)
+                    copier.copy([unit.dst], sources([unit], leaves))
                 except RuntimeError as e:
-                    err = CopyError(
-                        f"copying this tensor failed: {e}",
-                        path=path_of_leaf(sd, unit.rep),
-                    )
+                    err = CopyError(f"copying this tensor failed: {e}", path=path_of_leaf(sd, unit.rep))
                     err.__cause__ = e
                     return err
-        return CopyError("a batched copy failed, but no single copy did")
+                finally:
+                    done = copier.end()
+                    if done is not None:
+                        with self._cond:
+                            bufset.inflight.append(done)
+        err = CopyError(f"a batched copy failed ({cause}), but no single copy did")
+        err.__cause__ = cause
+        return err
 
     # -- any thread -------------------------------------------------------------------
 
@@ -370,6 +408,13 @@ class _Ticker:
             raise Cancelled()
         if self.engine.closed:
             raise ClosedError("the stager was closed during the stage")
+
+
+def _no_torch_function() -> Any:
+    """Tensor subclasses' ``__torch_function__`` overrides off (this thread) while the
+    engine inspects and copies their data: staging copies the bytes as they are, and an
+    override that raises or redirects must not break or bend that."""
+    return torch._C.DisableTorchFunctionSubclass()
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ __all__ = [
     "ClosedError",
     "CopyError",
     "HostAllocationError",
+    "NestingError",
     "PinningError",
     "StagingError",
     "UncopyableObjectError",
@@ -75,6 +76,10 @@ class UnsupportedTensorError(StagingError):
 class UncopyableObjectError(StagingError):
     """A non-tensor object in the state dict that cannot be copied (its reduce or copy
     raised); the original exception is the cause."""
+
+
+class NestingError(UncopyableObjectError):
+    """The structure is nested too deeply to walk (beyond Python's recursion limit)."""
 
 
 class HostAllocationError(StagingError):

@@ -74,7 +74,7 @@ def make_plan(
     host_u: list[Any] = [None] * len(uniq)
     units: list[Unit] = []
     whole_checks: list[tuple[int, int, int]] = []
-    member_meta: list[tuple[int, tuple[int, ...], tuple[int, ...], int]] = []
+    member_meta: list[tuple[int, tuple[int, ...], tuple[int, ...], int, int]] = []
     first_leaf = {u: i for i, u in reversed(list(enumerate(leaf_u)))}
     nbytes = 0
     for n, g in enumerate(groups.values()):
@@ -87,7 +87,7 @@ def make_plan(
                 h = torch.empty(0, dtype=t.dtype).set_(base, t.storage_offset(), t.size(), t.stride())
             else:
                 h = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype)
-            host_u[u] = h
+            host_u[u] = _with_math_bits(t, h)
         size = block.nbytes
         nbytes += size
         rep_u = g.members[0]
@@ -97,6 +97,7 @@ def make_plan(
             and t.storage_offset() == 0
             and t.numel() * t.element_size() == size
             and t.is_contiguous()
+            and not _math_bits(t)
         )
         if size:
             rep = first_leaf[rep_u]
@@ -120,6 +121,7 @@ def make_plan(
                             tuple(m.size()),
                             m.stride(),
                             int(m.storage_offset()),
+                            _math_bits(m),
                         )
                     )
         if not n % 256:
@@ -254,11 +256,32 @@ def plan_holds(plan: Plan, leaves: list[torch.Tensor], tick: Callable[[], None])
         st = leaves[i].untyped_storage()
         if st.data_ptr() != ptr or st.nbytes() != nbytes:
             return False
-    for i, size, stride, offset in plan.member_meta:
+    for i, size, stride, offset, mbits in plan.member_meta:
         t = leaves[i]
-        if tuple(t.size()) != size or t.stride() != stride or t.storage_offset() != offset:
+        if (
+            tuple(t.size()) != size
+            or t.stride() != stride
+            or t.storage_offset() != offset
+            or _math_bits(t) != mbits
+        ):
             return False
     return True
+
+
+def _math_bits(t: torch.Tensor) -> int:
+    """A view's lazy conjugate (1) and negative (2) bits. Hazard: a byte-for-byte copy
+    of its storage does not apply them, so the host view must carry them too, or the
+    staged values come out silently conjugated or negated."""
+    return int(t.is_conj()) | (int(t.is_neg()) << 1)
+
+
+def _with_math_bits(src: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+    bits = _math_bits(src)
+    if bits & 1:
+        host = host.conj()
+    if bits & 2:
+        host = torch._neg_view(host)
+    return host
 
 
 #: Leaves per fingerprint chunk (about 0.2 ms of GIL-holding work each).

@@ -227,7 +227,7 @@ class Stager:
         Cancellation: only the wait is cancelled; no ordering was added.
         """
         job = self._last_job
-        if job is None:
+        if job is None or job.future is None:
             return
         try:
             staged = await wait_future(job.future)
@@ -259,6 +259,14 @@ class Stager:
             staged: Staged = await wait_future(job.future)
         except BaseException:
             job.abandon()
+            fut = job.future
+            if fut is not None and fut.done() and not fut.cancelled() and fut.exception() is not None:
+                # The job failed: its future holds the error being raised, whose
+                # traceback holds the frames that hold this job: a reference cycle
+                # through the stager. Nothing needs the failed future any more
+                # (fence() skips failed stages), so the job lets go of it.
+                job.future = None
+            del fut
             raise
         job.take()
         polls = 1
@@ -300,7 +308,15 @@ class Stager:
         )
         self._stats = stats
         if self._on_stage is not None:
-            self._on_stage(stats)
+            try:
+                self._on_stage(stats)
+            except BaseException:
+                # The caller gets the callback's error instead of the result, so
+                # nobody would ever release a lease taken for it: every later stage
+                # would then wait for that buffer set forever.
+                if staged.leased:
+                    self._engine.release(staged.bufset)
+                raise
         return staged
 
     # -- state ------------------------------------------------------------------------
@@ -338,6 +354,7 @@ class Stager:
             if fut is not None:
                 await wait_future(fut)
         self._worker.stop()
+        self._forget_results()
 
     def close(self) -> None:
         """Blocking ``aclose`` for synchronous code; do not call it on a running loop."""
@@ -345,6 +362,13 @@ class Stager:
         if fut is not None:
             fut.result()
         self._worker.stop()
+        self._forget_results()
+
+    def _forget_results(self) -> None:
+        # The last job's future holds its staged result, whose tensors keep an arena
+        # mapped (and its file descriptor open) for as long as this object lives.
+        # Results the user still holds stay valid; the closed stager holds none.
+        self._last_job = None
 
     def _begin_close(self) -> Any:
         if self._close_future is None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import copyreg
 import enum
+import sys
 import types
 import weakref
 from collections.abc import Callable, Sequence
@@ -30,9 +31,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ._errors import Attr, StagingError, UncopyableObjectError, UnsupportedTensorError
+from ._errors import Attr, NestingError, StagingError, UncopyableObjectError, UnsupportedTensorError
 
-__all__ = ["TENSOR_TYPES", "Walk", "check_tensor", "path_of_leaf"]
+__all__ = ["TENSOR_TYPES", "Interrupt", "Walk", "check_tensor", "path_of_leaf"]
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -99,8 +100,9 @@ class Walk:
 
     ``leaves`` receives every tensor leaf in order (one entry per occurrence).
     With ``validate`` each new leaf is checked (``check_tensor``) and accelerator devices
-    must agree; errors name their path. Leaves past the end of ``hosts`` become None
-    (the result is then only good for its ``leaves``).
+    must agree; errors name their path. Leaves past the end of ``hosts`` stay the
+    source tensors (the result is then only good for its ``leaves``; hazard: it must
+    not be None, since objects rebuilt around it, e.g. ``torch.Generator``, check it).
     """
 
     __slots__ = (
@@ -135,6 +137,15 @@ class Walk:
     def run(self, obj: Any) -> Any:
         try:
             return self.walk(obj)
+        except RecursionError as e:
+            # The walk recurses once per nesting level (a few frames each). Hazard:
+            # raising the interpreter's limit is process-wide and risks overflowing
+            # the C stack, so a structure this deep is refused, typed, not crashed on.
+            raise NestingError(
+                "the structure is nested too deeply to walk "
+                f"(deeper than sys.getrecursionlimit()={sys.getrecursionlimit()} allows)",
+                path=None,
+            ) from e
         finally:
             self.keep.clear()
             self.memo.clear()
@@ -158,13 +169,16 @@ class Walk:
             self.tick()
         if self.validate:
             self._check(t)
-        h = self.hosts[i] if i < self.nhosts else None
+        if i >= self.nhosts:
+            if t.__dict__:
+                self._state_dict(t.__dict__)  # walked for its leaves only
+            return t
+        h = self.hosts[i]
         if t.__dict__:
             # Python attributes on a tensor are state too: copy them, onto the host.
             attrs = self._state_dict(t.__dict__)
-            if h is not None:
-                h.__dict__.clear()
-                h.__dict__.update(attrs)
+            h.__dict__.clear()
+            h.__dict__.update(attrs)
         return h
 
     def _check(self, t: torch.Tensor) -> None:
@@ -172,8 +186,22 @@ class Walk:
             if len(self.leaves) - 1 == self.stop_at:
                 raise _LeafFound("found", path=())
             return
-        check_tensor(t)
-        dev = t.device
+        if type(t) is _Tensor or type(t) is _Parameter:
+            check_tensor(t)
+            dev = t.device
+        else:
+            try:
+                # A subclass: inspect its data, not what a __torch_function__ override
+                # says about it (one that raises must give a typed error, with path).
+                with torch._C.DisableTorchFunctionSubclass():
+                    check_tensor(t)
+                    dev = t.device
+            except StagingError:
+                raise
+            except Exception as e:
+                raise UnsupportedTensorError(
+                    f"inspecting this {type(t).__name__} raised {e!r}", path=()
+                ) from e
         if dev.type != "cpu":
             if self.accel is None:
                 self.accel = dev
@@ -213,7 +241,7 @@ class Walk:
                         self.tick()
                     if validate:
                         self._check(v)
-                    out[k] = hosts[i] if i < nh else None
+                    out[k] = hosts[i] if i < nh else v
                 elif c in _ATOMIC:
                     out[k] = v
                 else:
@@ -222,6 +250,9 @@ class Walk:
                     out[k] = self.walk(v)
         except StagingError as e:
             e.path = (k, *(e.path or ()))
+            raise
+        except RuntimeError as e:
+            _raise_if_mutated(e)
             raise
         return out
 
@@ -267,13 +298,16 @@ class Walk:
                         self.tick()
                     if validate:
                         self._check(v)
-                    put(hosts[i] if i < nh else None)
+                    put(hosts[i] if i < nh else v)
                 elif c in _ATOMIC:
                     put(v)
                 else:
                     put(self.walk(v))
         except StagingError as e:
             e.path = (j, *(e.path or ()))
+            raise
+        except RuntimeError as e:
+            _raise_if_mutated(e)
             raise
 
     def _tuple(self, t: tuple[Any, ...]) -> Any:
@@ -304,7 +338,9 @@ class Walk:
         cls = type(obj)
         if isinstance(obj, tuple) and hasattr(cls, "_fields") and hasattr(cls, "_make"):
             return self._tuple(obj)  # namedtuple
-        if isinstance(obj, enum.Enum):
+        if isinstance(obj, (enum.Enum, type)):
+            # Enum members, and classes with a metaclass (ABCMeta, EnumType): atomic,
+            # as for copy.deepcopy (their reduce cannot rebuild them).
             return obj
         return self._reduce(obj)
 
@@ -320,12 +356,15 @@ class Walk:
         inner: dict[str, Any] = {}
         for name in names:
             try:
-                inner[name] = self._tensor(getattr(t, name))
+                x = getattr(t, name)
+                # Not every flattened "inner" is a tensor: torch >= 2.10 lists a
+                # DTensor's DeviceMesh too. Such handles are passed through as is.
+                inner[name] = self._tensor(x) if isinstance(x, _Tensor) else x
             except StagingError as e:
                 e.path = (Attr(name), *(e.path or ()))
                 raise
-        if any(v is None for v in inner.values()):
-            out = None
+        if not self.nhosts:
+            out = t  # a collect-only walk: nothing to rebuild
         else:
             try:
                 out = type(t).__tensor_unflatten__(inner, ctx, t.size(), t.stride())
@@ -336,6 +375,23 @@ class Walk:
                 ) from e
         memo[id(t)] = out
         self.keep.append(t)
+        return out
+
+    def _generator(self, g: torch.Generator) -> Any:
+        # Hazard: Generator.__setstate__ reads its state tensor's *values*, but an
+        # object rebuilt in the walk gets host tensors the copies fill only later. So a
+        # generator is copied here and now, outside the plan (a few KB).
+        memo = self.memo
+        if id(g) in memo:
+            return memo[id(g)]
+        try:
+            rv: Any = g.__reduce_ex__(4)
+            func, args, state = rv[:3]
+            out = func(*args)
+            out.__setstate__(state)
+        except Exception as e:
+            raise UncopyableObjectError(f"cannot copy {type(g).__name__}: {e!r}", path=()) from e
+        memo[id(g)] = out
         return out
 
     def _reduce(self, obj: Any) -> Any:
@@ -354,7 +410,17 @@ class Walk:
         if isinstance(rv, str):  # a global: copy returns it as is
             return obj
         self.keep.append(rv)
-        return self._reconstruct(obj, rv)
+        try:
+            return self._reconstruct(obj, rv)
+        except (StagingError, Interrupt, RecursionError):
+            raise
+        except Exception as e:
+            # Anything a malformed reduce value or user code raises while the object
+            # is rebuilt (listiter, dictiter, append, item assignment): typed, with path.
+            raise UncopyableObjectError(
+                f"cannot copy {cls.__module__}.{cls.__qualname__}: rebuilding it raised {e!r}",
+                path=(),
+            ) from e
 
     def _reconstruct(self, obj: Any, rv: tuple[Any, ...]) -> Any:
         func, args, state, listiter, dictiter = (tuple(rv) + (None,) * 5)[:5]
@@ -430,7 +496,24 @@ _DISPATCH: dict[type, Callable[[Walk, Any], Any]] = {
     collections.defaultdict: Walk._defaultdict,
     _Tensor: Walk._tensor,
     _Parameter: Walk._tensor,
+    torch.Generator: Walk._generator,
 }
+
+
+def _raise_if_mutated(e: RuntimeError) -> None:
+    """A container changed size while it was iterated (another thread mutating the
+    state dict during a stage): a typed error naming this container, never a torn copy."""
+    if not isinstance(e, RecursionError) and "during iteration" in str(e):
+        raise StagingError(
+            f"this container changed while it was being staged ({e}); "
+            "do not mutate a state dict until its stage() returns",
+            path=(),
+        ) from e
+
+
+class Interrupt(Exception):
+    """Base of the engine's control-flow exceptions raised from ``tick`` (a
+    cancellation): the walk lets them through untouched, never wraps them."""
 
 
 class _LeafFound(StagingError):

@@ -74,7 +74,13 @@ async def wait_future(fut: Future[T]) -> T:
         wake = _threadsafe(event.set)
         fut.add_done_callback(lambda _f: wake())
         await event.wait()
-    return fut.result()
+    try:
+        return fut.result()
+    finally:
+        # Hazard: a raised error's traceback holds this frame, this frame holds fut,
+        # and fut holds the error: a reference cycle that would keep the callers'
+        # frames (and their stager) alive until the cyclic GC runs.
+        del fut
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -55,6 +56,10 @@ class Worker:
                 except RuntimeError as e:
                     raise StagingError(f"could not start the staging worker thread: {e}") from e
                 self._thread = thread
+                # A stager dropped without close(): when this Worker is collected,
+                # the thread is told to end (after the jobs queued before), instead
+                # of waiting on its queue until the process exits.
+                weakref.finalize(self, self._queue.put, None)
             self._queue.put((fut, fn, args))
         return fut
 

@@ -111,6 +111,11 @@ class FakeCopier(Copier):
             self._backend.copies_seen += len(dsts)
             if self._backend.copies_seen > fail_at:
                 raise RuntimeError("injected copy failure")
+        bad = self._backend.fail_copy_of
+        if bad is not None and bad.numel():
+            bad_ptr = bad.untyped_storage().data_ptr()
+            if any(t.untyped_storage().data_ptr() == bad_ptr for t in srcs):
+                raise RuntimeError("injected copy failure of one source")
         d, s = list(dsts), list(srcs)
         # Shapes are checked now, like a real enqueue would.
         for a, b in zip(d, s):
@@ -140,6 +145,8 @@ class FakeBackend(Backend):
     ``delay``: seconds until an event fires by itself; ``polls``: fire after that many
     queries instead; ``manual``: fire only via ``complete()`` or ``complete_all()``.
     ``fail_copy_at``: raise in the copy that would take the total past this count.
+    ``fail_copy_of``: raise in every copy that reads this tensor's storage (a fault
+    tied to one source, so the error can name its path).
     """
 
     def __init__(
@@ -149,11 +156,13 @@ class FakeBackend(Backend):
         polls: int | None = None,
         manual: bool = False,
         fail_copy_at: int | None = None,
+        fail_copy_of: torch.Tensor | None = None,
     ) -> None:
         self.delay = delay
         self.polls = polls
         self.manual = manual
         self.fail_copy_at = fail_copy_at
+        self.fail_copy_of = fail_copy_of
         self.copies_seen = 0
         self.launches = 0
         self.captures = 0

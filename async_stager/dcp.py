@@ -1,0 +1,235 @@
+"""Stage-then-save with PyTorch Distributed Checkpoint (DCP), awaitably.
+
+``await async_stager.dcp.save(sd, stager=stager, checkpoint_id=path)`` stages ``sd``
+into the stager's host buffers (holding a lease on them, see ``Stager.snapshot``; the
+snapshot point is the call to ``save``, even when the coroutine starts later), then
+runs ``torch.distributed.checkpoint.save`` on the staged copy in a worker thread and
+returns the checkpoint's ``Metadata`` once DCP has finished writing it (with DCP's
+``FileSystemWriter``, whose ``sync_files=True`` default fsyncs every file, that means
+durable on disk). The event loop is never blocked: the walk and copies run in the
+stager's worker, the serialization and writes in a thread of their own.
+
+Who owns what: the caller owns ``sd`` and may modify it again as soon as the staging
+half is done; ``save`` returns only after the write, so to overlap training with the
+write, run it as a task (``asyncio.create_task``, a trio nursery) and modify the sources
+only after ``await stager.fence()`` (or once staging is known to be done). The staged
+buffers belong to the stager; the lease keeps later stages out of them until the write
+has finished, so a checkpoint in flight is never torn by the next one (that stage uses
+another buffer set, or waits when ``max_buffer_sets`` are all leased).
+
+Multi-rank jobs: call ``save`` on every rank with the same ``checkpoint_id``; DCP's
+collectives run in the worker thread on the default (or given) process group, exactly
+as DCP's own ``async_save`` does. See docs/recipes.md for gloo and NCCL.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+import anyio.lowlevel
+import torch
+
+from ._waiting import wait_future
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.planner import SavePlanner
+    from torch.distributed.checkpoint.storage import StorageWriter
+
+    from ._stager import Stager
+
+__all__ = ["save", "save_staged"]
+
+T = TypeVar("T")
+
+#: DCP warns on every ``no_dist`` save; a caller that asked for ``no_dist=True`` knows.
+_NO_DIST_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized"
+
+
+def save(
+    state_dict: dict[str, Any],
+    *,
+    stager: Stager,
+    checkpoint_id: str | os.PathLike[str] | None = None,
+    storage_writer: StorageWriter | None = None,
+    planner: SavePlanner | None = None,
+    process_group: ProcessGroup | None = None,
+    no_dist: bool = False,
+) -> Coroutine[Any, Any, Metadata]:
+    """Stage ``state_dict`` with ``stager``, then save the staged copy with DCP; await
+    the returned coroutine (or run it as a task) for DCP's ``Metadata``.
+
+    The snapshot point is this call, as for ``Stager.stage``: the values as of now,
+    ordered after the work already queued on the caller's current CUDA stream, even if
+    the coroutine only starts later (``asyncio.create_task``, ``nursery.start_soon``).
+    So ``task = create_task(save(...)); await stager.fence(); optimizer.step()`` is
+    safe. The coroutine returns once ``torch.distributed.checkpoint.save`` has returned,
+    i.e. once every rank's files and the metadata are written (fsynced with the default
+    ``FileSystemWriter``). The staged buffers stay leased until then.
+
+    ``state_dict`` must be DCP-shaped: a ``dict`` with ``str`` keys whose values are
+    tensors, DTensors or nested containers of them and plain Python values; call
+    ``get_state_dict``/``model.state_dict()`` first (objects with a ``state_dict()``
+    method are staged as objects, not called). Other arguments are passed to
+    ``torch.distributed.checkpoint.save``; ``no_dist=True`` saves from this process
+    alone (and silences DCP's warning about it, which the caller asked for).
+
+    Cancellation: while staging, as for ``Stager.snapshot``: nothing was saved and no
+    lease is left behind. Once the save has started it cannot be interrupted (the
+    thread is in DCP's serialization, file writes and, with several ranks, collectives
+    that the other ranks are waiting in), so a cancellation then is deferred: ``save``
+    waits for the thread, releases the lease, and only then raises the cancellation.
+    The checkpoint on disk is then complete, even though ``save`` raised. (Abandoning
+    the thread instead would leave the staged buffers in use by a writer while the
+    stager believes them free.) Errors from DCP propagate unchanged after the lease is
+    released. A coroutine that is dropped without being awaited gives its lease back
+    when it is garbage collected.
+
+    Raises ClosedError (at the call) if the stager is closed.
+    """
+    # The staging job is submitted now, leased (what ``snapshot`` does on entering).
+    job = stager._submit(state_dict, lease=True, copy=True)
+    started = [False]
+    coro = _save(
+        stager,
+        job,
+        started,
+        checkpoint_id=checkpoint_id,
+        storage_writer=storage_writer,
+        planner=planner,
+        process_group=process_group,
+        no_dist=no_dist,
+    )
+    weakref.finalize(coro, _abandon_unstarted, job, started)
+    return coro
+
+
+def _abandon_unstarted(job: Any, started: list[bool]) -> None:
+    if not started[0]:
+        job.abandon()  # releases the lease once the job is done
+
+
+async def _save(stager: Stager, job: Any, started: list[bool], **kwargs: Any) -> Metadata:
+    started[0] = True
+    staged = await stager._complete(job)  # on cancellation: no lease left behind
+    try:
+        return await save_staged(staged.result, **kwargs)
+    finally:
+        stager._engine.release(staged.bufset)
+
+
+async def save_staged(
+    staged: dict[str, Any],
+    *,
+    checkpoint_id: str | os.PathLike[str] | None = None,
+    storage_writer: StorageWriter | None = None,
+    planner: SavePlanner | None = None,
+    process_group: ProcessGroup | None = None,
+    no_dist: bool = False,
+) -> Metadata:
+    """Save an already staged state dict with DCP in a worker thread.
+
+    For callers that hold a lease themselves (``async with stager.snapshot(sd) as
+    staged:``), e.g. to send the same staged copy to a writer process as well. The
+    caller must keep ``staged`` unchanged (leased) until this returns.
+
+    Cancellation: deferred until the save's thread has finished, then raised (see
+    ``save``); the checkpoint on disk is complete in that case.
+    """
+    fn = functools.partial(
+        _save_blocking,
+        staged,
+        cuda_device=_current_cuda_device(),
+        checkpoint_id=checkpoint_id,
+        storage_writer=storage_writer,
+        planner=planner,
+        process_group=process_group,
+        no_dist=no_dist,
+    )
+    metadata: Metadata = await _run_to_completion(fn, name="async-stager-dcp-save")
+    return metadata
+
+
+async def _run_to_completion(fn: Callable[[], T], *, name: str) -> T:
+    """Run ``fn`` in a new thread and wait for it, whatever cancellation comes.
+
+    The thread is not a daemon, so an interpreter that exits waits for a save in flight
+    instead of killing it halfway through a file.
+
+    Cancellation: deferred until ``fn`` has returned, then raised; ``fn``'s result is
+    lost in that case (its side effects, e.g. files written, remain). Both anyio/trio
+    cancel scopes and a native ``asyncio`` ``Task.cancel()`` are deferred (a shielded
+    scope alone does not hold back the latter). If ``fn`` raised as well, the
+    cancellation is raised with ``fn``'s error as its cause.
+    """
+    fut: Future[T] = Future()
+
+    def target() -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+            fut.set_exception(e)
+
+    threading.Thread(target=target, name=name, daemon=False).start()
+    deferred: BaseException | None = None
+    while not fut.done():
+        try:
+            with anyio.CancelScope(shield=True):
+                await wait_future(fut)
+        except BaseException as e:  # noqa: BLE001 - a cancellation, or fn's error
+            if fut.done() and fut.exception() is e:
+                break
+            # A native asyncio cancellation reached through the shield: remember it and
+            # keep waiting for the thread.
+            if deferred is None:
+                deferred = e
+    if deferred is not None:
+        exc = fut.exception()
+        if exc is not None:
+            raise deferred from exc
+        raise deferred
+    # A cancel scope cancelled while the thread ran is delivered here, after it.
+    await anyio.lowlevel.checkpoint_if_cancelled()
+    return fut.result()
+
+
+def _current_cuda_device() -> int | None:
+    """The caller's current CUDA device, if CUDA is in use in this process."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.current_device())
+    return None
+
+
+def _save_blocking(
+    staged: dict[str, Any], *, no_dist: bool, cuda_device: int | None = None, **kwargs: Any
+) -> Metadata:
+    """The DCP save itself (worker thread). Blocks for the serialization and writes.
+
+    The current CUDA device is per thread: a new thread starts on device 0, and DCP
+    runs NCCL collectives on ``torch.cuda.current_device()``, so the caller's device
+    is set here first (rank k on GPU k would otherwise talk on GPU 0).
+    """
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    if cuda_device is not None:
+        torch.cuda.set_device(cuda_device)
+    if not no_dist:
+        metadata: Metadata = dcp_save(staged, no_dist=False, **kwargs)
+        return metadata
+    # Hazard: catch_warnings swaps the process-wide filter list for the duration of the
+    # save; a thread that changes warning filters at the same time may lose its change.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_DIST_WARNING, category=UserWarning)
+        metadata = dcp_save(staged, no_dist=True, **kwargs)
+    return metadata

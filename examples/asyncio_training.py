@@ -1,0 +1,101 @@
+"""An asyncio training loop that checkpoints while it trains.
+
+Every ``--every`` steps the loop starts ``stager.stage(state)`` as a task and keeps
+training: forward and backward only read the parameters, so they overlap with the
+copies. Before ``optimizer.step()`` (which writes parameters and optimizer state in
+place) it awaits ``stager.fence()``, so the snapshot holds the values as of the call.
+A staged checkpoint is then written to disk by a second task in a worker thread, at
+most one write in flight (a checkpoint due while one is in flight is skipped, except at
+the last step, which is always saved); the next stage reuses the same host buffers.
+
+Run: ``python examples/asyncio_training.py --steps 200 --every 50 --out /tmp/ckpt``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from async_stager import Stager
+
+
+def make_model(width: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1))
+
+
+def state_of(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict[str, Any]:
+    return {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step}
+
+
+def write_atomically(staged: dict[str, Any], path: Path) -> None:
+    """Worker thread: torch.save to a temporary name, fsync, then rename into place."""
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(staged, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+async def checkpoint(staging: Awaitable[dict[str, Any]], path: Path) -> None:
+    """Finish a stage (overlapping training), then write it in a thread. The staged
+    copy stays valid until the next stage into the same buffers, which the caller
+    starts only after this task has finished."""
+    staged = await staging
+    await asyncio.to_thread(write_atomically, staged, path)
+
+
+async def train(steps: int, every: int, width: int, out: Path) -> int:
+    torch.manual_seed(0)
+    model = make_model(width)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randn(64, width), torch.randn(64, 1)
+    out.mkdir(parents=True, exist_ok=True)
+    saves = 0
+    pending: asyncio.Task[None] | None = None
+    async with Stager() as stager:
+        for step in range(1, steps + 1):
+            loss = nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            # The stage started at an earlier step must have read the parameters
+            # before the optimizer writes them.
+            await stager.fence()
+            optimizer.step()
+            last = step == steps
+            if (step % every == 0 or last) and (pending is None or pending.done() or last):
+                if pending is not None:
+                    await pending  # re-raise its error, if any (the last step waits for it)
+                # The snapshot point is this call (after step(): it holds this step);
+                # the task only finishes it and writes.
+                staging = stager.stage(state_of(model, optimizer, step))
+                pending = asyncio.create_task(checkpoint(staging, out / f"step{step}.pt"))
+                saves += 1
+            await asyncio.sleep(0)  # let the checkpoint task and the loop run
+        if pending is not None:
+            await pending
+    return saves
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--every", type=int, default=50)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--out", type=Path, default=Path("checkpoints"))
+    args = p.parse_args()
+    t0 = time.perf_counter()
+    saves = asyncio.run(train(args.steps, args.every, args.width, args.out))
+    print(f"trained {args.steps} steps, {saves} checkpoints in {time.perf_counter() - t0:.2f} s")
+
+
+if __name__ == "__main__":
+    main()
