@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import operator
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -114,12 +115,13 @@ class Engine:
     ) -> Staged:
         """Stage ``sd`` into a free buffer set; returns once the copies are enqueued
         (on the CPU: done). Raises StagingError subclasses, or Cancelled."""
-        try:
-            return self._run(sd, captures, lease, cancel, copy, allow_fast=True)
-        except _PlanStale:
-            # A leaf changed in a way the fingerprint does not see (its shape): the
-            # plan is gone; the slow path checks everything.
-            return self._run(sd, captures, lease, cancel, copy, allow_fast=False)
+        with _gil_interval(self.options.yield_interval):
+            try:
+                return self._run(sd, captures, lease, cancel, copy, allow_fast=True)
+            except _PlanStale:
+                # A leaf changed in a way the fingerprint does not see (its shape): the
+                # plan is gone; the slow path checks everything.
+                return self._run(sd, captures, lease, cancel, copy, allow_fast=False)
 
     def _run(
         self,
@@ -132,7 +134,7 @@ class Engine:
         allow_fast: bool,
     ) -> Staged:
         t0 = time.perf_counter()
-        tick = _Ticker(self.options.yield_interval, cancel, self)
+        tick = _Ticker(cancel, self)
         sig = signature_of(sd)
         bufset = self._select(sig, lease, cancel)
         try:
@@ -383,24 +385,16 @@ class Engine:
 
 
 class _Ticker:
-    """Called every few hundred leaves by the walk: hands the GIL to the event loop
-    now and then, and aborts a cancelled or closed job before its copies start."""
+    """Called every few hundred leaves by the walk: aborts a cancelled or closed job
+    before its copies start."""
 
-    __slots__ = ("cancel", "engine", "interval", "last")
+    __slots__ = ("cancel", "engine")
 
-    def __init__(self, interval: float, cancel: threading.Event | None, engine: Engine) -> None:
-        self.interval = interval
+    def __init__(self, cancel: threading.Event | None, engine: Engine) -> None:
         self.cancel = cancel
         self.engine = engine
-        self.last = time.perf_counter()
 
     def __call__(self) -> None:
-        now = time.perf_counter()
-        if now - self.last >= self.interval:
-            # A real (if tiny) sleep: the thread blocked in the event loop takes the GIL
-            # while we sleep. time.sleep(0) would often win the GIL straight back.
-            time.sleep(1e-5)
-            self.last = time.perf_counter()
         self.check()
 
     def check(self) -> None:
@@ -408,6 +402,44 @@ class _Ticker:
             raise Cancelled()
         if self.engine.closed:
             raise ClosedError("the stager was closed during the stage")
+
+
+_switch_lock = threading.Lock()
+_switch_users = 0
+_switch_saved = 0.0
+
+
+@contextlib.contextmanager
+def _gil_interval(seconds: float) -> Iterator[None]:
+    """Lower the interpreter's GIL switch interval while a job runs.
+
+    Hazard: the walk holds the GIL in pure Python. A thread that wants the GIL (the
+    event loop's) waits one switch interval (5 ms by default), then asks, and the
+    holder hands over at its next bytecode. Lowering the interval while staging bounds
+    the loop's wait to about ``seconds``; it costs nothing when nobody waits (no
+    switch is requested). Voluntary sleeps were measured instead: same lag, but they
+    doubled the time of a cached 20k-tensor stage (33 ms against 17 ms). The setting is
+    process-wide: the first of concurrent jobs lowers it, the last puts it back, and
+    only if nobody else changed it meanwhile.
+    """
+    global _switch_users, _switch_saved
+    with _switch_lock:
+        if _switch_users == 0:
+            _switch_saved = sys.getswitchinterval()
+            if seconds < _switch_saved:
+                sys.setswitchinterval(seconds)
+        _switch_users += 1
+    try:
+        yield
+    finally:
+        with _switch_lock:
+            _switch_users -= 1
+            if (
+                _switch_users == 0
+                and _switch_saved > seconds
+                and abs(sys.getswitchinterval() - seconds) < 1e-9
+            ):
+                sys.setswitchinterval(_switch_saved)
 
 
 def _no_torch_function() -> Any:

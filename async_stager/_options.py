@@ -50,8 +50,9 @@ class StagerOptions:
       a stage never writes into a set that is leased (see ``Stager.snapshot``).
     - ``small_tensor_bytes``: storages up to this size (bytes) are batched on a device.
     - ``scratch_bytes``: device scratch memory (bytes) per buffer set for that batching.
-    - ``yield_interval``: seconds of Python work in the worker thread between short
-      sleeps that hand the GIL to the event loop (keeps the loop's timers on time).
+    - ``yield_interval``: the longest the event loop should wait for the GIL while the
+      worker runs Python (seconds); applied as the interpreter's switch interval during
+      staging (see docs/concepts.md).
     - ``worker_nice``: niceness added to the worker thread (Linux), 0 to leave it; the
       event loop then preempts host copies at once (see docs/concepts.md).
     - ``copy_threads``: torch threads for host-to-host copies; None: torch's setting.
@@ -63,7 +64,7 @@ class StagerOptions:
     max_buffer_sets: int = 2
     small_tensor_bytes: int = DEFAULT_SMALL_TENSOR_BYTES
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES
-    yield_interval: float = 0.0003
+    yield_interval: float = 0.0002
     worker_nice: int = 19
     copy_threads: int | None = None
 
@@ -90,7 +91,7 @@ def resolve_options(
     max_buffer_sets: int = 2,
     small_tensor_bytes: int = DEFAULT_SMALL_TENSOR_BYTES,
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
-    yield_interval: float = 0.0003,
+    yield_interval: float = 0.0002,
     worker_nice: int = 19,
     copy_threads: int | None = None,
     cuda: bool | None = None,

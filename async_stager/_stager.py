@@ -129,7 +129,7 @@ class Stager:
         max_buffer_sets: int = 2,
         small_tensor_bytes: int = DEFAULT_SMALL_TENSOR_BYTES,
         scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
-        yield_interval: float = 0.0003,
+        yield_interval: float = 0.0002,
         worker_nice: int = 19,
         copy_threads: int | None = None,
         backoff: Backoff | None = None,

@@ -1,0 +1,378 @@
+"""``python -m async_stager bench``: async_stager versus PyTorch DCP, side by side.
+
+For each workload (see ``_bench_workloads``) the same state dict, on the same machine in
+the same run, is staged by each contender once cold (host memory allocated then) and
+then ``runs`` times cached, the contenders and the one-buffer bound taking turns (the
+order rotates every run) so a noisy machine slows all of them alike; the medians are
+reported. Loop lag is measured while each contender stages (see ``_bench_measure``).
+
+Contenders: ``async_stager`` (``Stager()``: on the CPU it copies with all cores but one,
+leaving one to the event loop), ``async_stager[threads=N]`` (``copy_threads`` = torch's
+thread count, raw throughput; only where that differs), and ``dcp`` (DCP's
+``DefaultStager``, async mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, TextIO
+
+import torch
+
+from ._bench_measure import (
+    Bound,
+    Contender,
+    DcpContender,
+    OursContender,
+    dcp_available,
+    idle_lag,
+    open_fds,
+    synchronize,
+    timed_stage,
+)
+from ._bench_report import (
+    BenchError,
+    BenchReport,
+    BoundResult,
+    StagerResult,
+    WorkloadResult,
+    format_table,
+    lag_stats,
+    median,
+    require_matplotlib,
+    to_json,
+    write_plot,
+)
+from ._bench_workloads import WORKLOADS, count_tensors
+from ._options import loop_friendly_threads
+
+__all__ = ["BenchOptions", "Progress", "add_arguments", "options_from_args", "run_bench", "run_cli"]
+
+OURS = "async_stager"
+DCP = "dcp"
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What to run. ``scale`` multiplies each workload's bytes; ``runs`` is the number of
+    cached stages per contender (medians over them; large1g runs twice as many);
+    ``warmup``: unreported cached rounds first; ``device`` is ``auto`` (CUDA when
+    available), ``cpu`` or ``cuda``; ``all_threads``: add the ``copy_threads`` = all
+    threads row (None: when that differs from the default); ``share_memory``: both
+    stagers stage into shared memory; ``lag_period``: the ticker's period (seconds);
+    ``idle_seconds``: how long the idle loop lag (the floor) is measured."""
+
+    workloads: tuple[str, ...] = tuple(WORKLOADS)
+    runs: int = 7
+    warmup: int = 1
+    scale: float = 1.0
+    device: str = "auto"
+    all_threads: bool | None = None
+    dcp: bool = True
+    share_memory: bool = False
+    lag_period: float = 0.001
+    idle_seconds: float = 1.0
+
+    def resolved_device(self) -> torch.device:
+        """The device the state dicts are built on."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise BenchError("--device cuda: no CUDA device is available")
+        return torch.device(self.device)
+
+
+@dataclass
+class Progress:
+    """A progress bar on stderr: a redrawn line on a terminal, a line per phase otherwise."""
+
+    total: int
+    stream: TextIO | None = field(default_factory=lambda: sys.stderr)
+    done: int = 0
+    _last_phase: str = ""
+    _t0: float = field(default_factory=time.perf_counter)
+
+    def step(self, phase: str, detail: str = "") -> None:
+        """One step done; ``phase`` names what is running (a new phase prints a line)."""
+        self.done += 1
+        if self.stream is None:
+            return
+        frac = min(1.0, self.done / max(1, self.total))
+        elapsed = time.perf_counter() - self._t0
+        bar = "#" * int(frac * 30)
+        text = f"[{bar:<30}] {self.done}/{self.total} {elapsed:5.1f}s {phase} {detail}"
+        if self.stream.isatty():
+            self.stream.write("\r" + text[:110].ljust(110))
+        elif phase != self._last_phase:
+            self.stream.write(text + "\n")
+        self._last_phase = phase
+        self.stream.flush()
+
+    def finish(self) -> None:
+        if self.stream is not None and self.stream.isatty():
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _contender_makers(opts: BenchOptions, device: torch.device) -> list[tuple[str, Callable[[], Contender]]]:
+    cuda = device.type == "cuda"
+    makers: list[tuple[str, Callable[[], Contender]]] = [
+        (OURS, lambda: OursContender(OURS, share_memory=opts.share_memory))
+    ]
+    threads = torch.get_num_threads()
+    all_threads = opts.all_threads
+    if all_threads is None:
+        all_threads = not cuda and threads != loop_friendly_threads()
+    if all_threads:
+        name = f"{OURS}[threads={threads}]"
+        makers.append(
+            (name, lambda: OursContender(name, copy_threads=threads, share_memory=opts.share_memory))
+        )
+    if opts.dcp:
+        why = dcp_available()
+        if why is not None:
+            print(f"skipping DCP: {why}", file=sys.stderr)
+        else:
+            makers.append((DCP, lambda: DcpContender(DCP, cuda=cuda, share_memory=opts.share_memory)))
+    return makers
+
+
+def _runs(opts: BenchOptions, name: str) -> int:
+    return opts.runs * WORKLOADS[name].runs_factor
+
+
+def _steps(opts: BenchOptions, contenders: int) -> int:
+    per_round = contenders + 1
+    return sum(1 + contenders + (opts.warmup + _runs(opts, w)) * per_round for w in opts.workloads)
+
+
+async def _bench_workload(
+    name: str,
+    opts: BenchOptions,
+    device: torch.device,
+    makers: list[tuple[str, Callable[[], Contender]]],
+    progress: Progress,
+) -> WorkloadResult:
+    workload = WORKLOADS[name]
+    sd = workload.build(opts.scale, device)
+    synchronize(device)
+    tensors, nbytes = count_tensors(sd)
+    bound = Bound(nbytes, device)
+    progress.step(name, "built")
+    # The first stage of the run pays the most for fresh pages: the contenders take
+    # turns at going first, one workload each.
+    shift = opts.workloads.index(name) % len(makers)
+    live: dict[str, Contender] = {}
+    cold: dict[str, tuple[float, list[float]]] = {}
+    fds: dict[str, int] = {}
+    errors: dict[str, str] = {}
+    try:
+        for cname, make in makers[shift:] + makers[:shift]:
+            gc.collect()
+            before = open_fds()
+            try:
+                c = make()
+                live[cname] = c
+                cold[cname] = await timed_stage(c, sd, device, opts.lag_period)
+            except Exception as exc:  # noqa: BLE001 - a failing contender is a result
+                errors[cname] = f"{type(exc).__name__}: {exc}"
+                progress.step(name, f"{cname} cold failed")
+                progress.done += (opts.warmup + _runs(opts, name)) * 1
+                continue
+            fds[cname] = open_fds() - before
+            progress.step(name, f"{cname} cold")
+        # Rounds: every contender and the bound once, in an order rotating per round.
+        # The first ``warmup`` rounds are not reported.
+        order: list[str] = [n for n in live if n not in errors]
+        order.append("")  # the bound
+        times: dict[str, list[float]] = {n: [] for n in order}
+        lags: dict[str, list[float]] = {n: [] for n in order}
+        total = opts.warmup + _runs(opts, name)
+        for r in range(total):
+            k = r % len(order)
+            phase = "warm-up" if r < opts.warmup else f"run {r - opts.warmup + 1}/{total - opts.warmup}"
+            for cname in order[k:] + order[:k]:
+                gc.collect()
+                if cname:
+                    seconds, lag = await timed_stage(live[cname], sd, device, opts.lag_period)
+                else:
+                    seconds, lag = bound.run(), []
+                if r >= opts.warmup:
+                    times[cname].append(seconds)
+                    lags[cname].extend(lag)
+                progress.step(name, phase)
+        bound_runs = times.pop("")
+        bound_s = median(bound_runs)
+        results: list[StagerResult] = []
+        for cname, _ in makers:
+            if cname in errors:
+                empty = lag_stats([])
+                results.append(
+                    StagerResult(
+                        cname, 0.0, 0.0, (), 0.0, None, None, 0.0, empty, empty, None, 0, errors[cname]
+                    )
+                )
+                continue
+            runs = times[cname]
+            s = median(runs)
+            results.append(
+                StagerResult(
+                    name=cname,
+                    cold_seconds=cold[cname][0],
+                    seconds=s,
+                    runs=tuple(runs),
+                    gbps=nbytes / s / 1e9 if s > 0 else 0.0,
+                    vs_dcp=median(times[DCP]) / s if DCP in times and cname != DCP and s > 0 else None,
+                    of_bound=bound_s / s if s > 0 else None,
+                    us_per_tensor=s / max(1, tensors) * 1e6,
+                    lag=lag_stats(lags[cname]),
+                    cold_lag=lag_stats(cold[cname][1]),
+                    host_bytes=live[cname].host_bytes(),
+                    fds=fds[cname],
+                )
+            )
+    finally:
+        for c in live.values():
+            await c.close()
+    return WorkloadResult(
+        name=name,
+        description=workload.description,
+        device=str(device),
+        tensors=tensors,
+        bytes=nbytes,
+        bound=BoundResult(bound_s, nbytes / bound_s / 1e9 if bound_s > 0 else 0.0, tuple(bound_runs)),
+        stagers=tuple(results),
+    )
+
+
+def _loadavg() -> float | None:
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+
+
+def machine_info(device: torch.device) -> dict[str, Any]:
+    """What the numbers were measured on."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})"
+    return {
+        "device": name,
+        "cores": cores,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch_threads": torch.get_num_threads(),
+        "default_copy_threads": loop_friendly_threads(),
+        # Other processes on the machine skew every number: the 1-minute load average.
+        "loadavg_1min_at_end": _loadavg(),
+    }
+
+
+async def run_bench(opts: BenchOptions, stream: TextIO | None = None) -> BenchReport:
+    """Run every selected workload; progress on ``stream`` (None: silent)."""
+    for w in opts.workloads:
+        if w not in WORKLOADS:
+            raise BenchError(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
+    if opts.runs < 1 or opts.warmup < 0 or opts.scale <= 0:
+        raise BenchError("--runs must be >= 1, --warmup >= 0 and --scale > 0")
+    device = opts.resolved_device()
+    t0 = time.perf_counter()
+    load_at_start = _loadavg()
+    makers = _contender_makers(opts, device)
+    progress = Progress(_steps(opts, len(makers)), stream)
+    idle = lag_stats(await idle_lag(opts.idle_seconds, opts.lag_period))
+    results = []
+    try:
+        for name in opts.workloads:
+            results.append(await _bench_workload(name, opts, device, makers, progress))
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        progress.finish()
+    options = asdict(opts)
+    options["device"] = str(device)
+    options["contenders"] = [n for n, _ in makers]
+    machine = machine_info(device)
+    machine["loadavg_1min_at_start"] = load_at_start
+    return BenchReport(
+        machine=machine,
+        options=options,
+        idle_lag=idle,
+        workloads=tuple(results),
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``bench`` subcommand's flags."""
+    parser.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help=f"comma-separated, from: {', '.join(WORKLOADS)} (default: all)",
+    )
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=BenchOptions.runs,
+        help="reported cached rounds (default 7; twice as many for large1g); medians over them",
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=BenchOptions.warmup, help="unreported cached rounds first"
+    )
+    parser.add_argument(
+        "--scale", type=float, default=1.0, help="multiply every workload's bytes (default 1)"
+    )
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument(
+        "--all-threads",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="add a row with copy_threads = torch's thread count (default: on the CPU when it differs)",
+    )
+    parser.add_argument("--no-dcp", dest="dcp", action="store_false", help="skip PyTorch DCP's DefaultStager")
+    parser.add_argument("--share-memory", action="store_true", help="both stagers stage into shared memory")
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON ('-' for stdout)")
+    parser.add_argument(
+        "--plot", metavar="FILE.png", help="write a chart (needs matplotlib: async_stager[plot])"
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def options_from_args(ns: argparse.Namespace) -> BenchOptions:
+    return BenchOptions(
+        workloads=tuple(w.strip() for w in ns.workloads.split(",") if w.strip()),
+        runs=ns.runs,
+        warmup=ns.warmup,
+        scale=ns.scale,
+        device=ns.device,
+        all_threads=ns.all_threads,
+        dcp=ns.dcp,
+        share_memory=ns.share_memory,
+    )
+
+
+def run_cli(ns: argparse.Namespace, out: TextIO) -> int:
+    """Run ``bench`` as parsed: the table on ``out`` (unless JSON goes there), JSON and
+    chart files as asked. Raises BenchError for what cannot run (checked up front)."""
+    opts = options_from_args(ns)
+    if ns.plot:
+        require_matplotlib()  # fail now, not after a minute of measuring
+    report = asyncio.run(run_bench(opts, None if ns.quiet else sys.stderr))
+    if ns.json == "-":
+        out.write(to_json(report) + "\n")
+    else:
+        out.write(format_table(report) + "\n")
+        if ns.json:
+            with open(ns.json, "w", encoding="utf-8") as f:
+                f.write(to_json(report) + "\n")
+    if ns.plot:
+        write_plot(report, ns.plot)
+    return 0

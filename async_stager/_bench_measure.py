@@ -1,0 +1,172 @@
+"""Benchmark measurements: the contenders, the one-buffer bound, the loop-lag ticker.
+
+Every contender is staged the same way, from a coroutine on the running asyncio loop,
+while a ticker task sleeps 1 ms at a time and records how late each wake-up was: that
+lateness is the event-loop lag a training loop's other coroutines (heartbeats, RPCs,
+data loading) would see while a checkpoint is staged.
+
+- ``ours``: ``await Stager().stage(sd)``.
+- ``dcp``: PyTorch DCP's ``DefaultStager`` in async mode; its ``concurrent.futures``
+  Future is awaited through ``asyncio.wrap_future``.
+- the bound: ``dst.copy_(src)`` of one contiguous buffer with the same bytes (on a GPU:
+  device to pinned host, ``non_blocking`` and a synchronize), the best any stager can do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any, Protocol
+
+import torch
+
+from ._stager import Stager
+
+__all__ = ["Bound", "Contender", "DcpContender", "OursContender", "idle_lag", "open_fds", "timed_stage"]
+
+
+def open_fds() -> int:
+    """File descriptors open in this process (Linux ``/proc/self/fd``; 0 elsewhere)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for all work queued on ``device`` (nothing to do on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Contender(Protocol):
+    """A stager under test."""
+
+    name: str
+
+    async def stage(self, sd: Any) -> None:
+        """Stage ``sd`` completely (host copies landed) and drop the result."""
+
+    def host_bytes(self) -> int | None:
+        """Host memory (bytes) the stager holds, or None if it does not say."""
+
+    async def close(self) -> None:
+        """Release everything."""
+
+
+class OursContender:
+    """async_stager's ``Stager``; ``copy_threads=None`` keeps the loop-friendly default
+    (all cores but one copy on the CPU), a number overrides it."""
+
+    def __init__(self, name: str, *, copy_threads: int | None = None, share_memory: bool = False) -> None:
+        self.name = name
+        self._stager = Stager(copy_threads=copy_threads, share_memory=share_memory)
+
+    async def stage(self, sd: Any) -> None:
+        staged = await self._stager.stage(sd)
+        del staged
+
+    def host_bytes(self) -> int | None:
+        return self._stager.host_bytes
+
+    async def close(self) -> None:
+        await self._stager.aclose()
+
+
+def dcp_available() -> str | None:
+    """None if DCP's DefaultStager imports, else why not (older torch)."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - torch without the staging module
+        return f"torch {torch.__version__} has no DCP DefaultStager ({exc})"
+    return None
+
+
+class DcpContender:
+    """PyTorch DCP's ``DefaultStager`` in async mode: pinned memory and non-blocking
+    copies exactly when the device is CUDA (both need an accelerator)."""
+
+    def __init__(self, name: str, *, cuda: bool, share_memory: bool = False) -> None:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.name = name
+        self._stager = DefaultStager(StagingOptions(cuda, share_memory, True, cuda))
+
+    async def stage(self, sd: Any) -> None:
+        fut = self._stager.stage(sd)
+        staged = await asyncio.wrap_future(fut)  # type: ignore[arg-type]
+        del staged
+
+    def host_bytes(self) -> int | None:
+        """The bytes of DCP's cached host storages (a private attribute: None if gone)."""
+        try:
+            mapping = self._stager._state_dict_stager._cached_storage_mapping
+            return int(sum(s.nbytes() for s in mapping.values()))
+        except (AttributeError, TypeError):
+            return None
+
+    async def close(self) -> None:
+        self._stager.close()
+
+
+async def timed_stage(
+    contender: Contender, sd: Any, device: torch.device, period: float = 0.001
+) -> tuple[float, list[float]]:
+    """Stage once; (wall seconds, lateness in seconds of each 1 ms tick meanwhile).
+
+    The ticker is armed before the stage starts, and the tick in progress when the stage
+    ends is waited for, so a loop blocked right at the end is still seen.
+    """
+    samples: list[float] = []
+    stop = False
+
+    async def tick() -> None:
+        while not stop:
+            t = time.perf_counter()
+            await asyncio.sleep(period)
+            samples.append(time.perf_counter() - t - period)
+
+    synchronize(device)
+    task = asyncio.create_task(tick())
+    await asyncio.sleep(0)  # the ticker takes its first timestamp and sleeps
+    t0 = time.perf_counter()
+    try:
+        await contender.stage(sd)
+        seconds = time.perf_counter() - t0
+    finally:
+        stop = True
+        await task
+    return seconds, samples
+
+
+async def idle_lag(seconds: float = 0.3, period: float = 0.001) -> list[float]:
+    """Ticker lateness (seconds) with nothing else running: the loop's own floor."""
+    samples: list[float] = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        await asyncio.sleep(period)
+        samples.append(time.perf_counter() - t - period)
+    return samples
+
+
+class Bound:
+    """One contiguous buffer of ``nbytes`` on ``device`` and its host destination
+    (pinned on CUDA); ``run()`` times one ``dst.copy_(src)``. Both are touched (and one
+    copy done) at construction, so no run pays page faults."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.device = device
+        cuda = device.type == "cuda"
+        self._src = torch.empty(max(1, nbytes), dtype=torch.uint8, device=device).fill_(1)
+        self._dst = torch.empty(max(1, nbytes), dtype=torch.uint8, pin_memory=cuda).fill_(0)
+        self.run()
+
+    def run(self) -> float:
+        """Seconds for one copy of the whole buffer (device synchronized around it)."""
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        self._dst.copy_(self._src, non_blocking=self.device.type == "cuda")
+        synchronize(self.device)
+        return time.perf_counter() - t0

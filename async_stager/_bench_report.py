@@ -1,0 +1,296 @@
+"""Benchmark results: frozen records, the text table, JSON and the chart.
+
+Units: seconds, bytes, GB/s (10^9 bytes per second), milliseconds for loop lag,
+microseconds for per-tensor cost. Ratios are chosen so that bigger is better for us:
+``vs_dcp`` is DCP's seconds over ours (3.0: we are three times faster), ``of_bound`` is
+the bound's seconds over ours (1.0: as fast as one copy of one contiguous buffer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "BenchError",
+    "BenchReport",
+    "BoundResult",
+    "LagStats",
+    "StagerResult",
+    "WorkloadResult",
+    "format_table",
+    "lag_stats",
+    "require_matplotlib",
+    "to_json",
+    "write_plot",
+]
+
+SCHEMA_VERSION = 1
+
+
+class BenchError(Exception):
+    """A benchmark that cannot run as asked (bad flag, missing optional dependency)."""
+
+
+@dataclass(frozen=True)
+class LagStats:
+    """Lateness (ms) of a 1 ms asyncio ticker: how long past its due time each tick ran."""
+
+    p50_ms: float
+    p99_ms: float
+    max_ms: float
+    samples: int
+
+
+def _percentile(sorted_values: Sequence[float], q: float) -> float:
+    """The q-quantile (0..1) by linear interpolation between closest ranks."""
+    if not sorted_values:
+        return 0.0
+    pos = q * (len(sorted_values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def lag_stats(lateness_seconds: Sequence[float]) -> LagStats:
+    """Summarize tick lateness samples (seconds) as p50/p99/max in milliseconds."""
+    s = sorted(max(0.0, x) * 1e3 for x in lateness_seconds)
+    return LagStats(
+        p50_ms=_percentile(s, 0.50),
+        p99_ms=_percentile(s, 0.99),
+        max_ms=s[-1] if s else 0.0,
+        samples=len(s),
+    )
+
+
+@dataclass(frozen=True)
+class BoundResult:
+    """One ``dst.copy_(src)`` of one contiguous buffer of the workload's bytes
+    (on a GPU: device to pinned host). ``seconds`` is the median of ``runs``."""
+
+    seconds: float
+    gbps: float
+    runs: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class StagerResult:
+    """One stager on one workload.
+
+    ``cold_seconds``: the first stage (allocates host memory); ``seconds``: median of the
+    cached stages in ``runs``; ``gbps``: bytes over ``seconds``; ``vs_dcp`` and
+    ``of_bound``: DCP's or the bound's median seconds over ``seconds``; ``us_per_tensor``: ``seconds`` over the tensor count;
+    ``lag``: ticker lateness during the cached stages; ``cold_lag``: during the first;
+    ``host_bytes``: host memory held after staging (None if the stager does not say);
+    ``fds``: file descriptors opened by the stager and still held after staging;
+    ``error``: why it failed (then the numbers are zero).
+    """
+
+    name: str
+    cold_seconds: float
+    seconds: float
+    runs: tuple[float, ...]
+    gbps: float
+    vs_dcp: float | None
+    of_bound: float | None
+    us_per_tensor: float
+    lag: LagStats
+    cold_lag: LagStats
+    host_bytes: int | None
+    fds: int
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class WorkloadResult:
+    """All stagers and the bound on one workload (same state dict, same run)."""
+
+    name: str
+    description: str
+    device: str
+    tensors: int
+    bytes: int
+    bound: BoundResult
+    stagers: tuple[StagerResult, ...]
+
+
+@dataclass(frozen=True)
+class BenchReport:
+    """A whole benchmark run: the machine, the options, the idle loop lag, the results."""
+
+    machine: dict[str, Any]
+    options: dict[str, Any]
+    idle_lag: LagStats
+    workloads: tuple[WorkloadResult, ...]
+    seconds: float
+    schema_version: int = SCHEMA_VERSION
+
+
+def median(values: Sequence[float]) -> float:
+    """The median (0.0 for no values)."""
+    return float(statistics.median(values)) if values else 0.0
+
+
+def to_json(report: BenchReport) -> str:
+    """The report as indented JSON (every dataclass as an object)."""
+    return json.dumps(dataclasses.asdict(report), indent=2, sort_keys=False)
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+_COLUMNS = (
+    ("workload", "<"),
+    ("stager", "<"),
+    ("tensors", ">"),
+    ("MiB", ">"),
+    ("cold ms", ">"),
+    ("ms", ">"),
+    ("GB/s", ">"),
+    ("vs DCP", ">"),
+    ("of bound", ">"),
+    ("us/tensor", ">"),
+    ("lag p50/p99/max ms", ">"),
+    ("cold lag p99/max", ">"),
+    ("host MiB", ">"),
+    ("fds", ">"),
+)
+
+
+def _rows(report: BenchReport) -> list[tuple[str, ...]]:
+    rows: list[tuple[str, ...]] = []
+    for w in report.workloads:
+        mib = f"{w.bytes / 2**20:.1f}"
+        for s in w.stagers:
+            if s.error is not None:
+                rows.append((w.name, s.name, str(w.tensors), mib, "failed: " + s.error[:60], *[""] * 9))
+                continue
+            lag = f"{s.lag.p50_ms:.2f}/{s.lag.p99_ms:.2f}/{s.lag.max_ms:.1f}"
+            host = "-" if s.host_bytes is None else f"{s.host_bytes / 2**20:.1f}"
+            rows.append(
+                (
+                    w.name,
+                    s.name,
+                    str(w.tensors),
+                    mib,
+                    f"{s.cold_seconds * 1e3:.1f}",
+                    f"{s.seconds * 1e3:.2f}",
+                    f"{s.gbps:.2f}",
+                    _fmt(s.vs_dcp, ".2f") + ("x" if s.vs_dcp is not None else ""),
+                    _fmt(s.of_bound, ".2f"),
+                    f"{s.us_per_tensor:.2f}",
+                    lag,
+                    f"{s.cold_lag.p99_ms:.1f}/{s.cold_lag.max_ms:.1f}",
+                    host,
+                    str(s.fds),
+                )
+            )
+        b = w.bound
+        rows.append(
+            (w.name, "bound (1 buffer)", "1", mib, "", f"{b.seconds * 1e3:.2f}", f"{b.gbps:.2f}", *[""] * 7)
+        )
+    return rows
+
+
+def format_table(report: BenchReport) -> str:
+    """A fixed-width text table (Markdown-compatible pipes), one row per stager and
+    workload plus the bound, and a header line describing the machine."""
+    rows = _rows(report)
+    headers = tuple(c for c, _ in _COLUMNS)
+    widths = [
+        max(len(headers[i]), *(len(r[i]) for r in rows)) if rows else len(headers[i])
+        for i in range(len(headers))
+    ]
+
+    def line(cells: Sequence[str]) -> str:
+        out = []
+        for (_, align), cell, width in zip(_COLUMNS, cells, widths):
+            out.append(cell.ljust(width) if align == "<" else cell.rjust(width))
+        return "| " + " | ".join(out) + " |"
+
+    sep = (
+        "|"
+        + "|".join(
+            ("-" * (w + 1) + ":" if a == ">" else ":" + "-" * (w + 1)) for (_, a), w in zip(_COLUMNS, widths)
+        )
+        + "|"
+    )
+    m = report.machine
+    idle = report.idle_lag
+    head = (
+        f"device {m.get('device')}, {m.get('cores')} cores, torch {m.get('torch')}, "
+        f"python {m.get('python')}, load {m.get('loadavg_1min_at_start')}->{m.get('loadavg_1min_at_end')}; "
+        f"runs {report.options.get('runs')}, scale {report.options.get('scale')}; "
+        f"idle loop lag p50/p99/max {idle.p50_ms:.2f}/{idle.p99_ms:.2f}/{idle.max_ms:.1f} ms; "
+        f"{report.seconds:.0f} s in all"
+    )
+    return "\n".join([head, "", line(headers), sep, *(line(r) for r in rows)])
+
+
+def require_matplotlib() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend, or a BenchError saying how to get it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise BenchError(
+            "--plot needs matplotlib, which is not installed; install the optional extra: "
+            "pip install 'async_stager[plot]'"
+        ) from exc
+    return plt
+
+
+def write_plot(report: BenchReport, path: str) -> None:
+    """A PNG with two panels per run: throughput (GB/s) of each stager and the bound per
+    workload, and the event-loop lag (p99 and max, ms, log scale) per stager."""
+    plt = require_matplotlib()
+    names = [w.name for w in report.workloads]
+    stagers: list[str] = []
+    for w in report.workloads:
+        for s in w.stagers:
+            if s.name not in stagers:
+                stagers.append(s.name)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 5.5))
+    series = [*stagers, "bound (1 buffer)"]
+    width = 0.8 / len(series)
+    for k, label in enumerate(series):
+        vals = []
+        for w in report.workloads:
+            if label == "bound (1 buffer)":
+                vals.append(w.bound.gbps)
+            else:
+                vals.append(next((s.gbps for s in w.stagers if s.name == label), 0.0))
+        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(names))]
+        ax1.bar(xs, vals, width, label=label)
+    ax1.set_xticks(range(len(names)), names)
+    ax1.set_ylabel("GB/s (cached stage, median)")
+    ax1.set_yscale("log")
+    ax1.set_title(f"Throughput on {report.machine.get('device')}")
+    ax1.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
+    width = 0.8 / max(1, len(stagers))
+    for k, label in enumerate(stagers):
+        p99 = []
+        mx = []
+        for w in report.workloads:
+            found = next((s for s in w.stagers if s.name == label), None)
+            p99.append(max(found.lag.p99_ms, 1e-3) if found else 1e-3)
+            mx.append(max(found.lag.max_ms, 1e-3) if found else 1e-3)
+        xs = [i + (k - (len(stagers) - 1) / 2) * width for i in range(len(names))]
+        bars = ax2.bar(xs, p99, width, label=f"{label} p99")
+        ax2.scatter(xs, mx, marker="v", color=bars.patches[0].get_facecolor(), zorder=3, label=f"{label} max")
+    ax2.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="1 ms goal (p99)")
+    ax2.set_xticks(range(len(names)), names)
+    ax2.set_yscale("log")
+    ax2.set_ylabel("1 ms ticker lateness while staging, ms")
+    ax2.set_title("Event-loop lag (bar: p99, marker: max)")
+    ax2.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
