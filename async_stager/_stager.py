@@ -21,8 +21,6 @@ from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
-import anyio
-
 from ._arena import Pinner
 from ._device import Backend
 from ._engine import Engine, Staged
@@ -35,7 +33,7 @@ from ._options import (
     resolve_options,
 )
 from ._stats import StageStats
-from ._waiting import Backoff, poll_completion, wait_future
+from ._waiting import Backoff, poll_completion, wait_future, wait_future_uninterrupted
 from ._worker import Worker, WorkerStopped
 
 __all__ = ["Stager"]
@@ -347,14 +345,16 @@ class Stager:
         copies in flight are waited for; every arena is released and unpinned; the
         worker thread ends.
 
-        Cancellation: the closing runs shielded, so it always completes.
+        Cancellation: deferred until the closing has completed, then raised (anyio/trio
+        cancel scopes and a native asyncio ``Task.cancel()`` alike).
         """
         fut = self._begin_close()
-        with anyio.CancelScope(shield=True):
+        try:
             if fut is not None:
-                await wait_future(fut)
-        self._worker.stop()
-        self._forget_results()
+                await wait_future_uninterrupted(fut)
+        finally:
+            self._worker.stop()
+            self._forget_results()
 
     def close(self) -> None:
         """Blocking ``aclose`` for synchronous code; do not call it on a running loop."""

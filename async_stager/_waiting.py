@@ -26,7 +26,7 @@ import sniffio
 
 from ._errors import UnsupportedError
 
-__all__ = ["Backoff", "Pollable", "poll_completion", "wait_future"]
+__all__ = ["Backoff", "Pollable", "poll_completion", "wait_future", "wait_future_uninterrupted"]
 
 T = TypeVar("T")
 
@@ -81,6 +81,38 @@ async def wait_future(fut: Future[T]) -> T:
         # and fut holds the error: a reference cycle that would keep the callers'
         # frames (and their stager) alive until the cyclic GC runs.
         del fut
+
+
+async def wait_future_uninterrupted(fut: Future[T]) -> T:
+    """The result of ``fut``, waiting for it whatever cancellation comes.
+
+    For work that must not be abandoned half way (a save in flight, closing).
+
+    Cancellation: deferred until ``fut`` is done, then raised; ``fut``'s result is lost
+    in that case. Both anyio/trio cancel scopes and a native asyncio ``Task.cancel()``
+    are deferred (a shielded scope alone does not hold back the latter). If ``fut``
+    failed as well, the cancellation is raised with its error as the cause.
+    """
+    deferred: BaseException | None = None
+    while not fut.done():
+        try:
+            with anyio.CancelScope(shield=True):
+                await wait_future(fut)
+        except BaseException as e:  # noqa: BLE001 - a cancellation, or fut's error
+            if fut.done() and fut.exception() is e:
+                break
+            # A native asyncio cancellation reached through the shield: remember it and
+            # keep waiting.
+            if deferred is None:
+                deferred = e
+    if deferred is not None:
+        exc = fut.exception()
+        if exc is not None:
+            raise deferred from exc
+        raise deferred
+    # A cancel scope cancelled meanwhile is delivered here, after the work.
+    await anyio.lowlevel.checkpoint_if_cancelled()
+    return fut.result()
 
 
 @dataclass(frozen=True)

@@ -33,11 +33,9 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import anyio
-import anyio.lowlevel
 import torch
 
-from ._waiting import wait_future
+from ._waiting import wait_future_uninterrupted
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -182,26 +180,7 @@ async def _run_to_completion(fn: Callable[[], T], *, name: str) -> T:
             fut.set_exception(e)
 
     threading.Thread(target=target, name=name, daemon=False).start()
-    deferred: BaseException | None = None
-    while not fut.done():
-        try:
-            with anyio.CancelScope(shield=True):
-                await wait_future(fut)
-        except BaseException as e:  # noqa: BLE001 - a cancellation, or fn's error
-            if fut.done() and fut.exception() is e:
-                break
-            # A native asyncio cancellation reached through the shield: remember it and
-            # keep waiting for the thread.
-            if deferred is None:
-                deferred = e
-    if deferred is not None:
-        exc = fut.exception()
-        if exc is not None:
-            raise deferred from exc
-        raise deferred
-    # A cancel scope cancelled while the thread ran is delivered here, after it.
-    await anyio.lowlevel.checkpoint_if_cancelled()
-    return fut.result()
+    return await wait_future_uninterrupted(fut)
 
 
 def _current_cuda_device() -> int | None:

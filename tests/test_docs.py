@@ -1,8 +1,10 @@
-"""The user docs' code is real: every fenced block in them is a Python block that runs.
+"""The docs' code is real: every Python block in README.md and docs/*.md runs.
 
 Blocks are executed in order, each in a fresh namespace, from a temporary directory.
 Longer programs live in examples/ (run by test_examples.py) and are referenced by path;
-every path the docs mention must exist.
+every path the docs mention must exist. The user guides hold Python blocks only; the
+reference pages may also hold ``text`` blocks (diagrams, signatures, output) and
+``bash`` blocks (commands), never an unlabelled one.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ["quickstart.md", "recipes.md", "migration.md", "troubleshooting.md"]
+REFERENCE = ["concepts.md", "api.md", "benchmarks.md", "reliability.md", "../README.md"]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 pytestmark = [
@@ -29,7 +32,7 @@ def blocks(doc: str) -> list[tuple[str, str]]:
 
 PY_BLOCKS = [
     pytest.param(code, id=f"{doc}-{i}")
-    for doc in DOCS
+    for doc in DOCS + REFERENCE
     for i, (lang, code) in enumerate(blocks(doc))
     if lang == "python"
 ]
@@ -41,7 +44,13 @@ def test_only_python_blocks(doc: str) -> None:
     assert all(lang == "python" for lang in langs), f"{doc}: untested code blocks {langs}"
 
 
-@pytest.mark.parametrize("doc", DOCS)
+@pytest.mark.parametrize("doc", REFERENCE)
+def test_reference_blocks_are_labelled(doc: str) -> None:
+    langs = [lang for lang, _ in blocks(doc)]
+    assert all(lang in ("python", "text", "bash") for lang in langs), f"{doc}: blocks {langs}"
+
+
+@pytest.mark.parametrize("doc", DOCS + REFERENCE)
 def test_referenced_paths_exist(doc: str) -> None:
     text = (ROOT / "docs" / doc).read_text()
     for path in re.findall(r"`((?:examples|tests)/[\w/]+\.py)`", text):
