@@ -65,7 +65,7 @@ class StagerOptions:
     small_tensor_bytes: int = DEFAULT_SMALL_TENSOR_BYTES
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES
     yield_interval: float = 0.0002
-    worker_nice: int = 19
+    worker_nice: int = 5
     copy_threads: int | None = None
 
     def replace(self, **changes: object) -> StagerOptions:
@@ -92,7 +92,7 @@ def resolve_options(
     small_tensor_bytes: int = DEFAULT_SMALL_TENSOR_BYTES,
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
     yield_interval: float = 0.0002,
-    worker_nice: int = 19,
+    worker_nice: int = 5,
     copy_threads: int | None = None,
     cuda: bool | None = None,
 ) -> StagerOptions:

@@ -128,7 +128,7 @@ class Stager:
         small_tensor_bytes: int = DEFAULT_SMALL_TENSOR_BYTES,
         scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
         yield_interval: float = 0.0002,
-        worker_nice: int = 19,
+        worker_nice: int = 5,
         copy_threads: int | None = None,
         backoff: Backoff | None = None,
         on_stage: Callable[[StageStats], None] | None = None,
