@@ -61,12 +61,36 @@ class CudaPinner:
 
     def register(self, ptr: int, nbytes: int) -> None:
         rt = torch.cuda.cudart()
-        err = rt.cudaHostRegister(ptr, nbytes, self._FLAGS)
-        if int(err) != 0:
-            raise PinningError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(err)}")
+        err = int(rt.cudaHostRegister(ptr, nbytes, self._FLAGS))
+        if err != 0:
+            # Hazard: the failure is also this thread's CUDA "last error", which torch's
+            # next kernel-launch check would report against an unrelated tensor: the
+            # stager would not stay usable. Take it off the thread.
+            _clear_cuda_last_error()
+            raise PinningError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {err}")
 
     def unregister(self, ptr: int) -> None:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
+        err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+        if err != 0:
+            _clear_cuda_last_error()
+            raise PinningError(f"cudaHostUnregister failed with CUDA error {err}")
+
+
+def _clear_cuda_last_error() -> None:
+    """cudaGetLastError() in the CUDA runtime torch already loaded (best effort: a
+    torch that links the runtime statically exposes no symbol to call)."""
+    import ctypes
+
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"):
+        try:
+            lib = ctypes.CDLL(name, mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_LOCAL)
+        except OSError:
+            continue
+        try:
+            lib.cudaGetLastError()
+        except AttributeError:
+            continue
+        return
 
 
 class Arena:
@@ -79,6 +103,7 @@ class Arena:
         self._pinner = pinner
         self._pinned_ptr = 0
         self._fd_closer: weakref.finalize[Any, Any] | None = None
+        self._unpinner: weakref.finalize[Any, Any] | None = None
         try:
             if shared:
                 self.fd = _make_shared_fd(nbytes)
@@ -117,6 +142,10 @@ class Arena:
                     raise
                 raise PinningError(f"pinning {nbytes} bytes failed: {e}") from e
             self._pinned_ptr = self.base
+            # An arena dropped without close() (a stager never closed) must not leave
+            # its pages pinned: a later mapping at the same address would then fail
+            # to register ("already registered").
+            self._unpinner = weakref.finalize(self, pinner.unregister, self.base)
 
     @property
     def pinned(self) -> bool:
@@ -132,9 +161,9 @@ class Arena:
         """Unpin and drop this arena's references; idempotent. The mapping and the
         file descriptor are released even if unpinning raises (which is re-raised)."""
         try:
-            if self._pinned_ptr and self._pinner is not None:
-                ptr, self._pinned_ptr = self._pinned_ptr, 0
-                self._pinner.unregister(ptr)
+            if self._pinned_ptr and self._unpinner is not None:
+                self._pinned_ptr = 0
+                self._unpinner()  # unregister, once
         finally:
             self._release_mapping()
 

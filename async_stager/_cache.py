@@ -52,6 +52,8 @@ class StorageCache:
         self._entries: dict[int, CacheEntry] = {}
         self.hits = 0
         self.misses = 0
+        #: Set when a lookup freed a block; the plan maker then drops the set's plans.
+        self.invalidated = False
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -70,6 +72,8 @@ class StorageCache:
             # Same impl, other memory (moved, resized, reallocated): never a stale hit.
             del self._entries[storage._cdata]
             self.pool.free([e.block])
+            # The block may be handed out again: plans that write into it are stale.
+            self.invalidated = True
             return None
         return e.block
 

@@ -74,13 +74,22 @@ class Engine:
         pinner: Pinner | None = None,
     ) -> None:
         self.options = options
-        self.backend = backend if backend is not None else RealBackend(non_blocking=options.non_blocking)
+        self.backend = (
+            backend
+            if backend is not None
+            else RealBackend(non_blocking=options.non_blocking, copy_threads=options.copy_threads)
+        )
         if pinner is None and options.pin_memory:
             pinner = CudaPinner()
         self._pinner = pinner if options.pin_memory else None
         self._sets: list[BufferSet] = []
         self._cond = threading.Condition()
         self._copiers: dict[torch.device, Copier] = {}
+        self._copiers_lock = threading.Lock()
+        #: The latest completion enqueued per device, by any stage (also one that
+        #: failed or was cancelled after enqueueing part of its copies): what fence()
+        #: must order after.
+        self.latest: dict[torch.device, Completion] = {}
         self._recent: BufferSet | None = None
         self.closed = False
         #: Measured bytes/second of device-to-host copies, per device (for polling).
@@ -97,10 +106,27 @@ class Engine:
         return {d: self._copier(d).capture() for d in devices}
 
     def _copier(self, device: torch.device) -> Copier:
+        # Called from the caller's thread (capture) and the worker: one copier (one
+        # copy stream) per device, or scratch made on one stream could be used on
+        # another without ordering.
         c = self._copiers.get(device)
         if c is None:
-            c = self._copiers[device] = self.backend.copier(device)
+            with self._copiers_lock:
+                c = self._copiers.get(device)
+                if c is None:
+                    c = self._copiers[device] = self.backend.copier(device)
         return c
+
+    def _device_context(self, captures: dict[torch.device, Any]) -> Any:
+        """The CUDA device of this stage (or of any copier) as the worker's current
+        device: a new thread starts on device 0, and pinning, event waits or stream
+        work there would create a CUDA context on GPU 0 for every rank."""
+        devs = [d for d in captures if d.type == "cuda"] or [
+            d for d in list(self._copiers) if d.type == "cuda"
+        ]
+        if devs:
+            return torch.cuda.device(devs[0])
+        return contextlib.nullcontext()
 
     # -- worker thread ----------------------------------------------------------------
 
@@ -115,7 +141,7 @@ class Engine:
     ) -> Staged:
         """Stage ``sd`` into a free buffer set; returns once the copies are enqueued
         (on the CPU: done). Raises StagingError subclasses, or Cancelled."""
-        with _gil_interval(self.options.yield_interval):
+        with _gil_interval(self.options.yield_interval), self._device_context(captures):
             try:
                 return self._run(sd, captures, lease, cancel, copy, allow_fast=True)
             except _PlanStale:
@@ -296,6 +322,7 @@ class Engine:
                     if done is not None:
                         completions.append(done)
                         devices.append(prog.device)
+                        self.latest[prog.device] = done
                     with self._cond:
                         bufset.inflight.extend(completions)
                     raise
@@ -303,6 +330,7 @@ class Engine:
                 if done is not None:
                     completions.append(done)
                     devices.append(prog.device)
+                    self.latest[prog.device] = done
         return completions, devices
 
     def _copy_error(
@@ -348,8 +376,11 @@ class Engine:
                 bufset.leases -= 1
             self._cond.notify_all()
 
-    def fence(self, completions: Sequence[Completion], devices: Sequence[torch.device]) -> None:
-        for c, d in zip(completions, devices):
+    def fence(self) -> None:
+        """Order the caller's current stream of each device after the latest copies
+        enqueued there (by whichever stage: a later stage that failed validation or was
+        a reserve() must not hide an earlier one's copies still in flight)."""
+        for d, c in list(self.latest.items()):
             self._copier(d).fence(c)
 
     @property
@@ -369,11 +400,13 @@ class Engine:
             sets, self._sets = self._sets, []
             self._recent = None
         errors: list[BaseException] = []
-        for s in sets:
-            try:
-                s.close()
-            except Exception as e:  # noqa: BLE001 - keep releasing the rest
-                errors.append(e)
+        with self._device_context({}):
+            for s in sets:
+                try:
+                    s.close()
+                except Exception as e:  # noqa: BLE001 - keep releasing the rest
+                    errors.append(e)
+        self.latest.clear()
         for c in list(self._copiers.values()):
             try:
                 c.close()

@@ -21,7 +21,7 @@ __all__ = ["StagerOptions", "cuda_available", "resolve_options"]
 #: Source storages up to this many bytes are batched on an accelerator: gathered on the
 #: device by one fused kernel per dtype, then moved to the host by one copy per run.
 DEFAULT_SMALL_TENSOR_BYTES = 64 * 1024
-#: Upper bound of the device scratch memory (bytes) kept per buffer set for that batching.
+#: Upper bound of the device scratch memory (bytes) kept per plan for that batching.
 DEFAULT_SCRATCH_BYTES = 256 * 1024 * 1024
 
 
@@ -49,7 +49,8 @@ class StagerOptions:
     - ``max_buffer_sets``: how many independent sets of host buffers a stager may hold;
       a stage never writes into a set that is leased (see ``Stager.snapshot``).
     - ``small_tensor_bytes``: storages up to this size (bytes) are batched on a device.
-    - ``scratch_bytes``: device scratch memory (bytes) per buffer set for that batching.
+    - ``scratch_bytes``: device scratch memory (bytes) per plan for that batching (a
+      buffer set keeps up to four plans, one per state dict layout).
     - ``yield_interval``: the longest the event loop should wait for the GIL while the
       worker runs Python (seconds); applied as the interpreter's switch interval during
       staging (see docs/concepts.md).

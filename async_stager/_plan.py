@@ -62,6 +62,9 @@ def make_plan(
         g.block = bufset.cache.lookup(g.storage, g.device)
         if g.block is None:
             missing.append(g)
+    if bufset.cache.invalidated:
+        bufset.cache.invalidated = False
+        bufset.plans.clear()
     if missing:
         # Smallest first: small storages land adjacent, so a device can move a run
         # of them with one copy.
@@ -98,6 +101,7 @@ def make_plan(
             and t.numel() * t.element_size() == size
             and t.is_contiguous()
             and not _math_bits(t)
+            and t.dtype in _TYPED_COPY_DTYPES
         )
         if size:
             rep = first_leaf[rep_u]
@@ -175,7 +179,7 @@ def _programs(
             else:
                 runs.append([u])
         batched: set[int] = set()
-        for run in runs:
+        for run in _split_runs(runs, cap=max(1 << 20, options.scratch_bytes // 8)):
             if len(run) < 2:
                 continue
             start = run[0].block.offset
@@ -189,6 +193,23 @@ def _programs(
     for prog in by_dev.values():
         prog.freeze()
     return list(by_dev.values())
+
+
+def _split_runs(runs: list[list[Unit]], *, cap: int) -> list[list[Unit]]:
+    """Runs cut into pieces spanning at most ``cap`` bytes each, so a long run of small
+    storages still gets batched piecewise when the scratch budget cannot take it whole
+    (20k storages of 16 KiB would otherwise become 20k separate copies)."""
+    out: list[list[Unit]] = []
+    for run in runs:
+        piece: list[Unit] = []
+        for u in run:
+            if piece and u.block.offset + u.nbytes - piece[0].block.offset > cap:
+                out.append(piece)
+                piece = []
+            piece.append(u)
+        if piece:
+            out.append(piece)
+    return out
 
 
 class _Group:
@@ -266,6 +287,34 @@ def plan_holds(plan: Plan, leaves: list[torch.Tensor], tick: Callable[[], None])
         ):
             return False
     return True
+
+
+#: Dtypes copied as typed tensors. CUDA's fused ``_foreach_copy_`` (the small-tensor
+#: gather) covers the standard types, half, bfloat16, bool and the float8 formats; for
+#: any other dtype (uint16/32/64, complex32, MX/float4 formats, ...) it raises "not
+#: implemented", so such storages are copied as raw bytes instead.
+_TYPED_COPY_DTYPES = frozenset(
+    getattr(torch, name)
+    for name in (
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+        "bool",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+    )
+    if hasattr(torch, name)
+)
 
 
 def _math_bits(t: torch.Tensor) -> int:

@@ -57,7 +57,7 @@ class _Job:
         self.pending = pending
         self.cancel = threading.Event()
         self.lock = threading.Lock()
-        self.state = "pending"  # -> "taken" | "abandoned"
+        self.state = "pending"  # -> "taken" | "abandoned" -> "released"
         self.t0 = time.perf_counter()
         self.future: Any = None
 
@@ -71,17 +71,21 @@ class _Job:
         with self.lock:
             if self.state != "pending":
                 return
-            self.state = "abandoned"
             fut = self.future
             if fut is not None and not fut.done():
+                self.state = "abandoned"
                 self.pending.add(self)
                 return
+            # Done already: release here, and make sure done() (which may be running
+            # right now, callbacks run after the future is marked done) does not.
+            self.state = "released"
         _release_if_leased(self.engine, fut)
 
     def done(self, fut: Any) -> None:
         with self.lock:
             if self.state != "abandoned":
                 return
+            self.state = "released"
             self.pending.discard(self)
         _release_if_leased(self.engine, fut)
 
@@ -183,7 +187,11 @@ class Stager:
         StagingError subclasses naming the path for bad input.
         """
         job = self._submit(sd, lease=False, copy=True)
-        return self._result(job)
+        coro = self._result(job)
+        # A coroutine never awaited (or whose task was cancelled before it started)
+        # must stop the job like a cancelled one: abandon it when the coroutine dies.
+        weakref.finalize(coro, job.abandon)
+        return coro
 
     async def _result(self, job: _Job) -> Any:
         staged = await self._complete(job)
@@ -214,25 +222,27 @@ class Stager:
         return self._stats
 
     async def fence(self) -> None:
-        """Make the caller's current CUDA stream wait for the latest stage's copies.
+        """Make the caller's current CUDA stream wait for the copies of every stage
+        submitted so far.
 
-        Waits (without blocking the loop) until the worker has *enqueued* the copies,
-        then orders the current stream after them: the host is never blocked on the
-        copies themselves. Call it before modifying the sources in place (e.g. before
-        ``optimizer.step()``) while a stage overlaps training. On the CPU the copies run
-        in the worker, so this returns once they are done.
+        Waits (without blocking the loop) until the worker has finished with the last
+        submitted stage (its copies *enqueued*, or the stage failed), then orders the
+        current stream of each device after the latest copies enqueued there, whichever
+        stage enqueued them: the host is never blocked on the copies themselves. Call
+        it before modifying the sources in place (e.g. before ``optimizer.step()``)
+        while a stage overlaps training. On the CPU the copies run in the worker, so
+        this returns once they are done.
 
         Cancellation: only the wait is cancelled; no ordering was added.
         """
         job = self._last_job
-        if job is None or job.future is None:
-            return
-        try:
-            staged = await wait_future(job.future)
-        except Exception:  # noqa: BLE001 - that stage failed: nothing of it is in flight
-            return
-        if staged.completions:
-            self._engine.fence(staged.completions, staged.devices)
+        if job is not None and job.future is not None:
+            try:
+                await wait_future(job.future)
+            except Exception:  # noqa: BLE001 - a failed stage still may have copies in flight
+                pass
+        if not self._closed:
+            self._engine.fence()
 
     # -- internals --------------------------------------------------------------------
 

@@ -22,14 +22,6 @@ pytestmark = [pytest.mark.cuda, pytest.mark.anyio, pytest.mark.timeout(120)]
 _SPIN_CYCLES = 50_000_000
 
 
-def _cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _cpu(v) for k, v in obj.items()}
-    return obj
-
-
 async def test_gpu_state_dict_is_staged_pinned(anyio_backend: Any) -> None:
     sd = {
         "w": torch.randn(256, 256, device="cuda"),
@@ -66,13 +58,25 @@ async def test_source_freed_and_reallocated_during_the_copy(anyio_backend: Any) 
     src = torch.full((n,), 3.0, device="cuda")
     async with Stager() as stager:
         await stager.reserve({"src": src})
-        torch.cuda._sleep(_SPIN_CYCLES)
-        pending = stager.stage({"src": src})
-        del src  # the allocator may hand this memory out again at once...
-        other = torch.full((n,), -1.0, device="cuda")  # ...unless the copy protected it
-        staged = await pending
-        assert torch.equal(staged["src"][:1024], torch.full((1024,), 3.0))
-        assert bool((staged["src"] == 3.0).all())
+        torch.cuda._sleep(4 * _SPIN_CYCLES)  # the copy stream waits behind this
+        pending = stager.stage({"src": src})  # submitted (and captured) now
+        job = stager._last_job
+        assert job is not None
+        result: dict[str, Any] = {}
+
+        async def finish() -> None:
+            result["staged"] = await pending
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(finish)
+            # Wait until the worker has enqueued the copies and let go of the dict,
+            # while the copy stream is still held back by the capture event.
+            while not job.future.done():
+                await anyio.sleep(0.001)
+            await anyio.sleep(0.005)
+            del src  # the last reference: the allocator may now reuse the memory...
+            other = torch.full((n,), -1.0, device="cuda")  # ...unless record_stream held it
+        assert bool((result["staged"]["src"] == 3.0).all())
         del other
 
 
@@ -110,8 +114,22 @@ async def test_views_and_offsets_on_the_gpu(anyio_backend: Any) -> None:
     sd = {"base": base, "view": base[100:200].view(10, 10), "t": base[:100].view(10, 10).t()}
     async with Stager() as stager:
         staged = await stager.stage(sd)
-        assert_same(staged, _cpu(sd))
+        b = base.cpu()  # one CPU copy, so the expected views keep their offsets too
+        assert_same(staged, {"base": b, "view": b[100:200].view(10, 10), "t": b[:100].view(10, 10).t()})
         assert staged["view"].untyped_storage().data_ptr() == staged["base"].untyped_storage().data_ptr()
+
+
+async def test_dtypes_without_a_fused_cuda_copy(anyio_backend: Any) -> None:
+    # The small-tensor gather uses CUDA's fused foreach copy, which lacks some dtypes:
+    # those storages must go as raw bytes.
+    sd = {"u16": torch.arange(64, dtype=torch.int32, device="cuda").to(torch.uint16)}
+    sd["f32"] = torch.randn(64, device="cuda")
+    async with Stager() as stager:
+        staged = await stager.stage(sd)
+        staged = await stager.stage(sd)
+        assert staged["u16"].dtype == torch.uint16
+        assert torch.equal(staged["u16"].to(torch.int32), torch.arange(64, dtype=torch.int32))
+        assert torch.equal(staged["f32"], sd["f32"].cpu())
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

@@ -27,7 +27,9 @@ def tensor_pool(draw: st.DrawFn) -> list[torch.Tensor]:
         shape = tuple(draw(st.lists(st.integers(0, 5), min_size=0, max_size=3)))
         seed = draw(st.integers(0, 2**16))
         g = torch.Generator().manual_seed(seed)
-        raw = torch.randint(0, 256, (max(1, int(torch.Size(shape).numel())) * 16,), generator=g, dtype=torch.uint8)
+        raw = torch.randint(
+            0, 256, (max(1, int(torch.Size(shape).numel())) * 16,), generator=g, dtype=torch.uint8
+        )
         itemsize = torch.empty(0, dtype=dtype).element_size()
         if dtype == torch.bool:
             base = (raw[: torch.Size(shape).numel()] % 2 == 1).reshape(shape)

@@ -12,7 +12,11 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def test_all_lists_exactly_the_public_names() -> None:
-    public = {n for n in vars(async_stager) if not n.startswith("_") and not inspect.ismodule(getattr(async_stager, n))}
+    public = {
+        n
+        for n in vars(async_stager)
+        if not n.startswith("_") and not inspect.ismodule(getattr(async_stager, n))
+    }
     assert public - {"annotations"} <= set(async_stager.__all__) | {"testing"}
     for name in async_stager.__all__:
         assert hasattr(async_stager, name), name
