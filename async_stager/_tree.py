@@ -425,16 +425,9 @@ class Walk:
     def _reconstruct(self, obj: Any, rv: tuple[Any, ...]) -> Any:
         func, args, state, listiter, dictiter = (tuple(rv) + (None,) * 5)[:5]
         cls = type(obj)
-        try:
-            args = self.walk(args) if args else ()
-            y = func(*args)
-        except StagingError:
-            raise
-        except Exception as e:
-            raise UncopyableObjectError(
-                f"cannot copy {cls.__module__}.{cls.__qualname__}: rebuilding it raised {e!r}",
-                path=(),
-            ) from e
+        # What func raises is typed (with the path) by _reduce.
+        args = self.walk(args) if args else ()
+        y = func(*args)
         self.memo[id(obj)] = y
         if state is not None:
             if isinstance(state, dict):
