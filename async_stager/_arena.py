@@ -230,16 +230,11 @@ class HostPool:
         # Per arena: sorted, coalesced free ranges [(offset, size)].
         self._free: dict[Arena, list[tuple[int, int]]] = {}
         self._used: dict[Arena, int] = {}
-        self.arenas_made = 0
 
     @property
     def host_bytes(self) -> int:
         """Bytes of host memory mapped by this pool (the arenas' sizes)."""
         return sum(a.nbytes for a in self.arenas)
-
-    @property
-    def used_bytes(self) -> int:
-        return sum(self._used.values())
 
     def allocate(self, sizes: Sequence[int], *, prefault: bool = False) -> list[Block]:
         """One block per size (bytes), from free space first, then one new arena for
@@ -264,7 +259,6 @@ class HostPool:
                     max(need, MIN_ARENA_BYTES), shared=self.shared, pinner=self._pinner, prefault=prefault
                 )
                 self.arenas.append(arena)
-                self.arenas_made += 1
                 self._free[arena] = [(0, arena.nbytes)]
                 self._used[arena] = 0
                 pending = self._fit(arena, sizes, pending, out)

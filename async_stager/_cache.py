@@ -50,8 +50,6 @@ class StorageCache:
     def __init__(self, pool: HostPool) -> None:
         self.pool = pool
         self._entries: dict[int, CacheEntry] = {}
-        self.hits = 0
-        self.misses = 0
         #: Set when a lookup freed a block; the plan maker then drops the set's plans.
         self.invalidated = False
 
@@ -118,9 +116,8 @@ class Run:
 
     span: torch.Tensor
     scratch: torch.Tensor
-    # Per dtype: scratch views and the leaf index (or unit) feeding each.
+    # Per dtype: scratch views and the units feeding them.
     groups: list[tuple[list[torch.Tensor], list[Unit]]]
-    nbytes: int
 
 
 @dataclass(eq=False)

@@ -95,13 +95,18 @@ def resolve_options(
     yield_interval: float = 0.0002,
     worker_nice: int = 5,
     copy_threads: int | None = None,
-    cuda: bool | None = None,
+    seam: bool = False,
+    pinner_given: bool = False,
 ) -> StagerOptions:
     """Resolve ``None`` to what the machine supports; reject what it cannot do.
 
-    ``cuda`` overrides CUDA detection (tests use it to check both branches).
+    ``seam``: a device backend or pinner was passed in (a fake, in tests). It stands in
+    for the accelerator, so its features count as available, and pinning defaults to
+    whether a pinner came (``pinner_given``).
     """
-    has_cuda = cuda_available() if cuda is None else cuda
+    has_cuda = True if seam else cuda_available()
+    if pin_memory is None and seam:
+        pin_memory = pinner_given
     if pin_memory is None:
         pin_memory = has_cuda
     elif pin_memory and not has_cuda:

@@ -86,10 +86,9 @@ def make_plan(
         base = block.tensor.untyped_storage()
         for u in g.members:
             t = uniq[u]
-            if block.nbytes:
-                h = torch.empty(0, dtype=t.dtype).set_(base, t.storage_offset(), t.size(), t.stride())
-            else:
-                h = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype)
+            # Also for an empty storage (zero-byte block): an empty view may still sit
+            # at a nonzero offset, and set_ keeps it.
+            h = torch.empty(0, dtype=t.dtype).set_(base, t.storage_offset(), t.size(), t.stride())
             host_u[u] = _with_math_bits(t, h)
         size = block.nbytes
         nbytes += size
@@ -242,7 +241,7 @@ def _make_run(copier: Copier, run: list[Unit], start: int, end: int, leaves: lis
         views, members = by_dtype.setdefault(view.dtype, ([], []))
         views.append(view)
         members.append(u)
-    return Run(span=span, scratch=scratch, groups=list(by_dtype.values()), nbytes=end - start)
+    return Run(span=span, scratch=scratch, groups=list(by_dtype.values()))
 
 
 def sources(units: Sequence[Unit], leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:

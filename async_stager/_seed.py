@@ -23,7 +23,7 @@ from typing import Any
 
 from ._engine import Engine, Staged
 from ._errors import ClosedError
-from ._options import cuda_available, resolve_options
+from ._options import resolve_options
 from ._worker import Worker, WorkerStopped
 
 __all__ = ["CheckpointStager", "CheckpointStagerConfig", "DefaultStager"]
@@ -77,20 +77,18 @@ class DefaultStager(CheckpointStager):
         self._config = config
         pin = getattr(config, "use_pinned_memory", None)
         nb = getattr(config, "use_non_blocking_copy", None)
-        has_cuda = cuda_available()
-        if engine_options.get("backend") is not None:
-            has_cuda = True
+        backend = engine_options.pop("backend", None)
+        pinner = engine_options.pop("pinner", None)
         options = resolve_options(
             pin_memory=pin,
             share_memory=bool(getattr(config, "use_shared_memory", True)),
             non_blocking=nb,
-            cuda=has_cuda,
-            **{k: v for k, v in engine_options.items() if k not in ("backend", "pinner")},
+            seam=backend is not None or pinner is not None,
+            pinner_given=pinner is not None,
+            **engine_options,
         )
         self._async = bool(getattr(config, "use_async_staging", True))
-        self._engine = Engine(
-            options, backend=engine_options.get("backend"), pinner=engine_options.get("pinner")
-        )
+        self._engine = Engine(options, backend=backend, pinner=pinner)
         self._worker = Worker("async-stager-dcp", nice=options.worker_nice)
         self._pending: Future[STATE_DICT] | None = None
         self._closed = False

@@ -139,13 +139,6 @@ class Stager:
         backend: Backend | None = None,
         pinner: Pinner | None = None,
     ) -> None:
-        cuda = None
-        if backend is not None or pinner is not None:
-            # A given seam (a fake, in tests) stands in for the accelerator: its
-            # features count as available, and pinning follows whether a pinner came.
-            cuda = True
-            if pin_memory is None:
-                pin_memory = pinner is not None
         self.options: StagerOptions = resolve_options(
             pin_memory=pin_memory,
             share_memory=share_memory,
@@ -156,7 +149,8 @@ class Stager:
             yield_interval=yield_interval,
             worker_nice=worker_nice,
             copy_threads=copy_threads if copy_threads is not None else loop_friendly_threads(),
-            cuda=cuda,
+            seam=backend is not None or pinner is not None,
+            pinner_given=pinner is not None,
         )
         self._engine = Engine(self.options, backend=backend, pinner=pinner)
         self._worker = Worker(nice=self.options.worker_nice)

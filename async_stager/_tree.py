@@ -33,11 +33,10 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ._errors import Attr, NestingError, StagingError, UncopyableObjectError, UnsupportedTensorError
 
-__all__ = ["TENSOR_TYPES", "Interrupt", "Walk", "check_tensor", "path_of_leaf"]
+__all__ = ["Interrupt", "Walk", "check_tensor", "path_of_leaf"]
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
-TENSOR_TYPES = (_Tensor, _Parameter)
 
 _ATOMIC: frozenset[type] = frozenset(
     {

@@ -14,10 +14,9 @@ from async_stager._options import resolve_options
 def make_engine(**opts: Any) -> Engine:
     backend = opts.pop("backend", None)
     pinner = opts.pop("pinner", None)
-    cuda = True if backend is not None or pinner is not None else None
-    if cuda and "pin_memory" not in opts:
-        opts["pin_memory"] = pinner is not None
-    return Engine(resolve_options(cuda=cuda, **opts), backend=backend, pinner=pinner)
+    seam = backend is not None or pinner is not None
+    options = resolve_options(seam=seam, pinner_given=pinner is not None, **opts)
+    return Engine(options, backend=backend, pinner=pinner)
 
 
 def stage_sync(engine: Engine, sd: Any, **kw: Any) -> Staged:

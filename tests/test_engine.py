@@ -191,6 +191,17 @@ def test_layouts_views_and_aliases(engine: Any) -> None:
     assert staged["base"].untyped_storage().nbytes() == base.untyped_storage().nbytes()
 
 
+def test_empty_view_at_an_offset_of_an_empty_storage(engine: Any) -> None:
+    # Found by the property test: an empty view may sit past the end of an empty
+    # storage (offset 1 of 0 bytes); its offset is kept.
+    base = torch.empty(2, 0, dtype=torch.bool)
+    sd = {"v": base[1:], "base": base}
+    for _ in range(2):
+        staged = stage_sync(engine, sd).result
+        assert_same(staged["v"], base[1:])
+        assert_same(staged["base"], base)
+
+
 def test_parameter_requires_grad_and_attributes(engine: Any) -> None:
     p = torch.nn.Parameter(torch.randn(3, 3))
     frozen = torch.nn.Parameter(torch.randn(2), requires_grad=False)
