@@ -32,6 +32,7 @@ from ._bench_measure import (
     Contender,
     DcpContender,
     OursContender,
+    SeedContender,
     dcp_available,
     idle_lag,
     open_fds,
@@ -57,6 +58,7 @@ from ._options import loop_friendly_threads
 __all__ = ["BenchOptions", "Progress", "add_arguments", "options_from_args", "run_bench", "run_cli"]
 
 OURS = "async_stager"
+SEED = "async_stager.DefaultStager"
 DCP = "dcp"
 
 
@@ -136,6 +138,7 @@ def _contender_makers(opts: BenchOptions, device: torch.device) -> list[tuple[st
         makers.append(
             (name, lambda: OursContender(name, copy_threads=threads, share_memory=opts.share_memory))
         )
+    makers.append((SEED, lambda: SeedContender(SEED, share_memory=opts.share_memory)))
     if opts.dcp:
         why = dcp_available()
         if why is not None:
@@ -150,8 +153,16 @@ def _runs(opts: BenchOptions, name: str) -> int:
 
 
 def _steps(opts: BenchOptions, contenders: int) -> int:
-    per_round = contenders + 1
+    # Per workload: built, each contender's cold stage, then per round one synchronous
+    # bound, one bound, and for each contender its stage and the bound after it.
+    per_round = 2 + 2 * contenders
     return sum(1 + contenders + (opts.warmup + _runs(opts, w)) * per_round for w in opts.workloads)
+
+
+def _paired(num: list[float], den: list[float]) -> float | None:
+    """Median over rounds of ``num[i] / den[i]`` (None without rounds)."""
+    ratios = [a / b for a, b in zip(num, den) if b > 0]
+    return median(ratios) if ratios else None
 
 
 async def _bench_workload(
@@ -167,6 +178,7 @@ async def _bench_workload(
     tensors, nbytes = count_tensors(sd)
     bound = Bound(nbytes, device)
     progress.step(name, "built")
+    total = opts.warmup + _runs(opts, name)
     # The first stage of the run pays the most for fresh pages: the contenders take
     # turns at going first, one workload each.
     shift = opts.workloads.index(name) % len(makers)
@@ -185,31 +197,50 @@ async def _bench_workload(
             except Exception as exc:  # noqa: BLE001 - a failing contender is a result
                 errors[cname] = f"{type(exc).__name__}: {exc}"
                 progress.step(name, f"{cname} cold failed")
-                progress.done += (opts.warmup + _runs(opts, name)) * 1
+                progress.done += total * 2
                 continue
             fds[cname] = open_fds() - before
             progress.step(name, f"{cname} cold")
-        # Rounds: every contender and the bound once, in an order rotating per round.
-        # The first ``warmup`` rounds are not reported.
-        order: list[str] = [n for n in live if n not in errors]
-        order.append("")  # the bound
+
+        async def timed(c: Contender) -> tuple[float, list[float]]:
+            gc.collect()
+            return await timed_stage(c, sd, device, opts.lag_period)
+
+        # Rounds: the contenders in an order rotating per round, each bracketed by
+        # bound copies (timed the same way); a contender's paired bound is the mean of
+        # the two around it. The first ``warmup`` rounds are not reported.
+        order = [n for n in live if n not in errors]
         times: dict[str, list[float]] = {n: [] for n in order}
+        paired_bound: dict[str, list[float]] = {n: [] for n in order}
         lags: dict[str, list[float]] = {n: [] for n in order}
-        total = opts.warmup + _runs(opts, name)
+        bound_runs: list[float] = []
+        bound_lag: list[float] = []
+        sync_runs: list[float] = []
         for r in range(total):
-            k = r % len(order)
-            phase = "warm-up" if r < opts.warmup else f"run {r - opts.warmup + 1}/{total - opts.warmup}"
+            k = r % len(order) if order else 0
+            report = r >= opts.warmup
+            phase = "warm-up" if not report else f"run {r - opts.warmup + 1}/{total - opts.warmup}"
+            gc.collect()
+            sync_s = bound.run()
+            progress.step(name, phase)
+            before_s, lag = await timed(bound)
+            progress.step(name, phase)
+            if report:
+                sync_runs.append(sync_s)
+                bound_runs.append(before_s)
+                bound_lag.extend(lag)
             for cname in order[k:] + order[:k]:
-                gc.collect()
-                if cname:
-                    seconds, lag = await timed_stage(live[cname], sd, device, opts.lag_period)
-                else:
-                    seconds, lag = bound.run(), []
-                if r >= opts.warmup:
+                seconds, lag = await timed(live[cname])
+                progress.step(name, phase)
+                after_s, blag = await timed(bound)
+                progress.step(name, phase)
+                if report:
                     times[cname].append(seconds)
                     lags[cname].extend(lag)
-                progress.step(name, phase)
-        bound_runs = times.pop("")
+                    paired_bound[cname].append((before_s + after_s) / 2)
+                    bound_runs.append(after_s)
+                    bound_lag.extend(blag)
+                before_s = after_s
         bound_s = median(bound_runs)
         results: list[StagerResult] = []
         for cname, _ in makers:
@@ -230,8 +261,8 @@ async def _bench_workload(
                     seconds=s,
                     runs=tuple(runs),
                     gbps=nbytes / s / 1e9 if s > 0 else 0.0,
-                    vs_dcp=median(times[DCP]) / s if DCP in times and cname != DCP and s > 0 else None,
-                    of_bound=bound_s / s if s > 0 else None,
+                    vs_dcp=_paired(times[DCP], runs) if DCP in times and cname != DCP else None,
+                    of_bound=_paired(paired_bound[cname], runs),
                     us_per_tensor=s / max(1, tensors) * 1e6,
                     lag=lag_stats(lags[cname]),
                     cold_lag=lag_stats(cold[cname][1]),
@@ -248,7 +279,13 @@ async def _bench_workload(
         device=str(device),
         tensors=tensors,
         bytes=nbytes,
-        bound=BoundResult(bound_s, nbytes / bound_s / 1e9 if bound_s > 0 else 0.0, tuple(bound_runs)),
+        bound=BoundResult(
+            seconds=bound_s,
+            gbps=nbytes / bound_s / 1e9 if bound_s > 0 else 0.0,
+            runs=tuple(bound_runs),
+            sync_seconds=median(sync_runs),
+            lag=lag_stats(bound_lag),
+        ),
         stagers=tuple(results),
     )
 

@@ -4,6 +4,12 @@ Units: seconds, bytes, GB/s (10^9 bytes per second), milliseconds for loop lag,
 microseconds for per-tensor cost. Ratios are chosen so that bigger is better for us:
 ``vs_dcp`` is DCP's seconds over ours (3.0: we are three times faster), ``of_bound`` is
 the bound's seconds over ours (1.0: as fast as one copy of one contiguous buffer).
+
+Both ratios are paired: each is taken within one round (DCP's stage and ours in the
+same round; the bound copies run right before and right after ours, averaged), and the
+median over the rounds is reported. A shared machine's memory bandwidth drifts by tens
+of percent within seconds; pairing cancels the drift that a ratio of two medians over
+the whole run would keep.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ __all__ = [
     "write_plot",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class BenchError(Exception):
@@ -70,11 +76,16 @@ def lag_stats(lateness_seconds: Sequence[float]) -> LagStats:
 @dataclass(frozen=True)
 class BoundResult:
     """One ``dst.copy_(src)`` of one contiguous buffer of the workload's bytes
-    (on a GPU: device to pinned host). ``seconds`` is the median of ``runs``."""
+    (on a GPU: device to pinned host). ``seconds`` is the median of ``runs``, timed
+    like the stagers (in a worker thread, the ticker running; ``lag`` is the ticker's
+    lateness meanwhile); ``sync_seconds`` is the median of the same copy on the
+    calling thread with nothing else running (one per round)."""
 
     seconds: float
     gbps: float
     runs: tuple[float, ...]
+    sync_seconds: float
+    lag: LagStats
 
 
 @dataclass(frozen=True)
@@ -83,7 +94,8 @@ class StagerResult:
 
     ``cold_seconds``: the first stage (allocates host memory); ``seconds``: median of the
     cached stages in ``runs``; ``gbps``: bytes over ``seconds``; ``vs_dcp`` and
-    ``of_bound``: DCP's or the bound's median seconds over ``seconds``; ``us_per_tensor``: ``seconds`` over the tensor count;
+    ``of_bound``: medians over the rounds of DCP's or the bound's seconds over ours in
+    that round (see the module docstring); ``us_per_tensor``: ``seconds`` over the tensor count;
     ``lag``: ticker lateness during the cached stages; ``cold_lag``: during the first;
     ``host_bytes``: host memory held after staging (None if the stager does not say);
     ``fds``: file descriptors opened by the stager and still held after staging;
@@ -191,8 +203,24 @@ def _rows(report: BenchReport) -> list[tuple[str, ...]]:
                 )
             )
         b = w.bound
+        blag = f"{b.lag.p50_ms:.2f}/{b.lag.p99_ms:.2f}/{b.lag.max_ms:.1f}"
         rows.append(
-            (w.name, "bound (1 buffer)", "1", mib, "", f"{b.seconds * 1e3:.2f}", f"{b.gbps:.2f}", *[""] * 7)
+            (
+                w.name,
+                "bound (1 buffer)",
+                "1",
+                mib,
+                "",
+                f"{b.seconds * 1e3:.2f}",
+                f"{b.gbps:.2f}",
+                "",
+                "1.00",
+                "",
+                blag,
+                "",
+                "",
+                "",
+            )
         )
     return rows
 

@@ -131,6 +131,9 @@ class DeviceProgram:
     direct_dsts: list[torch.Tensor] = field(default_factory=list)
     direct_reps: list[int] = field(default_factory=list)
     direct_whole: bool = False
+    # The copier's plan for copying into ``direct_dsts`` at once (Copier.prepare), or
+    # None: copied in chunks.
+    direct_layout: Any = None
 
     def freeze(self) -> None:
         self.direct_dsts = [u.dst for u in self.direct]

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
+
+from ._hostcopy import MIN_POOL_BYTES, CopyPool, Schedule, omp_threads, pieces, schedule
 
 __all__ = ["Backend", "Completion", "Copier", "CpuCopier", "CudaCopier", "RealBackend"]
 
@@ -68,6 +70,22 @@ class Copier(ABC):
     def copy(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
         """Enqueue ``dsts[i].copy_(srcs[i])`` for every i (same shapes and dtypes)."""
 
+    def prepare(self, dsts: Sequence[torch.Tensor]) -> Any:
+        """Plan time: a copier-specific layout for copying into ``dsts`` (fixed host
+        tensors) with ``copy_planned``, or None to use ``copy`` in chunks."""
+        return None
+
+    def copy_planned(
+        self,
+        dsts: Sequence[torch.Tensor],
+        srcs: Sequence[torch.Tensor],
+        layout: Any,
+        tick: Callable[[], None],
+    ) -> None:
+        """Like ``copy`` for all of ``dsts`` at once, with ``prepare``'s layout;
+        ``tick`` may be called between parts (it raises to cancel)."""
+        raise NotImplementedError
+
     def protect(self, srcs: Sequence[torch.Tensor]) -> None:
         """Keep the sources' memory from being reused until the copies finish."""
 
@@ -89,32 +107,45 @@ class Copier(ABC):
 class CpuCopier(Copier):
     """Copies run in the calling thread; torch releases the GIL for each batch.
 
-    ``threads``: torch intra-op threads for these copies (None: torch's setting). The
-    async Stager leaves one core to the event loop: with every core copying, a 1 ms
-    timer was measured up to 5 ms late on 2 cores (one thread: under 1 ms, at 92% of
-    the two-thread bandwidth there).
+    ``threads``: threads copying (None: torch's intra-op thread count). The async
+    Stager leaves one core to the event loop: with every core copying, a 1 ms timer was
+    measured up to 5 ms late on 2 cores (one thread: under 1 ms, at 87-92% of the
+    two-thread bandwidth there). A program of at least ``MIN_POOL_BYTES`` is copied by
+    the calling thread and ``threads - 1`` helpers claiming pieces (``_hostcopy``);
+    smaller ones by ``_foreach_copy_`` with that many torch threads.
     """
 
     def __init__(self, device: torch.device, *, threads: int | None = None) -> None:
         super().__init__(device)
         self.threads = threads
+        n = threads if threads is not None else torch.get_num_threads()
+        self._pool = CopyPool(n - 1) if n > 1 else None
 
     def copy(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
         if not dsts:
             return
-        n = self.threads
-        before = torch.get_num_threads()
-        if n is None or n == before:
+        with omp_threads(self.threads):
             torch._foreach_copy_(dsts, srcs)  # type: ignore[arg-type]
-            return
-        # Hazard: OpenMP's thread count is per calling thread, but torch also keeps a
-        # process-wide default that threads starting *now* would inherit; it is put
-        # back right after the copy.
-        torch.set_num_threads(n)
-        try:
-            torch._foreach_copy_(dsts, srcs)  # type: ignore[arg-type]
-        finally:
-            torch.set_num_threads(before)
+
+    def prepare(self, dsts: Sequence[torch.Tensor]) -> Any:
+        if self._pool is None or self._pool.helpers == 0:
+            return None
+        sched = schedule(dsts)
+        return sched if sched.nbytes >= MIN_POOL_BYTES and len(sched.items) > 1 else None
+
+    def copy_planned(
+        self,
+        dsts: Sequence[torch.Tensor],
+        srcs: Sequence[torch.Tensor],
+        layout: Any,
+        tick: Callable[[], None],
+    ) -> None:
+        assert self._pool is not None and isinstance(layout, Schedule)
+        self._pool.run(pieces(layout, dsts, srcs), tick)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
 
 
 class CudaCopier(Copier):

@@ -308,7 +308,10 @@ class Engine:
                         else:
                             srcs = list(operator.itemgetter(*prog.direct_reps)(leaves))
                         srcs_all.extend(srcs)
-                        _copy_chunked(copier, prog.direct_dsts, srcs, tick)
+                        if prog.direct_layout is not None:
+                            copier.copy_planned(prog.direct_dsts, srcs, prog.direct_layout, tick)
+                        else:
+                            _copy_chunked(copier, prog.direct_dsts, srcs, tick)
                     copier.protect(srcs_all)
                 except BaseException:
                     # Failed or cancelled (a tick) part way: copies enqueued before

@@ -191,6 +191,7 @@ def _programs(
         prog.direct = [u for u in prog.direct if id(u) not in batched]
     for prog in by_dev.values():
         prog.freeze()
+        prog.direct_layout = copier_for(prog.device).prepare(prog.direct_dsts)
     return list(by_dev.values())
 
 

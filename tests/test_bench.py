@@ -49,7 +49,7 @@ def test_bench_cli_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "| workload" in table and "bound (1 buffer)" in table
 
     data = json.loads(out_json.read_text())
-    assert data["schema_version"] == 1
+    assert data["schema_version"] == 2
     assert set(data) == {"machine", "options", "idle_lag", "workloads", "seconds", "schema_version"}
     assert data["machine"]["device"].startswith("cpu")
     assert data["machine"]["cores"] >= 1
@@ -58,10 +58,13 @@ def test_bench_cli_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert [w["name"] for w in data["workloads"]] == list(WORKLOADS)
     for w in data["workloads"]:
         assert w["tensors"] > 0 and w["bytes"] > 0 and w["device"] == "cpu"
-        assert w["bound"]["seconds"] > 0 and w["bound"]["gbps"] > 0
-        assert len(w["bound"]["runs"]) == WORKLOADS[w["name"]].runs_factor
+        assert w["bound"]["seconds"] > 0 and w["bound"]["gbps"] > 0 and w["bound"]["sync_seconds"] > 0
+        _check_lag(w["bound"]["lag"])
         names = [s["name"] for s in w["stagers"]]
-        assert names[0] == "async_stager" and names[-1] == "dcp"
+        assert names[0] == "async_stager" and names[-1] == "dcp" and "async_stager.DefaultStager" in names
+        # One bound copy before each round and one after each contender in it.
+        rounds = WORKLOADS[w["name"]].runs_factor
+        assert len(w["bound"]["runs"]) == rounds * (len(names) + 1)
         for s in w["stagers"]:
             assert s["error"] is None, s["error"]
             assert s["cold_seconds"] > 0 and s["seconds"] > 0 and s["gbps"] > 0
@@ -82,8 +85,8 @@ def test_bench_json_to_stdout_one_workload(capsys: pytest.CaptureFixture[str]) -
     data = json.loads(capsys.readouterr().out)
     (w,) = data["workloads"]
     assert w["name"] == "small20k" and w["tensors"] == 10
-    assert [s["name"] for s in w["stagers"]] == ["async_stager"]
-    assert w["stagers"][0]["vs_dcp"] is None
+    assert [s["name"] for s in w["stagers"]] == ["async_stager", "async_stager.DefaultStager"]
+    assert all(s["vs_dcp"] is None and s["of_bound"] > 0 for s in w["stagers"])
 
 
 @pytest.mark.timeout(30)
@@ -107,9 +110,9 @@ def test_failing_contender_is_a_result(
     rc = cli.main(["bench", *TINY, "--workloads", "small20k", "--no-all-threads", "--json", "-"])
     assert rc == 0
     (w,) = json.loads(capsys.readouterr().out)["workloads"]
-    ours, dcp = w["stagers"]
+    ours, seed, dcp = w["stagers"]
     assert dcp["name"] == "dcp" and "Too many open files" in dcp["error"]
-    assert ours["error"] is None and ours["vs_dcp"] is None
+    assert ours["error"] is None and ours["vs_dcp"] is None and seed["error"] is None
 
 
 @pytest.mark.timeout(30)
@@ -161,7 +164,7 @@ def _report(error: bool = False) -> BenchReport:
     else:
         dcp = StagerResult("dcp", 0.3, 0.25, (0.25,), 0.1, None, 0.08, 12.5, lag, lag, None, 0)
     w = WorkloadResult(
-        "small20k", "d", "cpu", 20000, 1_280_000, BoundResult(0.001, 1.28, (0.001,)), (ours, dcp)
+        "small20k", "d", "cpu", 20000, 1_280_000, BoundResult(0.001, 1.28, (0.001,), 0.0009, lag), (ours, dcp)
     )
     machine = {
         "device": "cpu (x86_64)",
@@ -187,6 +190,15 @@ def test_table_format() -> None:
     dcp_cells = [c.strip() for c in table[3].strip("|").split("|")]
     assert dcp_cells[7] == "-" and dcp_cells[-2] == "-"
     assert "bound (1 buffer)" in table[4]
+
+
+@pytest.mark.timeout(10)
+def test_ratios_are_paired_per_round() -> None:
+    # Round 2 ran on a machine twice as slow for everybody: the paired ratios stay at
+    # 2.0, where a ratio of the two medians would say 1.0.
+    assert _bench._paired([2.0, 4.0, 2.0], [1.0, 2.0, 1.0]) == 2.0
+    assert _bench._paired([1.0, 1.0, 4.0], [1.0, 2.0, 2.0]) == 1.0
+    assert _bench._paired([], []) is None
 
 
 @pytest.mark.timeout(10)
@@ -271,4 +283,5 @@ def test_run_bench_api_is_quiet_without_stream() -> None:
     )
     report = asyncio.run(_bench.run_bench(opts, None))
     (w,) = report.workloads
-    assert w.bytes == 2**18 and report.options["contenders"] == ["async_stager"]
+    assert w.bytes == 2**18
+    assert report.options["contenders"] == ["async_stager", "async_stager.DefaultStager"]
