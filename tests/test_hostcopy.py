@@ -157,9 +157,10 @@ def test_tick_cancels_between_pieces(helpers: int) -> None:
         with pytest.raises(Stop):
             pool.run(pieces(schedule(dsts, 4096), dsts, srcs), tick)
         if helpers == 0:
-            # Alone, the calling thread copied exactly the two pieces before the stop.
-            assert all(torch.equal(d, s) for d, s in zip(dsts[:2], srcs[:2]))
-            assert not any(d.any() for d in dsts[2:])
+            # Alone, the calling thread made two guided claims before the stop: half of
+            # the 8 pieces, then half of half of the rest.
+            assert all(torch.equal(d, s) for d, s in zip(dsts[:6], srcs[:6]))
+            assert not any(d.any() for d in dsts[6:])
         pool.run(pieces(schedule(dsts, 4096), dsts, srcs))
         assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
     finally:
@@ -285,3 +286,17 @@ def test_engine_copies_big_cpu_programs_in_pieces(copy_threads: int, pooled: boo
 
 def test_module_constants() -> None:
     assert MIN_POOL_BYTES >= 2 * _hostcopy.PIECE_BYTES
+
+
+def test_claims_are_guided() -> None:
+    # Big claims first (few GIL round trips), single pieces at the end (even finish).
+    job = _hostcopy._Job([([], [])] * 100, participants=2)
+    sizes = []
+    while True:
+        lo, hi = job._claim()
+        if lo >= hi:
+            break
+        sizes.append(hi - lo)
+    assert sum(sizes) == 100
+    assert sizes[:3] == [25, 18, 14] and sizes[-1] == 1
+    assert sizes == sorted(sizes, reverse=True)
