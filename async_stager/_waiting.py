@@ -63,6 +63,26 @@ def _threadsafe(fn: Callable[[], Any]) -> Callable[[], None]:
     raise UnsupportedError(f"async_stager runs on asyncio and trio, not {lib!r}")
 
 
+class _OneShot:
+    """A done-callback that lets go of what it wakes once used or no longer wanted.
+
+    Hazard: a ``concurrent.futures.Future`` keeps its callbacks after calling them. A
+    plain closure would keep the event, and through it the waiting task and its
+    coroutine, alive as long as the future, and a job holds its future: a task whose
+    loop closed under it lived until the process ended.
+    """
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn: Callable[[], None] | None = fn
+
+    def __call__(self, _fut: Any) -> None:
+        fn, self.fn = self.fn, None
+        if fn is not None:
+            fn()
+
+
 async def wait_future(fut: Future[T]) -> T:
     """The result of ``fut`` (completed by another thread), without blocking the loop.
 
@@ -71,9 +91,12 @@ async def wait_future(fut: Future[T]) -> T:
     """
     if not fut.done():
         event = anyio.Event()
-        wake = _threadsafe(event.set)
-        fut.add_done_callback(lambda _f: wake())
-        await event.wait()
+        wake = _OneShot(_threadsafe(event.set))
+        fut.add_done_callback(wake)
+        try:
+            await event.wait()
+        finally:
+            wake.fn = None
     try:
         return fut.result()
     finally:

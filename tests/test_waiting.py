@@ -131,3 +131,19 @@ def test_wake_after_the_loop_closed_is_quiet() -> None:
     t.start()
     t.join()
     assert not errors
+
+
+async def test_wait_future_lets_go_of_its_waiter(anyio_backend: Any) -> None:
+    """A concurrent future keeps its callbacks after calling them: what wait_future
+    registered must not keep the waiting task (its event) alive through the future,
+    whether the wait ended by the result or by cancellation."""
+    done: Future[int] = Future()
+    threading.Timer(0.01, done.set_result, (1,)).start()
+    assert await wait_future(done) == 1
+    abandoned: Future[int] = Future()
+    with anyio.move_on_after(0.01):
+        await wait_future(abandoned)
+    for fut in (done, abandoned):
+        callbacks = fut._done_callbacks  # type: ignore[attr-defined]
+        assert callbacks and all(getattr(cb, "fn", "not a one-shot") is None for cb in callbacks)
+    abandoned.set_result(2)  # firing a spent callback is harmless
