@@ -206,12 +206,15 @@ async def _bench_workload(
             gc.collect()
             return await timed_stage(c, sd, device, opts.lag_period)
 
-        # Rounds: the contenders in an order rotating per round, each bracketed by
-        # bound copies (timed the same way); a contender's paired bound is the mean of
-        # the two around it. The first ``warmup`` rounds are not reported.
+        # Rounds: the contenders in an order rotating per round, each between two
+        # bound copies (timed the same way). A round's reference is the median of its
+        # bound copies: drift slower than a round cancels in the ratio, and a single
+        # copy that caught a fast or slow moment does not count (the mean of the two
+        # copies around a stage did: one 38 ms copy among 60 ms ones moved a ratio
+        # from 0.96 to 0.85). The first ``warmup`` rounds are not reported.
         order = [n for n in live if n not in errors]
         times: dict[str, list[float]] = {n: [] for n in order}
-        paired_bound: dict[str, list[float]] = {n: [] for n in order}
+        reference: list[float] = []
         lags: dict[str, list[float]] = {n: [] for n in order}
         bound_runs: list[float] = []
         bound_lag: list[float] = []
@@ -223,24 +226,27 @@ async def _bench_workload(
             gc.collect()
             sync_s = bound.run()
             progress.step(name, phase)
-            before_s, lag = await timed(bound)
+            first, lag = await timed(bound)
             progress.step(name, phase)
+            round_bounds = [first]
+            round_lag = lag
+            round_times: dict[str, float] = {}
+            round_lags: dict[str, list[float]] = {}
+            for cname in order[k:] + order[:k]:
+                round_times[cname], round_lags[cname] = await timed(live[cname])
+                progress.step(name, phase)
+                after, blag = await timed(bound)
+                progress.step(name, phase)
+                round_bounds.append(after)
+                round_lag.extend(blag)
             if report:
                 sync_runs.append(sync_s)
-                bound_runs.append(before_s)
-                bound_lag.extend(lag)
-            for cname in order[k:] + order[:k]:
-                seconds, lag = await timed(live[cname])
-                progress.step(name, phase)
-                after_s, blag = await timed(bound)
-                progress.step(name, phase)
-                if report:
-                    times[cname].append(seconds)
-                    lags[cname].extend(lag)
-                    paired_bound[cname].append((before_s + after_s) / 2)
-                    bound_runs.append(after_s)
-                    bound_lag.extend(blag)
-                before_s = after_s
+                bound_runs.extend(round_bounds)
+                bound_lag.extend(round_lag)
+                reference.append(median(round_bounds))
+                for cname in order:
+                    times[cname].append(round_times[cname])
+                    lags[cname].extend(round_lags[cname])
         bound_s = median(bound_runs)
         results: list[StagerResult] = []
         for cname, _ in makers:
@@ -262,7 +268,7 @@ async def _bench_workload(
                     runs=tuple(runs),
                     gbps=nbytes / s / 1e9 if s > 0 else 0.0,
                     vs_dcp=_paired(times[DCP], runs) if DCP in times and cname != DCP else None,
-                    of_bound=_paired(paired_bound[cname], runs),
+                    of_bound=_paired(reference, runs),
                     us_per_tensor=s / max(1, tensors) * 1e6,
                     lag=lag_stats(lags[cname]),
                     cold_lag=lag_stats(cold[cname][1]),

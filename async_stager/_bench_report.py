@@ -6,10 +6,10 @@ microseconds for per-tensor cost. Ratios are chosen so that bigger is better for
 the bound's seconds over ours (1.0: as fast as one copy of one contiguous buffer).
 
 Both ratios are paired: each is taken within one round (DCP's stage and ours in the
-same round; the bound copies run right before and right after ours, averaged), and the
-median over the rounds is reported. A shared machine's memory bandwidth drifts by tens
-of percent within seconds; pairing cancels the drift that a ratio of two medians over
-the whole run would keep.
+same round; for the bound, the median of the round's bound copies, one before the first
+stage and one after each), and the median over the rounds is reported. A shared
+machine's memory bandwidth drifts by tens of percent within seconds; pairing cancels
+the drift that a ratio of two medians over the whole run would keep.
 """
 
 from __future__ import annotations

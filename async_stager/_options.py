@@ -56,7 +56,8 @@ class StagerOptions:
       staging (see docs/concepts.md).
     - ``worker_nice``: niceness added to the worker thread (Linux), 0 to leave it; the
       event loop then preempts host copies at once (see docs/concepts.md).
-    - ``copy_threads``: torch threads for host-to-host copies; None: torch's setting.
+    - ``copy_threads``: threads for host-to-host copies, the worker and ``n - 1``
+      helpers (see ``_hostcopy``); None: torch's intra-op thread count.
     """
 
     pin_memory: bool

@@ -113,8 +113,8 @@ class Stager:
     - ``share_memory``: host arenas in shared memory, for writer processes (default off).
     - ``non_blocking``: asynchronous device-to-host copies (default: with CUDA).
     - ``max_buffer_sets``: host buffer generations, so leased results are not overwritten.
-    - ``copy_threads``: torch threads for host copies (default: all cores but one,
-      which stays free for the event loop).
+    - ``copy_threads``: threads copying on the host, the worker included (default: all
+      cores but one, which stays free for the event loop).
     - ``on_stage``: called on the event loop thread with each stage's StageStats.
     - ``backend``/``pinner``: the device seam (``async_stager.testing`` has fakes).
 
