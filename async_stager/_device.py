@@ -131,7 +131,8 @@ class CpuCopier(Copier):
         if self._pool is None or self._pool.helpers == 0:
             return None
         sched = schedule(dsts)
-        return sched if sched.nbytes >= MIN_POOL_BYTES and len(sched.items) > 1 else None
+        n_pieces = sum(max(1, parts) for _, _, parts in sched.items)
+        return sched if sched.nbytes >= MIN_POOL_BYTES and n_pieces > 1 else None
 
     def copy_planned(
         self,

@@ -81,26 +81,61 @@ class _OpenMP:
         self._set(n)
 
 
+def _controls_torch(omp: _OpenMP) -> bool:
+    """True when ``omp`` sets the team size torch sees (checked on a scratch thread)."""
+    seen: list[int] = []
+
+    def probe() -> None:
+        torch.get_num_threads()  # torch's lazy per-thread setup first
+        omp.set(1)
+        seen.append(torch.get_num_threads())
+        omp.set(2)
+        seen.append(torch.get_num_threads())
+
+    t = threading.Thread(target=probe, name="async-stager-omp-probe", daemon=True)
+    t.start()
+    t.join()
+    return seen == [1, 2]
+
+
 def _find_openmp() -> _OpenMP | None:
+    """The OpenMP entry points torch itself calls, or None.
+
+    Looked up first through torch's own library (a lookup through a library's handle
+    searches its dependencies, so it finds the runtime torch was linked with even when
+    another extension loaded a second copy), then through any loaded OpenMP library;
+    each candidate must be seen to change ``torch.get_num_threads()`` on a scratch
+    thread.
+    """
     if "OpenMP" not in torch.__config__.parallel_info().rsplit("ATen parallel backend:", 1)[-1]:
         return None
-    candidates: list[str] = []
+    paths: list[str] = []
     try:
-        # The copy torch loaded (its wheels bundle one under a hashed name): opening
-        # the same path again returns the already-loaded library, not a second one.
         with open("/proc/self/maps") as f:
             for line in f:
-                path = line.rsplit(" ", 1)[-1].strip()
+                fields = line.split(maxsplit=5)
+                if len(fields) < 6:
+                    continue
+                path = fields[5].strip()
                 name = os.path.basename(path)
-                if name.startswith(("libgomp", "libiomp", "libomp")) and path not in candidates:
-                    candidates.append(path)
+                if name.startswith("libtorch_cpu"):
+                    paths.insert(0, path)
+                elif name.startswith(("libgomp", "libiomp", "libomp")):
+                    paths.append(path)
     except OSError:
         pass
-    for path in candidates:
+    seen: set[str] = set()
+    for path in paths:
+        if path in seen:
+            continue
+        seen.add(path)
         try:
-            return _OpenMP(ctypes.CDLL(path))
+            # Opening an already-loaded path returns that library, not a second copy.
+            omp = _OpenMP(ctypes.CDLL(path))
         except (OSError, AttributeError):
             continue
+        if _controls_torch(omp):
+            return omp
     return None
 
 
@@ -202,7 +237,10 @@ def pieces(sched: Schedule, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.T
             out.append((list(dsts[lo:hi]), list(srcs[lo:hi])))
             continue
         d, s = dsts[lo], srcs[lo]
-        if not s.is_contiguous() or s.dtype != d.dtype or s.numel() != d.numel():
+        # Same shape, or copy_ must see the pair whole: a leaf reshaped between stages
+        # keeps its fingerprint (pointer, dtype, dim, numel), and only copy_'s shape
+        # check tells the engine that its plan no longer fits.
+        if not s.is_contiguous() or s.dtype != d.dtype or s.shape != d.shape:
             out.append(([d], [s]))
             continue
         df, sf = d.view(-1), s.view(-1)
@@ -224,15 +262,19 @@ class _Job:
     together.
     """
 
-    def __init__(self, work: Work, participants: int) -> None:
+    def __init__(self, work: Work, helpers: int) -> None:
         self.work = work
         self._pos = 0
-        self._div = 2 * participants
+        self._div = 2 * (helpers + 1)
         self.stop = False
         self.error: BaseException | None = None
-        self._left = participants
+        # Only helpers check out: the calling thread waits for them, whatever happened
+        # to it (even if it never got to copy).
+        self._left = helpers
         self._lock = threading.Lock()
         self.finished = threading.Event()
+        if helpers == 0:
+            self.finished.set()
 
     def _claim(self) -> tuple[int, int]:
         with self._lock:
@@ -243,53 +285,67 @@ class _Job:
 
     def drain(self, tick: Callable[[], None] | None = None) -> None:
         """Claim and copy pieces until none is left (or one failed, or ``tick``
-        raised: a cancelled stage); then check out."""
+        raised: a cancelled stage). Errors are kept for the calling thread."""
         work = self.work
         try:
-            while not self.stop:
-                if tick is not None:
-                    tick()
-                lo, hi = self._claim()
-                if lo >= hi:
-                    break
-                if hi == lo + 1:
-                    d, s = work[lo]
-                else:
-                    d, s = [], []
-                    for dd, ss in work[lo:hi]:
-                        d += dd
-                        s += ss
-                if len(d) == 1:
-                    d[0].copy_(s[0])
-                else:
-                    torch._foreach_copy_(d, s)  # type: ignore[arg-type]
-        except BaseException as e:  # noqa: BLE001 - handed to the worker
+            # Hazard: grad mode and torch-function overrides are per thread. The
+            # engine turns both off on the worker; a helper must too, or copying a
+            # source that requires grad records autograd history into the host
+            # buffers (or fails on views made in no-grad mode), and a tensor
+            # subclass's override would run on the helper.
+            with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+                while not self.stop:
+                    if tick is not None:
+                        tick()
+                    lo, hi = self._claim()
+                    if lo >= hi:
+                        break
+                    if hi == lo + 1:
+                        d, s = work[lo]
+                    else:
+                        d, s = [], []
+                        for dd, ss in work[lo:hi]:
+                            d += dd
+                            s += ss
+                    if len(d) == 1:
+                        d[0].copy_(s[0])
+                    else:
+                        torch._foreach_copy_(d, s)  # type: ignore[arg-type]
+        except BaseException as e:  # noqa: BLE001 - handed to the calling thread
             self.stop = True
             with self._lock:
                 if self.error is None:
                     self.error = e
-        finally:
-            with self._lock:
-                self._left -= 1
-                if self._left == 0:
-                    self.finished.set()
+
+    def check_out(self) -> None:
+        """A helper is done with this job."""
+        with self._lock:
+            self._left -= 1
+            if self._left == 0:
+                self.finished.set()
 
 
 def _helper(inbox: queue.SimpleQueue[_Job | None], priority: int | None) -> None:
     # A module function holding only its inbox: the thread must not keep the pool
     # (and through it the stager) alive.
-    if priority is not None:
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), priority)
-    torch.get_num_threads()  # torch's lazy per-thread setup first (see omp_threads)
-    omp = _openmp()
-    if omp is not None:
-        omp.set(1)
+    try:
+        if priority is not None:
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), priority)
+        torch.get_num_threads()  # torch's lazy per-thread setup first (see omp_threads)
+        omp = _openmp()
+        if omp is not None:
+            omp.set(1)
+    except Exception:  # noqa: BLE001 - a helper that copies slower still copies
+        pass
     while True:
         job = inbox.get()
         if job is None:
             return
-        job.drain()
+        try:
+            job.drain()
+        finally:
+            job.check_out()
         del job
 
 
@@ -318,6 +374,10 @@ class CopyPool:
         if hasattr(os, "getpriority"):
             with contextlib.suppress(OSError):
                 prio = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        # A helper that is gone (it never is, short of close) would never check out.
+        live = [(t, q) for t, q in zip(self._threads, self._inboxes) if t.is_alive()]
+        self._threads[:] = [t for t, _ in live]
+        self._inboxes[:] = [q for _, q in live]
         while len(self._threads) < self.helpers:
             q: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
             t = threading.Thread(
@@ -334,11 +394,13 @@ class CopyPool:
         """Copy every piece of ``work``; returns, or raises the first copy error (or
         what ``tick``, called by this thread between its pieces, raised), only once no
         piece is being copied any more. Blocks the calling thread."""
+        if not work:
+            return
         with self._lock:
             helpers = 0 if self._closed else min(self.helpers, len(work) - 1)
             if helpers > 0:
                 self._start()
-            job = _Job(work, helpers + 1)
+            job = _Job(work, helpers)
             for q in self._inboxes[:helpers]:
                 q.put(job)
             try:

@@ -8,7 +8,7 @@ import gc
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -290,7 +290,7 @@ def test_module_constants() -> None:
 
 def test_claims_are_guided() -> None:
     # Big claims first (few GIL round trips), single pieces at the end (even finish).
-    job = _hostcopy._Job([([], [])] * 100, participants=2)
+    job = _hostcopy._Job([([], [])] * 100, helpers=1)
     sizes = []
     while True:
         lo, hi = job._claim()
@@ -300,3 +300,103 @@ def test_claims_are_guided() -> None:
     assert sum(sizes) == 100
     assert sizes[:3] == [25, 18, 14] and sizes[-1] == 1
     assert sizes == sorted(sizes, reverse=True)
+
+
+def test_empty_work_returns() -> None:
+    pool = CopyPool(2)
+    try:
+        pool.run([])
+    finally:
+        pool.close()
+
+
+class _Recording(torch.Tensor):
+    """A subclass whose ``__torch_function__`` notes the thread it runs on."""
+
+    threads: ClassVar[list[str]] = []
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        cls.threads.append(threading.current_thread().name)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_helper_copies_like_the_worker() -> None:
+    """Grad mode and torch-function overrides are per thread: a helper (here: a fresh
+    thread draining a job) must copy sources that require grad without recording
+    autograd history into the host buffers, and bypass subclass overrides, as the
+    worker does."""
+    leaf = torch.randn(3000, requires_grad=True)
+    param = torch.nn.Parameter(torch.randn(3000))
+    nonleaf = leaf * 2
+    sub = torch.randn(3000).as_subclass(_Recording)
+    srcs = [leaf, param, nonleaf, sub]
+    with torch.no_grad():  # as the engine makes them
+        dsts = [torch.zeros(3000) for _ in srcs]
+        work = pieces(schedule(dsts, 4096), dsts, srcs)
+    _Recording.threads.clear()
+    job = _hostcopy._Job(work, helpers=0)
+    t = threading.Thread(target=job.drain, name="async-stager-copy-test")
+    t.start()
+    t.join()
+    assert job.error is None, job.error
+    assert _Recording.threads == []
+    for d, s in zip(dsts, srcs):
+        assert d.grad_fn is None and not d.requires_grad
+        assert torch.equal(d, torch.Tensor(s.detach()) if isinstance(s, _Recording) else s.detach())
+
+
+@needs_helpers
+def test_engine_stages_grad_tensors_with_helpers() -> None:
+    n = MIN_POOL_BYTES // 4 // 2
+    model = {"w": torch.nn.Parameter(torch.randn(n)), "v": torch.randn(n, requires_grad=True)}
+    sd = {**model, "nonleaf": model["v"] * 2}
+    eng = make_engine(copy_threads=2)
+    try:
+        for i in range(4):
+            with torch.no_grad():
+                model["w"].add_(1)
+            staged = stage_sync(eng, sd)
+            assert staged.fast_path == (i > 0)
+            for key in ("w", "v", "nonleaf"):
+                out = staged.result[key]
+                assert torch.equal(out.detach(), sd[key].detach())
+                assert out.grad_fn is None
+    finally:
+        eng.close()
+
+
+@needs_helpers
+def test_reshaped_leaf_is_not_flattened_into_the_old_plan() -> None:
+    """A leaf reshaped between stages keeps its fingerprint (pointer, dtype, dim,
+    numel); the piece copy must not flatten it into the plan's old shape."""
+    base = torch.randn(MIN_POOL_BYTES // 4 + 1024)
+    eng = make_engine(copy_threads=2)
+    try:
+        n = base.numel()
+        first = stage_sync(eng, {"x": base.view(n // 1024, 1024)})
+        assert first.result["x"].shape == (n // 1024, 1024)
+        second = stage_sync(eng, {"x": base.view(1024, n // 1024)})
+        assert second.result["x"].shape == (1024, n // 1024)
+        assert torch.equal(second.result["x"], base.view(1024, n // 1024))
+    finally:
+        eng.close()
+
+
+@needs_helpers
+def test_one_big_tensor_is_copied_in_pieces() -> None:
+    from async_stager._device import CpuCopier
+
+    copier = CpuCopier(torch.device("cpu"), threads=2)
+    try:
+        layout = copier.prepare([torch.empty(MIN_POOL_BYTES * 2, dtype=torch.uint8)])
+        assert isinstance(layout, Schedule) and layout.items[0][2] > 1
+        assert copier.prepare([torch.empty(MIN_POOL_BYTES // 2, dtype=torch.uint8)]) is None
+    finally:
+        copier.close()
+
+
+@needs_helpers
+def test_the_openmp_runtime_found_is_torchs() -> None:
+    omp = _hostcopy._openmp()
+    assert omp is not None and _hostcopy._controls_torch(omp)
