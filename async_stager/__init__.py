@@ -6,9 +6,12 @@ event loop. ``DefaultStager`` keeps PyTorch DCP's staging API on the same engine
 """
 
 from ._errors import (
+    BuffersHeldError,
     ClosedError,
     CopyError,
     HostAllocationError,
+    InvalidOptionError,
+    InvalidOptionTypeError,
     NestingError,
     PinningError,
     StagingError,
@@ -16,6 +19,7 @@ from ._errors import (
     UnsupportedError,
     UnsupportedTensorError,
 )
+from ._lease import Lease
 from ._options import StagerOptions
 from ._seed import CheckpointStager, CheckpointStagerConfig, DefaultStager
 from ._share import AttachedStateDict, SharedArena, SharedHandle, attach_shared, export_shared
@@ -28,12 +32,16 @@ __version__ = "0.1.0"
 __all__ = [
     "AttachedStateDict",
     "Backoff",
+    "BuffersHeldError",
     "CheckpointStager",
     "CheckpointStagerConfig",
     "ClosedError",
     "CopyError",
     "DefaultStager",
     "HostAllocationError",
+    "InvalidOptionError",
+    "InvalidOptionTypeError",
+    "Lease",
     "NestingError",
     "PinningError",
     "SharedArena",

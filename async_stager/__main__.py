@@ -58,20 +58,25 @@ def _parser() -> argparse.ArgumentParser:
     )
     _bench.add_arguments(bench)
     demo = sub.add_parser("demo", help="stage a small model and print what happened")
-    demo.add_argument(
-        "--scale", type=float, default=0.25, help="model size (1: about 353 MiB with AdamW state)"
-    )
+    _bench.scale_argument(demo, 0.25, "model size (1: about 353 MiB with AdamW state)")
     demo.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; returns the exit status (2 for a usage problem)."""
-    ns = _parser().parse_args(argv)
+    """Run the command line; returns the exit status (2 for a usage problem: a bad flag
+    is reported before anything runs)."""
+    try:
+        ns = _parser().parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2), printed
+        if exc.code is None:
+            return 0
+        return exc.code if isinstance(exc.code, int) else 2
     try:
         if ns.command == "bench":
             return _bench.run_cli(ns, sys.stdout)
         device = _bench.BenchOptions(device=ns.device).resolved_device()
+        _bench.check_fits(["transformer"], ns.scale, device)
         asyncio.run(_demo(ns.scale, device))
         return 0
     except BenchError as exc:

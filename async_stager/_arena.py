@@ -214,6 +214,17 @@ class Block:
     offset: int
     nbytes: int
     tensor: torch.Tensor
+    #: The Python object of the block's storage, kept so that it stays the one that
+    #: ``untyped_storage()`` returns for every tensor viewing the block (torch keeps
+    #: one object per storage while it is referenced): a user holding it then shows in
+    #: its reference count (see ``BufferSet.held``).
+    storage: torch.UntypedStorage | None = None
+    #: The block storage's StorageImpl address (stable while ``tensor`` lives).
+    cdata: int = 0
+
+    def __post_init__(self) -> None:
+        self.storage = self.tensor.untyped_storage()
+        self.cdata = self.storage._cdata
 
 
 class HostPool:
@@ -293,7 +304,10 @@ class HostPool:
         return pending[k:]
 
     def free(self, blocks: Sequence[Block]) -> None:
-        """Give blocks back; whole arenas that become free are released (unpinned)."""
+        """Give blocks back to their arenas' free space. An arena that becomes wholly
+        free stays mapped and pinned: the next checkpoint's storages (fresh tensors of
+        the same sizes, typically) reuse it with no new mapping, pin or page fault.
+        Memory goes back to the system only through ``trim`` and ``close``."""
         with self._lock:
             by_arena: dict[Arena, list[tuple[int, int]]] = {}
             for b in blocks:
@@ -301,11 +315,7 @@ class HostPool:
                     continue
                 by_arena.setdefault(b.arena, []).append((b.offset, _align(b.nbytes)))
                 self._used[b.arena] -= _align(b.nbytes)
-            errors: list[BaseException] = []
             for arena, ranges in by_arena.items():
-                if self._used[arena] == 0:
-                    self._drop(arena, errors)
-                    continue
                 merged: list[tuple[int, int]] = []
                 for off, size in sorted(self._free[arena] + ranges):
                     if merged and merged[-1][0] + merged[-1][1] == off:
@@ -313,7 +323,18 @@ class HostPool:
                     else:
                         merged.append((off, size))
                 self._free[arena] = merged
+
+    def trim(self) -> int:
+        """Release (unpin, unmap) every arena no block is allocated from; returns the
+        bytes released. Raises PinningError (after releasing the rest) if unpinning
+        failed."""
+        with self._lock:
+            errors: list[BaseException] = []
+            empty = [a for a in self.arenas if self._used[a] == 0]
+            for arena in empty:
+                self._drop(arena, errors)
             _raise_first(errors)
+            return sum(a.nbytes for a in empty)
 
     def _drop(self, arena: Arena, errors: list[BaseException]) -> None:
         # Forgotten first, closed second: an arena whose unpinning fails is still

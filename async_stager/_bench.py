@@ -17,11 +17,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import math
 import os
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
@@ -55,11 +56,27 @@ from ._bench_report import (
 from ._bench_workloads import WORKLOADS, count_tensors
 from ._options import loop_friendly_threads
 
-__all__ = ["BenchOptions", "Progress", "add_arguments", "options_from_args", "run_bench", "run_cli"]
+__all__ = [
+    "BenchOptions",
+    "Progress",
+    "add_arguments",
+    "check_fits",
+    "options_from_args",
+    "run_bench",
+    "run_cli",
+    "scale_argument",
+]
 
 OURS = "async_stager"
 SEED = "async_stager.DefaultStager"
 DCP = "dcp"
+
+#: Largest ``scale`` (the transformer would be about 275 TiB): beyond any machine, it
+#: only keeps the size arithmetic finite; ``check_fits`` refuses what memory cannot hold.
+MAX_SCALE = 1e6
+#: Python and torch bookkeeping per tensor of a built state dict (bytes, measured about
+#: 540 on CPython 3.11 with torch 2.x; a low estimate, so no feasible run is refused).
+TENSOR_OVERHEAD = 512
 
 
 @dataclass(frozen=True)
@@ -83,6 +100,26 @@ class BenchOptions:
     lag_period: float = 0.001
     idle_seconds: float = 1.0
 
+    def check(self) -> None:
+        """Raise BenchError for what cannot run as asked (before anything runs)."""
+        if not self.workloads:
+            raise BenchError(f"no workload given; choose from {', '.join(WORKLOADS)}")
+        for w in self.workloads:
+            if w not in WORKLOADS:
+                raise BenchError(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
+        if len(set(self.workloads)) != len(self.workloads):
+            raise BenchError(f"a workload is named twice in {', '.join(self.workloads)}")
+        if not _is_int(self.runs) or self.runs < 1:
+            raise BenchError(f"--runs must be >= 1 (an integer), got {self.runs!r}")
+        if not _is_int(self.warmup) or self.warmup < 0:
+            raise BenchError(f"--warmup must be >= 0 (an integer), got {self.warmup!r}")
+        if not _is_real(self.scale) or not (0 < self.scale <= MAX_SCALE):
+            raise BenchError(f"--scale must be a finite number > 0 and <= {MAX_SCALE:g}, got {self.scale!r}")
+        if not _is_real(self.lag_period) or not (0 < self.lag_period <= 1):
+            raise BenchError(f"lag_period must be > 0 and <= 1 seconds, got {self.lag_period!r}")
+        if not _is_real(self.idle_seconds) or not (0 <= self.idle_seconds <= 3600):
+            raise BenchError(f"idle_seconds must be >= 0 and <= 3600, got {self.idle_seconds!r}")
+
     def resolved_device(self) -> torch.device:
         """The device the state dicts are built on."""
         if self.device == "auto":
@@ -90,6 +127,48 @@ class BenchOptions:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise BenchError("--device cuda: no CUDA device is available")
         return torch.device(self.device)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _physical_memory() -> int | None:
+    """This machine's RAM (bytes), or None where it cannot be told."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:,.1f} GiB"
+
+
+def check_fits(workloads: Sequence[str], scale: float, device: torch.device) -> None:
+    """BenchError when a workload at ``scale`` cannot fit in this machine's memory: its
+    state dict and one staged copy (host), or its state dict (a GPU's). A low estimate:
+    it catches a scale that is sure to fail, before minutes of building and staging."""
+    ram = _physical_memory()
+    gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    for name in workloads:
+        tensors, nbytes = WORKLOADS[name].footprint(scale)
+        host = (2 if device.type == "cpu" else 1) * nbytes + tensors * TENSOR_OVERHEAD
+        if ram is not None and host > ram:
+            raise BenchError(
+                f"--scale {scale:g} is too large: the {name} workload needs at least {_gib(host)} of "
+                f"host memory ({tensors:,} tensors, {_gib(nbytes)}, and a staged copy); "
+                f"this machine has {_gib(ram)}"
+            )
+        if gpu is not None and nbytes > gpu:
+            raise BenchError(
+                f"--scale {scale:g} is too large: the {name} workload needs {_gib(nbytes)} on {device}, "
+                f"which has {_gib(gpu)}"
+            )
 
 
 @dataclass
@@ -319,13 +398,12 @@ def machine_info(device: torch.device) -> dict[str, Any]:
 
 
 async def run_bench(opts: BenchOptions, stream: TextIO | None = None) -> BenchReport:
-    """Run every selected workload; progress on ``stream`` (None: silent)."""
-    for w in opts.workloads:
-        if w not in WORKLOADS:
-            raise BenchError(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
-    if opts.runs < 1 or opts.warmup < 0 or opts.scale <= 0:
-        raise BenchError("--runs must be >= 1, --warmup >= 0 and --scale > 0")
+    """Run every selected workload; progress on ``stream`` (None: silent). Raises
+    BenchError, before anything runs, for options that cannot run (see
+    ``BenchOptions.check``, ``check_fits``)."""
+    opts.check()
     device = opts.resolved_device()
+    check_fits(opts.workloads, opts.scale, device)
     t0 = time.perf_counter()
     load_at_start = _loadavg()
     makers = _contender_makers(opts, device)
@@ -354,25 +432,162 @@ async def run_bench(opts: BenchOptions, stream: TextIO | None = None) -> BenchRe
     )
 
 
+class _Checked(argparse.Action):
+    """A flag whose text ``convert(flag, text, namespace)`` turns into its value; a
+    ValueError from it is a usage error (the message, exit status 2), raised while the
+    command line is parsed, before anything runs."""
+
+    def __init__(
+        self, option_strings: Sequence[str], dest: str, *, convert: Callable[..., Any], **kwargs: Any
+    ) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.convert = convert
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        flag = max(self.option_strings, key=len) if self.option_strings else self.dest
+        try:
+            value = self.convert(flag, str(values), namespace)
+        except ValueError as exc:
+            parser.error(str(exc))
+        setattr(namespace, self.dest, value)
+
+
+def _int_at_least(minimum: int) -> Callable[[str, str, argparse.Namespace], int]:
+    def convert(flag: str, text: str, namespace: argparse.Namespace) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"{flag} must be an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise ValueError(f"{flag} must be >= {minimum}, got {text!r}")
+        return value
+
+    return convert
+
+
+def _scale(flag: str, text: str, namespace: argparse.Namespace) -> float:
+    allowed = f"{flag} must be a finite number > 0 and <= {MAX_SCALE:g}"
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{allowed}, got {text!r}") from None
+    if not math.isfinite(value) or not (0 < value <= MAX_SCALE):
+        raise ValueError(f"{allowed}, got {text!r}")
+    return value
+
+
+def scale_argument(parser: argparse.ArgumentParser, default: float, help: str) -> None:
+    """``--scale X``: a finite number in (0, MAX_SCALE], checked while parsing."""
+    parser.add_argument("--scale", action=_Checked, convert=_scale, default=default, metavar="X", help=help)
+
+
+def _workloads(flag: str, text: str, namespace: argparse.Namespace) -> str:
+    names = [w.strip() for w in text.split(",") if w.strip()]
+    choose = f"choose from {', '.join(WORKLOADS)}"
+    if not names:
+        raise ValueError(f"{flag} names no workload ({text!r}); {choose}")
+    unknown = [w for w in names if w not in WORKLOADS]
+    if unknown:
+        what = "workload" if len(unknown) == 1 else "workloads"
+        raise ValueError(f"{flag}: unknown {what} {', '.join(map(repr, unknown))}; {choose}")
+    twice = sorted({w for w in names if names.count(w) > 1})
+    if twice:
+        raise ValueError(f"{flag} names {', '.join(map(repr, twice))} more than once")
+    return ",".join(names)
+
+
+def _output_file(other: str | None, *, stdout: bool) -> Callable[[str, str, argparse.Namespace], str]:
+    """An output file flag: ``-`` (when ``stdout``) or a file that can be written now,
+    and not the file ``other`` (the other output flag's dest) names."""
+
+    def convert(flag: str, text: str, namespace: argparse.Namespace) -> str:
+        if text == "-":
+            if stdout:
+                return text
+            raise ValueError(f"{flag} cannot write to stdout ('-'); give a file name")
+        problem = _unwritable(text)
+        if problem is not None:
+            raise ValueError(f"{flag} {text!r}: {problem}")
+        taken = getattr(namespace, other, None) if other else None
+        if taken and taken != "-" and os.path.realpath(taken) == os.path.realpath(text):
+            raise ValueError(f"{flag} {text!r}: the same file as --{other}")
+        if not stdout:
+            _check_plot_format(flag, text)
+        return text
+
+    return convert
+
+
+def _unwritable(path: str) -> str | None:
+    """Why ``path`` cannot be written (created or replaced) now; None if it can."""
+    if not path:
+        return "an empty file name"
+    if os.path.isdir(path):
+        return "is a folder; give a file name"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"the folder {folder!r} does not exist"
+    if os.path.exists(path):
+        if not os.access(path, os.W_OK):
+            return "the file is not writable"
+    elif not os.access(folder, os.W_OK | os.X_OK):
+        return f"cannot create a file in the folder {folder!r} (permission denied)"
+    return None
+
+
+def _check_plot_format(flag: str, path: str) -> None:
+    """A chart file name matplotlib can write (its extension picks the format; none:
+    PNG). Without matplotlib there is nothing to check here: ``run_cli`` says how to
+    get it."""
+    ext = os.path.splitext(path)[1][1:].lower()
+    if not ext:
+        return
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if ext not in formats:
+        raise ValueError(
+            f"{flag} {path!r}: cannot write a chart as .{ext}; use one of: {', '.join(sorted(formats))}"
+        )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``bench`` subcommand's flags."""
+    """The ``bench`` subcommand's flags. Each is checked while the command line is
+    parsed (a bad one is a usage error, exit status 2, before anything runs): integers
+    in range, a finite positive scale, known workloads, writable output files."""
     parser.add_argument(
         "--workloads",
+        action=_Checked,
+        convert=_workloads,
         default=",".join(WORKLOADS),
+        metavar="A,B",
         help=f"comma-separated, from: {', '.join(WORKLOADS)} (default: all)",
     )
     parser.add_argument(
         "--runs",
-        type=int,
+        action=_Checked,
+        convert=_int_at_least(1),
         default=BenchOptions.runs,
+        metavar="N",
         help="reported cached rounds (default 7; twice as many for large1g); medians over them",
     )
     parser.add_argument(
-        "--warmup", type=int, default=BenchOptions.warmup, help="unreported cached rounds first"
+        "--warmup",
+        action=_Checked,
+        convert=_int_at_least(0),
+        default=BenchOptions.warmup,
+        metavar="N",
+        help="unreported cached rounds first",
     )
-    parser.add_argument(
-        "--scale", type=float, default=1.0, help="multiply every workload's bytes (default 1)"
-    )
+    scale_argument(parser, 1.0, "multiply every workload's bytes (default 1)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument(
         "--all-threads",
@@ -382,9 +597,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-dcp", dest="dcp", action="store_false", help="skip PyTorch DCP's DefaultStager")
     parser.add_argument("--share-memory", action="store_true", help="both stagers stage into shared memory")
-    parser.add_argument("--json", metavar="FILE", help="write the results as JSON ('-' for stdout)")
     parser.add_argument(
-        "--plot", metavar="FILE.png", help="write a chart (needs matplotlib: async_stager[plot])"
+        "--json",
+        action=_Checked,
+        convert=_output_file("plot", stdout=True),
+        metavar="FILE",
+        help="write the results as JSON ('-' for stdout)",
+    )
+    parser.add_argument(
+        "--plot",
+        action=_Checked,
+        convert=_output_file("json", stdout=False),
+        metavar="FILE.png",
+        help="write a chart (needs matplotlib: async_stager[plot])",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -408,14 +633,26 @@ def run_cli(ns: argparse.Namespace, out: TextIO) -> int:
     opts = options_from_args(ns)
     if ns.plot:
         require_matplotlib()  # fail now, not after a minute of measuring
+    # The output files were checked while parsing (a usage error); a Namespace made
+    # another way gets the same check here, still before anything runs.
+    for flag, path in (("--json", ns.json), ("--plot", ns.plot)):
+        problem = _unwritable(path) if path and path != "-" else None
+        if problem is not None:
+            raise BenchError(f"{flag} {path!r}: {problem}")
     report = asyncio.run(run_bench(opts, None if ns.quiet else sys.stderr))
     if ns.json == "-":
         out.write(to_json(report) + "\n")
     else:
         out.write(format_table(report) + "\n")
         if ns.json:
-            with open(ns.json, "w", encoding="utf-8") as f:
-                f.write(to_json(report) + "\n")
+            try:
+                with open(ns.json, "w", encoding="utf-8") as f:
+                    f.write(to_json(report) + "\n")
+            except OSError as exc:  # it went away during the run
+                raise BenchError(f"--json {ns.json!r}: {exc.strerror or exc}") from exc
     if ns.plot:
-        write_plot(report, ns.plot)
+        try:
+            write_plot(report, ns.plot)
+        except OSError as exc:
+            raise BenchError(f"--plot {ns.plot!r}: {exc.strerror or exc}") from exc
     return 0

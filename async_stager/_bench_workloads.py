@@ -28,6 +28,9 @@ import torch
 
 __all__ = ["WORKLOADS", "Workload", "count_tensors", "workload_names"]
 
+#: Bytes of a float32 element.
+F32 = 4
+
 MiB = 1024 * 1024
 
 
@@ -38,6 +41,10 @@ class Workload:
     name: str
     description: str
     build: Callable[[float, torch.device], dict[str, Any]]
+    #: ``(tensors, bytes)`` that ``build`` makes at a scale, computed without building
+    #: (what ``count_tensors`` would say): the benchmark refuses a scale the machine's
+    #: memory cannot hold before it starts.
+    footprint: Callable[[float], tuple[int, int]]
     #: Cached runs are ``runs * runs_factor``: bandwidth-bound workloads are the noisiest
     #: on a shared machine and their stages are cheap to repeat.
     runs_factor: int = 1
@@ -47,14 +54,29 @@ def _filled(shape: tuple[int, ...], value: float, device: torch.device) -> torch
     return torch.empty(shape, dtype=torch.float32, device=device).fill_(value)
 
 
-def build_transformer(scale: float, device: torch.device) -> dict[str, Any]:
-    """A transformer with AdamW state; layers grow with ``scale`` above 1/8, the hidden
-    size and vocabulary shrink (by the square root) below it, so bytes follow ``scale``."""
+def _transformer_dims(scale: float) -> tuple[int, int, int, int]:
+    """(layers, hidden, vocabulary, ffn) at ``scale``."""
     layers = max(1, round(8 * scale))
     shrink = min(1.0, math.sqrt(8 * scale)) if scale < 0.125 else 1.0
     hidden = max(8, int(512 * shrink) // 8 * 8)
     vocab = max(16, int(8192 * shrink) // 8 * 8)
-    ffn = 4 * hidden
+    return layers, hidden, vocab, 4 * hidden
+
+
+def transformer_footprint(scale: float) -> tuple[int, int]:
+    """(tensors, bytes) of ``build_transformer(scale)``: per parameter tensor, itself,
+    ``exp_avg``, ``exp_avg_sq`` (same size) and a scalar ``step``."""
+    layers, h, vocab, ffn = _transformer_dims(scale)
+    per_layer = 2 * h + 3 * h * h + 3 * h + h * h + h + 2 * h + ffn * h + ffn + h * ffn + h
+    params = vocab * h + layers * per_layer + 2 * h
+    model_tensors = 1 + 12 * layers + 2
+    return 4 * model_tensors, F32 * (3 * params + model_tensors)
+
+
+def build_transformer(scale: float, device: torch.device) -> dict[str, Any]:
+    """A transformer with AdamW state; layers grow with ``scale`` above 1/8, the hidden
+    size and vocabulary shrink (by the square root) below it, so bytes follow ``scale``."""
+    layers, hidden, vocab, ffn = _transformer_dims(scale)
     shapes: dict[str, tuple[int, ...]] = {"embed.weight": (vocab, hidden)}
     for i in range(layers):
         p = f"layers.{i}."
@@ -97,15 +119,32 @@ def build_transformer(scale: float, device: torch.device) -> dict[str, Any]:
     return {"model": model, "optim": {"state": state, "param_groups": groups}, "step": 1000}
 
 
+def _small_count(scale: float) -> int:
+    return max(1, round(20_000 * scale))
+
+
+def small_footprint(scale: float) -> tuple[int, int]:
+    n = _small_count(scale)
+    return n, n * 16 * F32
+
+
 def build_small(scale: float, device: torch.device) -> dict[str, Any]:
     """``20000 * scale`` tensors of 16 float32 each (at least one)."""
-    n = max(1, round(20_000 * scale))
+    n = _small_count(scale)
     return {f"t{i}": _filled((16,), float(i % 7), device) for i in range(n)}
+
+
+def _large_numel(scale: float) -> int:
+    return max(1, round(16 * MiB * scale) // F32)
+
+
+def large_footprint(scale: float) -> tuple[int, int]:
+    return 64, 64 * _large_numel(scale) * F32
 
 
 def build_large(scale: float, device: torch.device) -> dict[str, Any]:
     """64 tensors of ``16 MiB * scale`` each (float32; 1 GiB in all at scale 1)."""
-    numel = max(1, round(16 * MiB * scale) // 4)
+    numel = _large_numel(scale)
     return {f"w{i}": _filled((numel,), float(i), device) for i in range(64)}
 
 
@@ -116,9 +155,16 @@ WORKLOADS: dict[str, Workload] = {
             "transformer",
             "8-layer transformer (hidden 512) with AdamW state: large matrices, many norms/biases",
             build_transformer,
+            transformer_footprint,
         ),
-        Workload("small20k", "20,000 tensors of 16 float32 (per-tensor cost)", build_small),
-        Workload("large1g", "1 GiB in 64 tensors of 16 MiB (bandwidth)", build_large, runs_factor=2),
+        Workload("small20k", "20,000 tensors of 16 float32 (per-tensor cost)", build_small, small_footprint),
+        Workload(
+            "large1g",
+            "1 GiB in 64 tensors of 16 MiB (bandwidth)",
+            build_large,
+            large_footprint,
+            runs_factor=2,
+        ),
     )
 }
 

@@ -7,12 +7,24 @@ dedicated copy stream per device, non-blocking copies, a completion event). The 
 the test controls, which is how CPU tests reach the asynchronous logic.
 
 Hazards:
-- CUDA ordering: the copy stream first waits on the *capture* event, recorded on the
-  caller's current stream at the call, so the copies read the values as of the call and
-  after all work already queued there.
+- CUDA ordering: at the call, a *capture* event is recorded on the caller's current
+  stream of every CUDA device that has a context in this process (a source can only
+  live on such a device); the copy stream of each device first waits on that device's
+  capture, so the copies read the values as of the call, after all work already queued
+  there. Host copies of CPU leaves first wait (on the host) for every capture: a pinned
+  CPU tensor may still be the target of a ``non_blocking`` copy queued on the caller's
+  stream.
+- CUDA graphs: an event cannot be recorded for use outside a stream that is capturing
+  a graph; ``capture``/``fence_point`` refuse with UnsupportedError.
+- Contexts: event queries and host waits run with the event's device current, and the
+  worker runs with a device that already has a context: a thread that never used CUDA
+  would otherwise create a context on GPU 0 (for every rank).
 - Allocator: the sources are read by another stream; ``protect`` calls
   ``record_stream`` so the caching allocator cannot hand their memory to a new tensor
   (and overwrite it) before the copies have finished (torchrec #4231, #4322).
+- Scratch (``ScratchCopier``): device memory for gathering small storages holds real
+  memory only from a run's gather to its host copy (freed in stream order right after),
+  within a budget per copier; when it cannot be had, the run is copied directly.
 - The host memory must be pinned for the copy to be asynchronous; into pageable memory
   CUDA silently makes it synchronous (correct, slower).
 """
@@ -20,15 +32,31 @@ Hazards:
 from __future__ import annotations
 
 import contextlib
+import os
+import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 
+from ._errors import UnsupportedError
 from ._hostcopy import MIN_POOL_BYTES, CopyPool, Schedule, omp_threads, pieces, schedule
 
-__all__ = ["Backend", "Completion", "Copier", "CpuCopier", "CudaCopier", "RealBackend"]
+__all__ = [
+    "Backend",
+    "Completion",
+    "Copier",
+    "CpuCopier",
+    "CudaCopier",
+    "CudaEvent",
+    "RealBackend",
+    "ScratchCopier",
+    "caller_cuda_device",
+    "cuda_context_devices",
+    "graph_capture_error",
+    "order_after",
+]
 
 
 class Completion(Protocol):
@@ -43,11 +71,136 @@ class Completion(Protocol):
         ...
 
 
+# -- CUDA helpers -----------------------------------------------------------------------
+
+
+def cuda_context_devices() -> list[int]:
+    """CUDA devices that have a (primary) context in this process, the calling thread's
+    current device first; empty before CUDA is initialised. Creates no context.
+
+    A tensor can only live on such a device, so these are the devices a stage may read
+    from. Cost: a driver query per device (microseconds)."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return []
+    current = torch.cuda.current_device()
+    has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    if has_context is None:  # pragma: no cover - every CUDA build of torch 2.x has it
+        return [current]
+    devices = [d for d in range(torch.cuda.device_count()) if has_context(d)]
+    if current in devices:
+        devices.remove(current)
+        devices.insert(0, current)
+    return devices
+
+
+def caller_cuda_device() -> int | None:
+    """The calling thread's CUDA device for work done on its behalf in another thread:
+    its current device if that has a context, else the first device that has one, else
+    None (CUDA unused). Never names a device without a context (which would create one
+    there, typically on GPU 0)."""
+    devices = cuda_context_devices()
+    return devices[0] if devices else None
+
+
+def _pinning_device() -> torch.device | None:
+    """Where a worker that must pin host memory runs when no device has a context yet
+    (a CPU-only state dict before CUDA is initialised): pinning needs a context, and
+    the thread's default device is GPU 0 for every rank. Taken: the first device with a
+    context, else ``LOCAL_RANK`` (modulo the visible devices; what torchrun-launched
+    ranks pass to ``torch.cuda.set_device``), else device 0."""
+    if not torch.cuda.is_available():
+        return None
+    devices = cuda_context_devices()
+    if devices:
+        return torch.device("cuda", devices[0])
+    count = torch.cuda.device_count()
+    if count <= 0:
+        return None
+    local = os.environ.get("LOCAL_RANK", "")
+    index = int(local) % count if local.isdigit() else 0
+    return torch.device("cuda", index)
+
+
+#: How to stage next to CUDA graphs; part of every graph-capture refusal.
+_GRAPH_CAPTURE_HINT = (
+    "stage (and fence) outside the capture: before torch.cuda.graph(...) is entered or "
+    "after it exits, e.g. between the replays of a captured training step; a graph "
+    "captured in another thread must use "
+    'torch.cuda.graph(..., capture_error_mode="thread_local"), since the stager\'s worker '
+    "and event loop make CUDA calls that a global-mode capture forbids in every thread"
+)
+
+
+def graph_capture_error(what: str, device: Any) -> UnsupportedError:
+    """The error for ``what`` (``stage()``, ``fence()``) called while the caller's
+    current stream on ``device`` is capturing a CUDA graph."""
+    return UnsupportedError(
+        f"{what} was called while the current CUDA stream of {device} is capturing a CUDA "
+        "graph: an event recorded or waited for inside a capture belongs to the graph, "
+        f"so the copies could not be ordered with it; {_GRAPH_CAPTURE_HINT}"
+    )
+
+
+def _capturing(index: int) -> bool:
+    """True if the calling thread's current stream on device ``index`` is capturing a
+    CUDA graph (any capture mode). Creates no context."""
+    if torch.cuda.current_device() == index:
+        return bool(torch.cuda.is_current_stream_capturing())
+    with torch.cuda.device(index):
+        return bool(torch.cuda.is_current_stream_capturing())
+
+
+class CudaEvent:
+    """A CUDA event recorded on ``stream`` now: a Completion, and a capture.
+
+    ``blocking=True``: a host wait (``synchronize``) sleeps instead of spinning a core.
+    ``query`` and ``synchronize`` run with the event's device current: CUDA runtime calls
+    from a thread without a current context (the event loop's, a worker's) would
+    otherwise create one on that thread's device, GPU 0 by default.
+    """
+
+    __slots__ = ("event", "index")
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self.index: int = stream.device_index
+        self.event = torch.cuda.Event(blocking=True)
+        self.event.record(stream)
+
+    def query(self) -> bool:
+        with torch.cuda.device(self.index):
+            return bool(self.event.query())
+
+    def synchronize(self) -> None:
+        with torch.cuda.device(self.index):
+            self.event.synchronize()
+
+    def wait(self, stream: torch.cuda.Stream) -> None:
+        """Make ``stream``'s future work wait for this event (no host block)."""
+        stream.wait_event(self.event)
+
+
+def order_after(device: torch.device, captures: Mapping[torch.device, Any]) -> Any:
+    """What ``Copier.begin`` takes for a program on ``device``: that device's capture;
+    for the CPU (no capture of its own), the captures of every accelerator device,
+    which the host copies wait for; None when there is none."""
+    capture = captures.get(device)
+    if capture is not None:
+        return capture
+    if device.type == "cpu":
+        others = tuple(c for d, c in captures.items() if c is not None and d != device)
+        return others or None
+    return None
+
+
+# -- copiers ----------------------------------------------------------------------------
+
+
 class Copier(ABC):
     """Copies from one source device into host memory.
 
     Call order for one stage, all on the worker thread except ``capture`` and
-    ``fence``: ``begin(capture)``, any number of ``copy``, ``protect``, then ``end()``.
+    ``fence_point`` (the caller's thread, at the call) and ``fence`` (any thread):
+    ``begin(capture)``, any number of ``copy``, ``protect``, then ``end()``.
     """
 
     #: True when ``end()`` returns a Completion that must be waited for.
@@ -60,11 +213,13 @@ class Copier(ABC):
         self.device = device
 
     def capture(self) -> Any:
-        """Mark the snapshot point on the caller's current stream (caller's thread)."""
+        """Mark the snapshot point on the caller's current stream (caller's thread;
+        the engine has checked that it is not capturing a CUDA graph)."""
         return None
 
     def begin(self, capture: Any) -> None:
-        """Order what follows after ``capture``."""
+        """Order what follows after ``capture`` (``order_after``: this device's
+        capture, or for the CPU a tuple of every accelerator's captures)."""
 
     @abstractmethod
     def copy(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
@@ -72,7 +227,8 @@ class Copier(ABC):
 
     def prepare(self, dsts: Sequence[torch.Tensor]) -> Any:
         """Plan time: a copier-specific layout for copying into ``dsts`` (fixed host
-        tensors) with ``copy_planned``, or None to use ``copy`` in chunks."""
+        tensors) with ``copy_planned``, or None to use ``copy`` in chunks. Called once
+        per program, after every ``scratch`` of the plan."""
         return None
 
     def copy_planned(
@@ -93,8 +249,14 @@ class Copier(ABC):
         """Finish this stage's enqueueing; None means the copies are already done."""
         return None
 
-    def fence(self, completion: Completion) -> None:
-        """Make the caller's current stream wait for ``completion`` (no host block)."""
+    def fence_point(self) -> Any:
+        """The caller's current stream (caller's thread, at the call): what ``fence``
+        will order."""
+        return None
+
+    def fence(self, completion: Completion, point: Any) -> None:
+        """Make ``point`` (``fence_point``'s stream; None: the current stream of the
+        calling thread) wait for ``completion``, without blocking the host."""
 
     def scratch(self, nbytes: int) -> torch.Tensor:
         """Device memory (uint8) for gathering small storages, valid on this copier."""
@@ -113,6 +275,10 @@ class CpuCopier(Copier):
     two-thread bandwidth there). A program of at least ``MIN_POOL_BYTES`` is copied by
     the calling thread and ``threads - 1`` helpers claiming pieces (``_hostcopy``);
     smaller ones by ``_foreach_copy_`` with that many torch threads.
+
+    ``begin`` waits (blocking, in the worker) for the accelerator captures it is given:
+    a CPU leaf may be a pinned tensor that a ``non_blocking`` device-to-host copy
+    queued on the caller's stream before the call is still filling.
     """
 
     def __init__(self, device: torch.device, *, threads: int | None = None) -> None:
@@ -120,6 +286,12 @@ class CpuCopier(Copier):
         self.threads = threads
         n = threads if threads is not None else torch.get_num_threads()
         self._pool = CopyPool(n - 1) if n > 1 else None
+
+    def begin(self, capture: Any) -> None:
+        if capture is None:
+            return
+        for c in capture if isinstance(capture, tuple) else (capture,):
+            c.synchronize()
 
     def copy(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
         if not dsts:
@@ -149,10 +321,178 @@ class CpuCopier(Copier):
             self._pool.close()
 
 
-class CudaCopier(Copier):
-    """A dedicated copy stream on one CUDA device; completion is a CUDA event."""
+def _storage_key(t: torch.Tensor) -> int:
+    return int(t.untyped_storage()._cdata)
+
+
+class ScratchCopier(Copier):
+    """A copier that gathers small storages on its device (``batch_small``), and owns
+    the device scratch memory that takes.
+
+    A plan keeps its scratch tensors (``scratch``) and their views for good, but their
+    storage holds memory only while a run is being copied: it is materialized at the
+    run's first gather and freed right after the run's one copy to the host is
+    enqueued (in stream order: the allocator hands a block freed on the copy stream
+    only to later work on that stream, or back to the driver after a synchronize).
+    So a copier holds at most one run's scratch at a time, whatever the number of
+    plans and buffer sets, and nothing between stages: the allocator may give it to
+    training. ``scratch_budget`` (set from ``scratch_bytes`` by the engine) bounds what
+    is materialized at once. A scratch that is over budget or runs out of device
+    memory (``torch.OutOfMemoryError``) is not used: that run's storages are copied
+    directly to the host instead (the ungathered path), and ``scratch_fallbacks``
+    counts it.
+
+    Subclasses implement ``copy_now`` (an enqueue) and may override how scratch memory
+    is had and returned (``_alloc_scratch``, ``_grow_scratch``, ``_free_scratch``).
+    """
 
     batch_small = True
+    #: Bytes of scratch this copier materializes at once, across every plan (None: no
+    #: bound).
+    scratch_budget: int | None = None
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        # Every scratch this copier made, by storage (views share it); weak, so a plan
+        # that is dropped takes its scratch with it.
+        self._bases: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        # Scratch holding memory now.
+        self._live: dict[int, torch.Tensor] = {}
+        # Gathers of this stage's runs whose scratch could not be had: copied directly
+        # at the run's host copy.
+        self._direct: dict[int, list[tuple[list[torch.Tensor], list[torch.Tensor]]]] = {}
+        #: Runs copied directly because their scratch could not be had.
+        self.scratch_fallbacks = 0
+
+    @property
+    def scratch_live_bytes(self) -> int:
+        """Device bytes of scratch holding memory now."""
+        return sum(b.numel() for b in self._live.values())
+
+    # -- the seam ----------------------------------------------------------------------
+
+    @abstractmethod
+    def copy_now(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+        """Enqueue ``dsts[i].copy_(srcs[i])`` (no scratch routing)."""
+
+    def copy(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+        if not dsts:
+            return
+        key = _storage_key(dsts[0])
+        if key in self._bases:
+            # A gather into a run's scratch.
+            if key not in self._direct and self._materialize(key):
+                self.copy_now(dsts, srcs)
+            else:
+                self._direct.setdefault(key, []).append((list(dsts), list(srcs)))
+            return
+        if len(srcs) == 1:
+            key = _storage_key(srcs[0])
+            if key in self._bases:
+                # The run's one copy from its scratch to the host.
+                self._finish_run(key, dsts[0])
+                return
+        self.copy_now(dsts, srcs)
+
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        # Plan time, in the worker, outside any stage's enqueueing: scratch still
+        # holding memory belongs to no run in progress.
+        self.release_scratch()
+        base: torch.Tensor | None = None
+        if self.scratch_budget is None or nbytes <= self.scratch_budget:
+            try:
+                base = self._alloc_scratch(nbytes)
+            except torch.OutOfMemoryError:
+                base = None
+        if base is None:
+            # Views of it still describe the layout; the run goes direct.
+            self.scratch_fallbacks += 1
+            base = torch.empty(nbytes, dtype=torch.uint8, device="meta")
+        else:
+            self._live[_storage_key(base)] = base
+        self._bases[_storage_key(base)] = base
+        return base
+
+    def prepare(self, dsts: Sequence[torch.Tensor]) -> Any:
+        # The plan's runs have made their views: their memory can go until a stage
+        # copies them (a reserve() may be the only use for a while).
+        self.release_scratch()
+        return None
+
+    def end(self) -> Completion | None:
+        # A stage cut short (an error, a cancellation) may leave a run's scratch held.
+        self.release_scratch()
+        return None
+
+    def close(self) -> None:
+        self.release_scratch()
+
+    def release_scratch(self) -> None:
+        """Free every scratch holding memory (stream-ordered: safe with copies in
+        flight) and forget this stage's direct runs."""
+        self._direct.clear()
+        live, self._live = self._live, {}
+        for base in live.values():
+            self._free_scratch(base)
+
+    # -- memory ------------------------------------------------------------------------
+
+    def _alloc_scratch(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def _grow_scratch(self, base: torch.Tensor) -> None:
+        storage = base.untyped_storage()
+        if storage.nbytes() < base.numel():
+            storage.resize_(base.numel())
+
+    def _free_scratch(self, base: torch.Tensor) -> None:
+        base.untyped_storage().resize_(0)
+
+    # -- runs --------------------------------------------------------------------------
+
+    def _materialize(self, key: int) -> bool:
+        if key in self._live:
+            return True
+        base = self._bases.get(key)
+        if base is None or base.is_meta:
+            return False
+        if self.scratch_budget is not None and self.scratch_live_bytes + base.numel() > self.scratch_budget:
+            self.scratch_fallbacks += 1
+            return False
+        try:
+            self._grow_scratch(base)
+        except torch.OutOfMemoryError:
+            self.scratch_fallbacks += 1
+            return False
+        self._live[key] = base
+        return True
+
+    def _finish_run(self, key: int, span: torch.Tensor) -> None:
+        direct = self._direct.pop(key, None)
+        if direct is not None:
+            base = self._bases[key]
+            for views, srcs in direct:
+                self.copy_now([_host_piece(span, base, v) for v in views], srcs)
+            return
+        live = self._live.pop(key, None)
+        if live is None:
+            return  # nothing was gathered into it
+        self.copy_now([span], [live])
+        self._free_scratch(live)
+
+
+def _host_piece(span: torch.Tensor, base: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+    """The part of a run's host ``span`` that ``view`` (a view of the run's scratch
+    ``base``) is copied into by the run's host copy: same bytes, dtype and shape."""
+    start = view.storage_offset() * view.element_size() - base.storage_offset() * base.element_size()
+    piece = span[start : start + view.numel() * view.element_size()]
+    if view.dtype != piece.dtype:
+        piece = piece.view(view.dtype)
+    return piece.view(view.shape)
+
+
+class CudaCopier(ScratchCopier):
+    """A dedicated copy stream on one CUDA device; completion is a CUDA event."""
 
     def __init__(self, device: torch.device, *, non_blocking: bool) -> None:
         super().__init__(device)
@@ -162,9 +502,7 @@ class CudaCopier(Copier):
         self._ctx: contextlib.ExitStack | None = None
 
     def capture(self) -> Any:
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
-        return ev
+        return CudaEvent(torch.cuda.current_stream(self.stream.device_index))
 
     def begin(self, capture: Any) -> None:
         ctx = contextlib.ExitStack()
@@ -172,13 +510,13 @@ class CudaCopier(Copier):
         ctx.enter_context(torch.cuda.stream(self.stream))
         self._ctx = ctx
         if capture is not None:
-            self.stream.wait_event(capture)
+            capture.wait(self.stream)
         else:
-            # No capture event (the device was first seen in the worker): order after
-            # the device's default stream, the best snapshot point left.
+            # No capture for this device (it had no context at the call, so no source
+            # of the call lived there): order after its default stream.
             self.stream.wait_stream(torch.cuda.default_stream(self.device))
 
-    def copy(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    def copy_now(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
         if dsts:
             torch._foreach_copy_(list(dsts), list(srcs), non_blocking=self.asynchronous)
 
@@ -188,26 +526,36 @@ class CudaCopier(Copier):
                 s.record_stream(self.stream)
 
     def end(self) -> Completion | None:
-        ev = torch.cuda.Event()
-        ev.record(self.stream)
+        done = CudaEvent(self.stream)
         ctx, self._ctx = self._ctx, None
         if ctx is not None:
             ctx.close()
+        self.release_scratch()
         if not self.asynchronous:
-            ev.synchronize()
+            done.synchronize()
             return None
-        return ev  # type: ignore[no-any-return]
+        return done
 
-    def fence(self, completion: Completion) -> None:
-        torch.cuda.current_stream(self.device).wait_event(completion)  # type: ignore[arg-type]
+    def fence_point(self) -> Any:
+        return torch.cuda.current_stream(self.stream.device_index)
 
-    def scratch(self, nbytes: int) -> torch.Tensor:
-        # Allocated while the copy stream is current, so the block belongs to it and
-        # is reused only in that stream's order.
+    def fence(self, completion: Completion, point: Any) -> None:
+        stream = point if point is not None else torch.cuda.current_stream(self.stream.device_index)
+        completion.wait(stream)  # type: ignore[attr-defined]
+
+    # Scratch is allocated and re-materialized with the copy stream current, so its
+    # blocks belong to that stream and are reused only in its order.
+
+    def _alloc_scratch(self, nbytes: int) -> torch.Tensor:
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
+    def _grow_scratch(self, base: torch.Tensor) -> None:
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            super()._grow_scratch(base)
+
     def close(self) -> None:
+        self.release_scratch()
         self.stream.synchronize()
 
 
@@ -218,8 +566,25 @@ class Backend(ABC):
     def copier(self, device: torch.device) -> Copier: ...
 
     def known_devices(self) -> Sequence[torch.device]:
-        """Accelerator devices to capture on at a call (current one, and ones seen)."""
+        """Accelerator devices to capture on at a call: every device a source may live
+        on (the caller's current device first)."""
         return ()
+
+    def device_guard(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+        """Make ``device`` the calling thread's current device for a while."""
+        if device.type == "cuda":
+            return torch.cuda.device(device)
+        return contextlib.nullcontext()
+
+    def host_device(self) -> torch.device | None:
+        """The device a worker that pins host memory runs on when the stage names none
+        (no device has a context yet); None: any."""
+        return None
+
+    def capturing(self, device: torch.device) -> bool:
+        """True if the calling thread's current stream on ``device`` is capturing a
+        CUDA graph (checked at every call before anything is recorded there)."""
+        return False
 
 
 class RealBackend(Backend):
@@ -241,9 +606,17 @@ class RealBackend(Backend):
         return _SyncDeviceCopier(device)
 
     def known_devices(self) -> Sequence[torch.device]:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            return (torch.device("cuda", torch.cuda.current_device()),)
-        return ()
+        # Every device with a context, not only the current one: the first stage from
+        # another device must have its snapshot point at the call too.
+        return tuple(torch.device("cuda", d) for d in cuda_context_devices())
+
+    def host_device(self) -> torch.device | None:
+        return _pinning_device()
+
+    def capturing(self, device: torch.device) -> bool:
+        if device.type != "cuda":
+            return False
+        return _capturing(device.index if device.index is not None else torch.cuda.current_device())
 
 
 class _SyncDeviceCopier(Copier):

@@ -15,12 +15,13 @@ again to build the result around it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+import logging
 import operator
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,13 +29,29 @@ import torch
 
 from ._arena import CudaPinner, Pinner
 from ._cache import BufferSet, Plan, signature_of
-from ._device import Backend, Completion, Copier, RealBackend
-from ._errors import ClosedError, CopyError, StagingError
+from ._device import (
+    Backend,
+    Completion,
+    Copier,
+    RealBackend,
+    ScratchCopier,
+    graph_capture_error,
+    order_after,
+)
+from ._errors import BuffersHeldError, ClosedError, CopyError, StagingError
+from ._interp import _gc_paused, _gil_interval
+from ._lease import Lease
 from ._options import StagerOptions
 from ._plan import make_plan, plan_holds, sources
 from ._tree import Interrupt, Walk, path_of_leaf
 
 __all__ = ["Cancelled", "Engine", "Staged"]
+
+
+_log = logging.getLogger("async_stager")
+
+#: Seconds a stage waits for a buffer set before it logs a warning.
+_WARN_AFTER = 5.0
 
 
 class Cancelled(Interrupt):
@@ -49,10 +66,13 @@ class _PlanStale(Exception):
 class Staged:
     """The worker's half of a stage: the result and what is still in flight."""
 
+    #: The staged structure; whoever hands it on sets this to None, so the stager
+    #: itself never keeps a result reachable (which would hold its buffer set).
     result: Any
     bufset: BufferSet
     completions: list[Completion]
-    leased: bool
+    #: The hold on ``bufset`` when the stage was leased (released exactly once).
+    lease: Lease[Any] | None
     tensors: int
     storages: int
     nbytes: int
@@ -98,34 +118,54 @@ class Engine:
     # -- caller thread ----------------------------------------------------------------
 
     def capture(self) -> dict[torch.device, Any]:
-        """Snapshot point: an event on the caller's current stream of each known device."""
+        """Snapshot point: an event on the caller's current stream of every device a
+        source may live on (every CUDA device with a context, the caller's current one
+        first, and every device staged from before). The leaves are not known before
+        the walk, so all of them: an event record each, microseconds.
+
+        Raises UnsupportedError if one of those streams is capturing a CUDA graph."""
         if self.closed:
             raise ClosedError("the stager is closed")
-        devices = set(self.backend.known_devices())
-        devices.update(d for d in list(self._copiers) if d.type != "cpu")
+        devices = dict.fromkeys(self.backend.known_devices())
+        devices.update(dict.fromkeys(d for d in list(self._copiers) if d.type != "cpu"))
+        # Checked before anything is made or recorded on a device (a capturing stream
+        # would take an event record into its graph).
+        for d in devices:
+            if self.backend.capturing(d):
+                raise graph_capture_error("stage()", d)
         return {d: self._copier(d).capture() for d in devices}
 
     def _copier(self, device: torch.device) -> Copier:
-        # Called from the caller's thread (capture) and the worker: one copier (one
-        # copy stream) per device, or scratch made on one stream could be used on
+        # Called from the caller's thread (capture, fence) and the worker: one copier
+        # (one copy stream) per device, or scratch made on one stream could be used on
         # another without ordering.
         c = self._copiers.get(device)
         if c is None:
             with self._copiers_lock:
                 c = self._copiers.get(device)
                 if c is None:
-                    c = self._copiers[device] = self.backend.copier(device)
+                    c = self.backend.copier(device)
+                    if isinstance(c, ScratchCopier) and c.scratch_budget is None:
+                        # One budget for all of this copier's plans (see ScratchCopier).
+                        c.scratch_budget = self.options.scratch_bytes
+                    self._copiers[device] = c
         return c
 
     def _device_context(self, captures: dict[torch.device, Any]) -> Any:
-        """The CUDA device of this stage (or of any copier) as the worker's current
-        device: a new thread starts on device 0, and pinning, event waits or stream
-        work there would create a CUDA context on GPU 0 for every rank."""
+        """The CUDA device of this stage (the caller's current one when it has a
+        context, else another captured one, else that of any copier) as the worker's
+        current device: a new thread starts on device 0, and pinning, event waits or
+        stream work there would create a CUDA context on GPU 0 for every rank. With no
+        such device (a CPU-only state dict before CUDA is initialised) and pinning on,
+        the backend's ``host_device`` (pinning needs a context somewhere)."""
         devs = [d for d in captures if d.type == "cuda"] or [
             d for d in list(self._copiers) if d.type == "cuda"
         ]
-        if devs:
-            return torch.cuda.device(devs[0])
+        device = devs[0] if devs else None
+        if device is None and self._pinner is not None:
+            device = self.backend.host_device()
+        if device is not None:
+            return self.backend.device_guard(device)
         return contextlib.nullcontext()
 
     # -- worker thread ----------------------------------------------------------------
@@ -145,9 +185,12 @@ class Engine:
             try:
                 return self._run(sd, captures, lease, cancel, copy, allow_fast=True)
             except _PlanStale:
-                # A leaf changed in a way the fingerprint does not see (its shape): the
-                # plan is gone; the slow path checks everything.
-                return self._run(sd, captures, lease, cancel, copy, allow_fast=False)
+                pass
+            # A leaf changed in a way the fingerprint does not see: the plan is gone;
+            # the slow path checks everything. Retried outside the except block, so the
+            # failed attempt's frame (and the result it built) is gone: a stale result
+            # alive now would skew the buffer set's reachability baseline.
+            return self._run(sd, captures, lease, cancel, copy, allow_fast=False)
 
     def _run(
         self,
@@ -162,11 +205,12 @@ class Engine:
         t0 = time.perf_counter()
         tick = _Ticker(cancel, self)
         sig = signature_of(sd)
-        bufset = self._select(sig, lease, cancel)
+        bufset, held = self._select(sig, lease, cancel)
         try:
             bufset.wait_inflight()
             plan = bufset.plan_for(sig) if allow_fast else None
             result: Any = None
+            walk: Walk | None = None
             leaves: list[torch.Tensor] = []
             fast = False
             hits = misses = 0
@@ -177,27 +221,37 @@ class Engine:
                 with _no_torch_function():
                     fast = plan_holds(plan, leaves, tick)
             if not fast:
+                # Drop what the failed fast attempt built before the set is re-watched.
+                result = walk = None
                 collect = Walk((), validate=True, tick=tick)
                 collect.run(sd)
                 with _gc_paused(), _no_torch_function():
                     plan, hits, misses = make_plan(
                         self._copier, self.options, bufset, sig, collect.leaves, tick, prefault=not copy
                     )
+                # Remembered and watched before the walk below builds the result: the
+                # baseline of ``held`` must count the stager's references only.
+                bufset.remember(plan)
+                bufset.watch()
                 walk = Walk(plan.hosts, validate=False, tick=tick)
                 result = walk.run(sd)
                 leaves = walk.leaves
-                # Hazard: another thread may have changed the state dict between the
-                # two walks. The copies read the second walk's leaves into the plan of
-                # the first: they must still fit it (a (1,)-tensor swapped in for a
-                # (4,)-tensor would even broadcast silently), or the stage is refused.
+                # Hazard: the copies read the second walk's leaves into the plan of the
+                # first. Their memory may differ (an object's __getstate__ may make new
+                # tensors each call), their layout may not: another thread may have
+                # changed the state dict between the walks (a (1,)-tensor swapped in
+                # for a (4,)-tensor would even broadcast silently), and then the stage
+                # is refused.
                 with _no_torch_function():
-                    holds = plan_holds(plan, leaves, tick)
+                    holds = plan_holds(plan, leaves, tick, planned=collect.leaves, pool=bufset.pool)
                 if not holds:
+                    result = walk = None
+                    bufset.plans.pop(sig, None)
+                    bufset.watch()
                     raise StagingError(
                         "the state dict changed while it was being staged: "
                         "do not mutate it until stage() returns"
                     )
-                bufset.remember(plan)
             else:
                 assert plan is not None
                 hits = plan.storages
@@ -210,7 +264,9 @@ class Engine:
                         completions, devices = self._enqueue(bufset, plan, leaves, captures, tick)
                 except RuntimeError as e:
                     if fast:
+                        result = walk = None
                         bufset.plans.pop(sig, None)
+                        bufset.watch()
                         raise _PlanStale() from None
                     err = self._copy_error(sd, plan, leaves, bufset, e)
                     raise err from err.__cause__
@@ -221,7 +277,7 @@ class Engine:
                 result=result,
                 bufset=bufset,
                 completions=completions,
-                leased=lease,
+                lease=held,
                 tensors=len(leaves),
                 storages=plan.storages,
                 nbytes=plan.nbytes,
@@ -232,47 +288,95 @@ class Engine:
                 devices=devices,
             )
         except BaseException:
-            if lease:
-                self.release(bufset)
+            if held is not None:
+                held.release()
             raise
         finally:
             with self._cond:
                 bufset.busy = False
                 self._cond.notify_all()
 
-    def _select(self, sig: Any, lease: bool, cancel: threading.Event | None) -> BufferSet:
-        """A buffer set that is neither leased nor busy; waits (cancellably) if none."""
-        with self._cond:
-            while True:
+    def _select(
+        self, sig: Any, lease: bool, cancel: threading.Event | None
+    ) -> tuple[BufferSet, Lease[Any] | None]:
+        """A buffer set no result of which is reachable or leased (``BufferSet.held``)
+        and that no stage is writing; a new one while fewer than ``max_buffer_sets``
+        exist; otherwise waits (cancellably) for one to be dropped or released.
+
+        The wait polls (nothing signals that a result became unreachable), from 1 ms
+        up to 50 ms, with one garbage collection first (a result in a reference cycle
+        is unreachable but not yet freed). It logs a warning after a few seconds and
+        raises BuffersHeldError after ``options.buffer_wait_timeout`` seconds, so a
+        stage whose own caller holds every set cannot hang silently.
+        """
+        timeout = self.options.buffer_wait_timeout
+        t0 = time.monotonic()
+        delay = 0.001
+        collected = warned = False
+        while True:
+            with self._cond:
                 if self.closed:
                     raise ClosedError("the stager is closed")
                 if cancel is not None and cancel.is_set():
                     raise Cancelled()
-                free = [s for s in self._sets if not s.leases and not s.busy]
-                pick = None
-                for s in free:
-                    if sig in s.plans:
-                        pick = s
-                        break
-                if pick is None and self._recent in free:
-                    pick = self._recent
-                if pick is None and free:
-                    pick = free[0]
-                if pick is None and len(self._sets) < self.options.max_buffer_sets:
-                    pick = BufferSet(
-                        len(self._sets),
-                        shared=self.options.share_memory,
-                        pinner=self._pinner,
-                    )
-                    self._sets.append(pick)
+                pick = self._pick(sig)
                 if pick is not None:
                     pick.busy = True
-                    if lease:
-                        pick.leases += 1
-                    return pick
-                # Every set is leased: wait for a release, waking now and then to see
-                # whether the stage was cancelled.
-                self._cond.wait(0.05)
+                    if not lease:
+                        return pick, None
+                    pick.leases += 1
+                    return pick, Lease(functools.partial(self._give_back, pick))
+                held = self._describe_held()
+            waited = time.monotonic() - t0
+            if timeout is not None and waited >= timeout:
+                raise BuffersHeldError(
+                    f"no buffer set became free within {timeout:g} s: all {len(self._sets)} "
+                    f"(max_buffer_sets={self.options.max_buffer_sets}) are held ({held}). "
+                    "Drop staged results you no longer need (del staged), release leases, "
+                    "or raise max_buffer_sets or buffer_wait_timeout"
+                )
+            if not warned and waited >= min(_WARN_AFTER, (timeout or _WARN_AFTER) / 2):
+                warned = True
+                _log.warning(
+                    "stage has waited %.1f s for a buffer set: all %d are held (%s); it "
+                    "goes on when a staged result is dropped or a lease released",
+                    waited,
+                    len(self._sets),
+                    held,
+                )
+            if not collected:
+                collected = True
+                gc.collect()
+                continue
+            with self._cond:
+                # Releases and finished stages notify; unreachable results do not.
+                self._cond.wait(delay)
+            delay = min(delay * 2, 0.05)
+
+    def _pick(self, sig: Any) -> BufferSet | None:
+        """Under the lock: the free set to write into (one with a plan for ``sig``
+        first, then the most recent), or a new one, or None."""
+        cands = [s for s in self._sets if not s.leases and not s.busy]
+        cands.sort(key=lambda s: (sig not in s.plans, s is not self._recent))
+        for s in cands:
+            if not s.held():
+                return s
+        if len(self._sets) < self.options.max_buffer_sets:
+            s = BufferSet(len(self._sets), shared=self.options.share_memory, pinner=self._pinner)
+            self._sets.append(s)
+            return s
+        return None
+
+    def _describe_held(self) -> str:
+        parts = []
+        for s in self._sets:
+            if s.busy:
+                parts.append(f"set {s.index}: being written")
+            elif s.leases:
+                parts.append(f"set {s.index}: {s.leases} lease(s)")
+            else:
+                parts.append(f"set {s.index}: a staged result is still reachable")
+        return "; ".join(parts)
 
     def _enqueue(
         self,
@@ -283,17 +387,26 @@ class Engine:
         tick: Callable[[], None],
     ) -> tuple[list[Completion], list[torch.device]]:
         """Enqueue every program's copies; returns the completions and, pairwise, the
-        device each belongs to (CPU programs finish inside and have none)."""
+        device each belongs to (CPU programs finish inside and have none).
+
+        Ordering: each device's copies wait (on the device) for its capture; the CPU
+        program's host copies wait (in this thread) for every capture, since a pinned
+        CPU leaf may still be filled by a ``non_blocking`` copy queued before the call.
+        So the CPU program goes last: the device copies are already enqueued while it
+        waits."""
         completions: list[Completion] = []
         devices: list[torch.device] = []
+        # Kept for _copy_error, which orders its copies the same way.
+        self._stage_captures: dict[torch.device, Any] | None = captures
+        programs = sorted(plan.programs, key=lambda p: p.device.type == "cpu")
         with torch.no_grad():
-            for prog in plan.programs:
+            for prog in programs:
                 copier = self._copier(prog.device)
-                # Hazard: from begin() to end() the copier may hold a stream context on
-                # this thread; end() must run whatever happens.
-                copier.begin(captures.get(prog.device))
                 srcs_all: list[torch.Tensor] = []
                 try:
+                    # Hazard: from begin() to end() the copier may hold a stream context
+                    # on this thread; end() must run whatever happens.
+                    copier.begin(order_after(prog.device, captures))
                     for run in prog.runs:
                         for views, units in run.groups:
                             srcs = sources(units, leaves)
@@ -334,6 +447,7 @@ class Engine:
                     completions.append(done)
                     devices.append(prog.device)
                     self.latest[prog.device] = done
+        self._stage_captures = None
         return completions, devices
 
     def _copy_error(
@@ -341,22 +455,32 @@ class Engine:
     ) -> StagingError:
         """Find which unit's copy fails, for an error that names its path: each unit is
         copied again on its own, through its device's copier (the failed batch may have
-        mixed many tensors)."""
+        mixed many tensors). The copies are those of a stage: ordered after the stage's
+        captures, their sources protected from the allocator, their completions in
+        flight in the set and the latest of their device (for ``fence``)."""
+        captures = getattr(self, "_stage_captures", None) or {}
+        self._stage_captures = None
         with torch.no_grad(), _no_torch_function():
             for unit in plan.units:
                 copier = self._copier(unit.device)
-                copier.begin(None)
+                srcs: list[torch.Tensor] = []
                 try:
-                    copier.copy([unit.dst], sources([unit], leaves))
+                    copier.begin(order_after(unit.device, captures))
+                    srcs = sources([unit], leaves)
+                    copier.copy([unit.dst], srcs)
                 except RuntimeError as e:
                     err = CopyError(f"copying this tensor failed: {e}", path=path_of_leaf(sd, unit.rep))
                     err.__cause__ = e
                     return err
                 finally:
-                    done = copier.end()
-                    if done is not None:
-                        with self._cond:
-                            bufset.inflight.append(done)
+                    try:
+                        copier.protect(srcs)
+                    finally:
+                        done = copier.end()
+                        if done is not None:
+                            self.latest[unit.device] = done
+                            with self._cond:
+                                bufset.inflight.append(done)
         err = CopyError(f"a batched copy failed ({cause}), but no single copy did")
         err.__cause__ = cause
         return err
@@ -372,19 +496,35 @@ class Engine:
                 except ValueError:
                     pass
 
-    def release(self, bufset: BufferSet) -> None:
-        """Give back one lease on ``bufset``; later stages may write into it again."""
+    def _give_back(self, bufset: BufferSet) -> None:
+        """One lease on ``bufset`` ends; called only by ``Lease.release`` (once)."""
         with self._cond:
             if bufset.leases > 0:
                 bufset.leases -= 1
             self._cond.notify_all()
 
-    def fence(self) -> None:
-        """Order the caller's current stream of each device after the latest copies
-        enqueued there (by whichever stage: a later stage that failed validation or was
-        a reserve() must not hide an earlier one's copies still in flight)."""
-        for d, c in list(self.latest.items()):
-            self._copier(d).fence(c)
+    def fence(self) -> Callable[[], None]:
+        """Caller's thread, at the call: read the caller's current stream of every
+        device (as ``capture`` does); returns the function (any thread, once the last
+        submitted stage has enqueued its copies) that makes each of those streams wait
+        for the latest copies enqueued on its device (by whichever stage: a later stage
+        that failed validation or was a reserve() must not hide an earlier one's copies
+        still in flight). Raises UnsupportedError if one of the streams is capturing a
+        CUDA graph."""
+        devices = dict.fromkeys(self.backend.known_devices())
+        devices.update(dict.fromkeys(d for d in list(self._copiers) if d.type != "cpu"))
+        for d in devices:
+            if self.backend.capturing(d):
+                raise graph_capture_error("fence()", d)
+        points = {d: self._copier(d).fence_point() for d in devices}
+
+        def apply() -> None:
+            for d, c in list(self.latest.items()):
+                # A device first used after the call (no point read): the current
+                # stream of the thread applying the fence.
+                self._copier(d).fence(c, points.get(d))
+
+        return apply
 
     @property
     def host_bytes(self) -> int:
@@ -394,6 +534,23 @@ class Engine:
     @property
     def buffer_sets(self) -> int:
         return len(self._sets)
+
+    def trim(self) -> int:
+        """Return host memory no result uses (worker thread, between stages): in each
+        buffer set that is neither leased, busy nor holding a reachable result, drop
+        the cache entries of dead sources and release every arena left without a
+        block. Returns the bytes released. Held sets are left as they are."""
+        released = 0
+        with self._cond:
+            for s in self._sets:
+                if s.busy or s.held():
+                    continue
+                s.wait_inflight()
+                if s.cache.sweep():
+                    s.plans.clear()
+                released += s.pool.trim()
+                s.watch()
+        return released
 
     def close(self) -> None:
         """Wait for copies in flight, release every arena and stream; idempotent."""
@@ -440,65 +597,11 @@ class _Ticker:
             raise ClosedError("the stager was closed during the stage")
 
 
-_switch_lock = threading.Lock()
-_switch_users = 0
-_switch_saved = 0.0
-
-
-@contextlib.contextmanager
-def _gil_interval(seconds: float) -> Iterator[None]:
-    """Lower the interpreter's GIL switch interval while a job runs.
-
-    Hazard: the walk holds the GIL in pure Python. A thread that wants the GIL (the
-    event loop's) waits one switch interval (5 ms by default), then asks, and the
-    holder hands over at its next bytecode. Lowering the interval while staging bounds
-    the loop's wait to about ``seconds``; it costs nothing when nobody waits (no
-    switch is requested). Voluntary sleeps were measured instead: same lag, but they
-    doubled the time of a cached 20k-tensor stage (33 ms against 17 ms). The setting is
-    process-wide: the first of concurrent jobs lowers it, the last puts it back, and
-    only if nobody else changed it meanwhile.
-    """
-    global _switch_users, _switch_saved
-    with _switch_lock:
-        if _switch_users == 0:
-            _switch_saved = sys.getswitchinterval()
-            if seconds < _switch_saved:
-                sys.setswitchinterval(seconds)
-        _switch_users += 1
-    try:
-        yield
-    finally:
-        with _switch_lock:
-            _switch_users -= 1
-            if (
-                _switch_users == 0
-                and _switch_saved > seconds
-                and abs(sys.getswitchinterval() - seconds) < 1e-9
-            ):
-                sys.setswitchinterval(_switch_saved)
-
-
 def _no_torch_function() -> Any:
     """Tensor subclasses' ``__torch_function__`` overrides off (this thread) while the
     engine inspects and copies their data: staging copies the bytes as they are, and an
     override that raises or redirects must not break or bend that."""
     return torch._C.DisableTorchFunctionSubclass()
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic GC while a plan is made: it allocates a few objects per tensor,
-    and with tens of thousands of tensors the collections it triggers, each scanning
-    the caller's whole heap, were half the cold-path time (measured 0.47 s -> 0.23 s at
-    20k tensors). Hazard: this is process-wide for those milliseconds; it is restored
-    only if it was on, so a caller that disabled GC keeps it off."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 #: Tensors per batched copy call. torch parses a tensor list holding the GIL (about

@@ -11,9 +11,12 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
+    "BuffersHeldError",
     "ClosedError",
     "CopyError",
     "HostAllocationError",
+    "InvalidOptionError",
+    "InvalidOptionTypeError",
     "NestingError",
     "PinningError",
     "StagingError",
@@ -64,8 +67,23 @@ class ClosedError(StagingError):
     """The stager was closed; it cannot stage again."""
 
 
+class BuffersHeldError(StagingError):
+    """A stage waited ``buffer_wait_timeout`` seconds and every buffer set was still
+    held: leased, or holding a staged result that is still reachable. Nothing was
+    staged; the stager stays usable once a result is dropped or a lease released."""
+
+
 class UnsupportedError(StagingError):
     """An option or feature this machine or this torch build cannot provide."""
+
+
+class InvalidOptionError(UnsupportedError, ValueError):
+    """An option with a value it does not allow (also a ValueError); the message names
+    the option, the value given and what is allowed."""
+
+
+class InvalidOptionTypeError(InvalidOptionError, TypeError):
+    """An option with a value of the wrong type (also a TypeError)."""
 
 
 class UnsupportedTensorError(StagingError):

@@ -24,6 +24,13 @@ Hazards:
   the GIL would stall the event loop (measured: 6 s under two CPU hogs).
 - Ownership: every piece has finished when ``run`` returns, error or not, so no copy
   writes into a host buffer after the engine thinks it is done.
+- Interpreter exit: helpers are daemon threads; one still inside torch when the
+  interpreter finalizes aborts the process (see ``_interp``). An exit hook (after the
+  workers' hook) closes every pool, waiting for a ``run`` in progress, and joins the
+  helpers.
+- ``os.fork()``: helpers do not exist in a child. A pool's lock (held for a whole
+  ``run``) is made anew there and its dead helpers forgotten, so ``close`` (and a
+  later ``run``) cannot hang on a parent's thread.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from . import _interp
 
 __all__ = [
     "MIN_POOL_BYTES",
@@ -326,6 +335,14 @@ def _helper(inbox: queue.SimpleQueue[_Job | None], priority: int | None) -> None
     # A module function holding only its inbox: the thread must not keep the pool
     # (and through it the stager) alive.
     try:
+        _serve(inbox, priority)
+    finally:
+        with _registry_lock:
+            _live_helpers.discard(threading.current_thread())
+
+
+def _serve(inbox: queue.SimpleQueue[_Job | None], priority: int | None) -> None:
+    try:
         if priority is not None:
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), priority)
@@ -351,6 +368,39 @@ def _stop_helpers(inboxes: list[queue.SimpleQueue[_Job | None]]) -> None:
         q.put(None)
 
 
+#: Every pool (weakly: a hook must not keep a stager alive) and every helper thread
+#: running in this process.
+_pools: weakref.WeakSet[CopyPool] = weakref.WeakSet()
+_live_helpers: set[threading.Thread] = set()
+_registry_lock = threading.Lock()
+
+
+def _exit_hook() -> None:
+    with _registry_lock:
+        pools = list(_pools)
+    for pool in pools:
+        pool._close(lock_timeout=_interp.EXIT_JOIN_SECONDS, join_timeout=_interp.EXIT_JOIN_SECONDS)
+    del pools
+    with _registry_lock:
+        helpers = list(_live_helpers)
+    for t in helpers:
+        # Helpers of pools already collected end on their own (the pool's finalizer).
+        if t is not threading.current_thread():
+            t.join(_interp.EXIT_JOIN_SECONDS)
+
+
+def _after_fork_in_child() -> None:
+    global _registry_lock
+    _registry_lock = threading.Lock()
+    _live_helpers.clear()
+    for pool in list(_pools):
+        pool._forget_threads()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class CopyPool:
     """The calling thread plus ``helpers`` helper threads, started on first use.
 
@@ -365,6 +415,14 @@ class CopyPool:
         self._closed = False
         # Helpers end when the pool is closed or collected (a stager dropped unclosed).
         self._finalizer = weakref.finalize(self, _stop_helpers, self._inboxes)
+        with _registry_lock:
+            _pools.add(self)
+
+    def _forget_threads(self) -> None:
+        """In a forked child: the helpers (and whoever held the lock) are gone."""
+        self._lock = threading.Lock()
+        del self._threads[:]
+        del self._inboxes[:]
 
     def _start(self) -> None:
         prio: int | None = None
@@ -383,7 +441,15 @@ class CopyPool:
                 name=f"async-stager-copy-{len(self._threads) + 1}",
                 daemon=True,
             )
-            t.start()
+            _interp.at_exit(_exit_hook, order=1)
+            with _registry_lock:
+                _live_helpers.add(t)
+            try:
+                t.start()
+            except BaseException:
+                with _registry_lock:
+                    _live_helpers.discard(t)
+                raise
             self._inboxes.append(q)
             self._threads.append(t)
 
@@ -412,10 +478,18 @@ class CopyPool:
 
     def close(self) -> None:
         """Stop the helper threads (idempotent)."""
-        with self._lock:
+        self._close(lock_timeout=None, join_timeout=5.0)
+
+    def _close(self, *, lock_timeout: float | None, join_timeout: float) -> None:
+        # The lock is held for a whole run: closing waits for one in progress.
+        if not self._lock.acquire(timeout=-1 if lock_timeout is None else lock_timeout):
+            return
+        try:
             self._closed = True
             self._finalizer()
             threads, self._threads = self._threads, []
+        finally:
+            self._lock.release()
         for t in threads:
             if t is not threading.current_thread():
-                t.join(timeout=5.0)
+                t.join(timeout=join_timeout)

@@ -4,25 +4,127 @@ Options are resolved once, at construction, into a frozen StagerOptions: ``None`
 "what this machine supports" (pinning and non-blocking copies need CUDA). Asking
 explicitly for a CUDA-only feature on a machine without CUDA is an UnsupportedError
 there and then, not a surprise at the first checkpoint.
+
+Every option is checked here, in one place (``StagerOptions.__post_init__``, which runs
+for ``Stager``, ``DefaultStager``, ``resolve_options``, ``StagerOptions(...)`` and
+``StagerOptions.replace``): a bad type or value is an :class:`InvalidOptionError` that
+names the option, the value given and what is allowed, raised before any thread or
+buffer exists, so no bad option can fail (or hang) later. A value of the wrong type is
+an :class:`InvalidOptionTypeError`, which is also a ``TypeError``; a value out of range
+is an :class:`InvalidOptionError`, also a ``ValueError``. Both are UnsupportedErrors
+(and so StagingErrors).
+
+Integers are real integers (``int``, or what ``operator.index`` accepts, such as numpy
+integers): ``bool``, ``float`` (even ``2.0``), strings and tensors are refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+import operator
 import os
+import reprlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ._errors import UnsupportedError
+from ._errors import InvalidOptionError, InvalidOptionTypeError, UnsupportedError
 
-__all__ = ["StagerOptions", "cuda_available", "resolve_options"]
+__all__ = [
+    "InvalidOptionError",
+    "InvalidOptionTypeError",
+    "StagerOptions",
+    "cuda_available",
+    "resolve_options",
+]
 
 #: Source storages up to this many bytes are batched on an accelerator: gathered on the
 #: device by one fused kernel per dtype, then moved to the host by one copy per run.
 DEFAULT_SMALL_TENSOR_BYTES = 64 * 1024
 #: Upper bound of the device scratch memory (bytes) kept per plan for that batching.
 DEFAULT_SCRATCH_BYTES = 256 * 1024 * 1024
+#: Seconds a stage waits for a free buffer set before BuffersHeldError.
+DEFAULT_BUFFER_WAIT_TIMEOUT = 60.0
+
+
+#: Worker niceness range (Linux): -20 (highest priority; needs privileges, else ignored)
+#: to 19 (lowest).
+NICE_MIN, NICE_MAX = -20, 19
+#: Most copy threads a stager may use: more than the cores only adds contention, and
+#: OpenMP runtimes take the count as a C int.
+MAX_COPY_THREADS = 1024
+
+
+_repr = reprlib.Repr()
+_repr.maxstring = 60
+_repr.maxother = 60
+
+
+def _shown(value: object) -> str:
+    return _repr.repr(value)
+
+
+def _wrong_type(name: str, value: object, allowed: str) -> InvalidOptionTypeError:
+    return InvalidOptionTypeError(
+        f"{name} must be {allowed}, got {_shown(value)} of type {type(value).__name__}"
+    )
+
+
+def _out_of_range(name: str, value: object, allowed: str) -> InvalidOptionError:
+    return InvalidOptionError(f"{name} must be {allowed}, got {_shown(value)}")
+
+
+def check_bool(name: str, value: object, *, none_means: str | None = None) -> bool | None:
+    """``value`` if it is True or False (or None, when ``none_means`` says what None is);
+    anything else, ``"yes"`` or ``1`` included, is an InvalidOptionTypeError."""
+    if isinstance(value, bool):
+        return value
+    if value is None and none_means is not None:
+        return None
+    allowed = "True or False" if none_means is None else f"True, False or None ({none_means})"
+    raise _wrong_type(name, value, allowed)
+
+
+def check_int(name: str, value: object, minimum: int, maximum: int | None = None, *, also: str = "") -> int:
+    """``value`` as an int within ``minimum..maximum``; bools, floats (``2.0`` too),
+    strings and tensors are refused (InvalidOptionTypeError), values out of the range are
+    an InvalidOptionError. ``also``: what else the option allows, for the message."""
+    if maximum is None:
+        allowed = f"an integer >= {minimum}"
+    else:
+        allowed = f"an integer from {minimum} to {maximum}"
+    if also:
+        allowed = f"{allowed} {also}"
+    if isinstance(value, (bool, torch.Tensor)):
+        raise _wrong_type(name, value, allowed)
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise _wrong_type(name, value, allowed) from None
+    if number < minimum or (maximum is not None and number > maximum):
+        raise _out_of_range(name, value, allowed)
+    return number
+
+
+def check_seconds(name: str, value: object, *, maximum: float | None = None, zero_ok: bool = False) -> float:
+    """``value`` as a float of seconds: a real number (int or float, not bool), not NaN,
+    > 0 (>= 0 with ``zero_ok``) and <= ``maximum`` (None: infinity allowed)."""
+    bounds = ">= 0" if zero_ok else "> 0"
+    if maximum is not None:
+        allowed = f"a finite number of seconds {bounds} and <= {maximum:g}"
+    else:
+        allowed = f"a number of seconds {bounds} (inf: no limit)"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _wrong_type(name, value, allowed)
+    seconds = float(value)
+    if math.isnan(seconds) or seconds < 0 or (seconds == 0 and not zero_ok):
+        raise _out_of_range(name, value, allowed)
+    if maximum is not None and not seconds <= maximum:
+        raise _out_of_range(name, value, allowed)
+    return seconds
 
 
 def loop_friendly_threads() -> int:
@@ -58,6 +160,26 @@ class StagerOptions:
       event loop then preempts host copies at once (see docs/concepts.md).
     - ``copy_threads``: threads for host-to-host copies, the worker and ``n - 1``
       helpers (see ``_hostcopy``); None: torch's intra-op thread count.
+    - ``buffer_wait_timeout``: seconds a stage waits for a free buffer set before
+      BuffersHeldError; None: for ever.
+
+    Every field is checked at construction (and so by ``replace``):
+
+    - ``pin_memory``, ``share_memory``, ``non_blocking``: True or False
+      (``resolve_options``, ``Stager`` and ``DefaultStager`` also take None for
+      ``pin_memory`` and ``non_blocking``: what this machine supports).
+    - ``max_buffer_sets``: an integer >= 1.
+    - ``small_tensor_bytes``, ``scratch_bytes``: integers >= 0.
+    - ``yield_interval``: a finite number of seconds, > 0 and <= 1.
+    - ``worker_nice``: an integer from -20 to 19.
+    - ``copy_threads``: an integer from 1 to 1024, or None.
+    - ``buffer_wait_timeout``: a number of seconds >= 0 (``inf`` allowed), or None.
+
+    Integers exclude bools and floats (``2.0`` too). A value of the wrong type raises
+    :class:`InvalidOptionTypeError` (also a ``TypeError``), one out of range
+    :class:`InvalidOptionError` (also a ``ValueError``); both are UnsupportedErrors, and
+    the message names the option, the value and what is allowed. Accepted values are
+    normalized (a numpy integer becomes an ``int``, an int ``yield_interval`` a float).
     """
 
     pin_memory: bool
@@ -69,20 +191,53 @@ class StagerOptions:
     yield_interval: float = 0.0002
     worker_nice: int = 5
     copy_threads: int | None = None
+    buffer_wait_timeout: float | None = DEFAULT_BUFFER_WAIT_TIMEOUT
+
+    def __post_init__(self) -> None:
+        self.validate()
 
     def replace(self, **changes: object) -> StagerOptions:
         """A copy with some fields changed (validated again)."""
-        new = dataclasses.replace(self, **changes)  # type: ignore[arg-type]
-        new.validate()
-        return new
+        _check_names(changes)
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
     def validate(self) -> None:
-        if self.max_buffer_sets < 1:
-            raise UnsupportedError(f"max_buffer_sets must be >= 1, got {self.max_buffer_sets}")
-        if self.small_tensor_bytes < 0 or self.scratch_bytes < 0:
-            raise UnsupportedError("small_tensor_bytes and scratch_bytes must be >= 0")
-        if not (0.0 < self.yield_interval <= 1.0):
-            raise UnsupportedError(f"yield_interval must be in (0, 1] seconds, got {self.yield_interval}")
+        """Check every field (see the class doc); raises InvalidOptionError naming the
+        first bad one. Normalizes accepted values in place (numpy ints to int)."""
+        fields: dict[str, Any] = {
+            "pin_memory": check_bool("pin_memory", self.pin_memory),
+            "share_memory": check_bool("share_memory", self.share_memory),
+            "non_blocking": check_bool("non_blocking", self.non_blocking),
+            "max_buffer_sets": check_int("max_buffer_sets", self.max_buffer_sets, 1),
+            "small_tensor_bytes": check_int("small_tensor_bytes", self.small_tensor_bytes, 0),
+            "scratch_bytes": check_int("scratch_bytes", self.scratch_bytes, 0),
+            "yield_interval": check_seconds("yield_interval", self.yield_interval, maximum=1.0),
+            "worker_nice": check_int("worker_nice", self.worker_nice, NICE_MIN, NICE_MAX),
+            "buffer_wait_timeout": None
+            if self.buffer_wait_timeout is None
+            else check_seconds("buffer_wait_timeout", self.buffer_wait_timeout, zero_ok=True),
+            "copy_threads": None
+            if self.copy_threads is None
+            else check_int(
+                "copy_threads", self.copy_threads, 1, MAX_COPY_THREADS, also="or None (the default)"
+            ),
+        }
+        for name, value in fields.items():
+            if getattr(self, name) is not value:
+                object.__setattr__(self, name, value)
+
+
+#: The options ``resolve_options`` (and so ``DefaultStager``) takes, besides the seam.
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(StagerOptions))
+
+
+def _check_names(given: dict[str, object]) -> None:
+    unknown = sorted(set(given) - set(OPTION_NAMES))
+    if unknown:
+        raise InvalidOptionTypeError(
+            f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+            f"the options are: {', '.join(OPTION_NAMES)}"
+        )
 
 
 def resolve_options(
@@ -96,38 +251,49 @@ def resolve_options(
     yield_interval: float = 0.0002,
     worker_nice: int = 5,
     copy_threads: int | None = None,
+    buffer_wait_timeout: float | None = DEFAULT_BUFFER_WAIT_TIMEOUT,
     seam: bool = False,
     pinner_given: bool = False,
+    **unknown: object,
 ) -> StagerOptions:
     """Resolve ``None`` to what the machine supports; reject what it cannot do.
 
     ``seam``: a device backend or pinner was passed in (a fake, in tests). It stands in
     for the accelerator, so its features count as available, and pinning defaults to
     whether a pinner came (``pinner_given``).
+
+    Every option is checked (see StagerOptions) before anything is resolved: a bad one
+    is an InvalidOptionError naming it, an unknown name an InvalidOptionTypeError.
     """
+    _check_names(unknown)
+    # Types first: a truthy non-bool ("yes", 1) must not pass for True below.
+    pin_memory = check_bool("pin_memory", pin_memory, none_means="what this machine supports")
+    non_blocking = check_bool("non_blocking", non_blocking, none_means="what this machine supports")
+    check_bool("share_memory", share_memory)
     has_cuda = True if seam else cuda_available()
     if pin_memory is None and seam:
         pin_memory = pinner_given
     if pin_memory is None:
         pin_memory = has_cuda
-    elif pin_memory and not has_cuda:
-        raise UnsupportedError("pin_memory=True needs CUDA, and no CUDA device is available")
     if non_blocking is None:
         non_blocking = has_cuda
-    elif non_blocking and not has_cuda:
-        raise UnsupportedError("non_blocking=True needs CUDA, and no CUDA device is available")
-    if share_memory and not hasattr(os, "memfd_create") and not os.path.isdir("/dev/shm"):
-        raise UnsupportedError("share_memory=True needs memfd_create or /dev/shm")
+    # Everything else is checked before a machine limit is reported.
     opts = StagerOptions(
-        pin_memory=bool(pin_memory),
-        share_memory=bool(share_memory),
-        non_blocking=bool(non_blocking),
+        pin_memory=pin_memory,
+        share_memory=share_memory,
+        non_blocking=non_blocking,
         max_buffer_sets=max_buffer_sets,
         small_tensor_bytes=small_tensor_bytes,
         scratch_bytes=scratch_bytes,
         yield_interval=yield_interval,
         worker_nice=worker_nice,
         copy_threads=copy_threads,
+        buffer_wait_timeout=buffer_wait_timeout,
     )
-    opts.validate()
+    if opts.pin_memory and not has_cuda:
+        raise UnsupportedError("pin_memory=True needs CUDA, and no CUDA device is available")
+    if opts.non_blocking and not has_cuda:
+        raise UnsupportedError("non_blocking=True needs CUDA, and no CUDA device is available")
+    if opts.share_memory and not hasattr(os, "memfd_create") and not os.path.isdir("/dev/shm"):
+        raise UnsupportedError("share_memory=True needs memfd_create or /dev/shm")
     return opts

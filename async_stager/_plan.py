@@ -5,21 +5,32 @@ up in the set's storage cache (allocating exact-size blocks for misses), builds 
 tensor of each leaf with the source's sizes, strides and offset, and compiles the copy
 program per device (small storages batched into runs where the copier wants it).
 ``plan_holds`` (the fast path) decides from a per-leaf fingerprint whether the plan of
-the last stage still fits the leaves of this one.
+the last stage still fits the leaves of this one, and (the slow path) whether the leaves
+of its second walk still fit the plan made from its first.
+
+Hazard: a source may be memory of this very buffer set (an earlier result staged
+again), and blocks go back to the arena (storages that died, a cache entry that no
+longer matches) just before new ones are handed out. No destination of a stage may
+overlap one of its sources: the copies would write into memory that others still
+read (``_keep_apart``).
 """
 
 from __future__ import annotations
 
+import bisect
+import collections
 import operator
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
-from ._arena import ALIGN
+from ._arena import ALIGN, Block, HostPool
 from ._cache import FINGERPRINT, BufferSet, DeviceProgram, Plan, Run, Unit, fingerprint
 from ._device import Copier
 from ._options import StagerOptions
+from ._tree import wrap_like
 
 __all__ = ["make_plan", "plan_holds", "sources"]
 
@@ -65,6 +76,10 @@ def make_plan(
     if bufset.cache.invalidated:
         bufset.cache.invalidated = False
         bufset.plans.clear()
+    # Taken after the sweep and the lookups (arenas they emptied are gone, and memory
+    # still viewed there is never handed out again), before any allocation (a new
+    # arena is fresh memory).
+    reads = _reads_in_pool(bufset.pool, [g.storage for g in groups.values()])
     if missing:
         # Smallest first: small storages land adjacent, so a device can move a run
         # of them with one copy.
@@ -73,11 +88,12 @@ def make_plan(
         for g, b in zip(missing, blocks):
             g.block = b
             bufset.cache.insert(g.storage, g.device, b)
+    if reads and _keep_apart(bufset, list(groups.values()), reads, prefault=prefault):
+        bufset.plans.clear()
     tick()
     host_u: list[Any] = [None] * len(uniq)
     units: list[Unit] = []
     whole_checks: list[tuple[int, int, int]] = []
-    member_meta: list[tuple[int, tuple[int, ...], tuple[int, ...], int, int]] = []
     first_leaf = {u: i for i, u in reversed(list(enumerate(leaf_u)))}
     nbytes = 0
     for n, g in enumerate(groups.values()):
@@ -115,21 +131,11 @@ def make_plan(
                 )
             )
             if whole:
+                # The members' sizes, strides and offsets are in the fingerprint.
                 whole_checks.append((rep, g.storage.data_ptr(), size))
-                for u in g.members:
-                    m = uniq[u]
-                    member_meta.append(
-                        (
-                            first_leaf[u],
-                            tuple(m.size()),
-                            m.stride(),
-                            int(m.storage_offset()),
-                            _math_bits(m),
-                        )
-                    )
         if not n % 256:
             tick()
-    wrapped = [_wrap(uniq[u], host_u[u]) for u in range(len(uniq))]
+    wrapped = [wrap_like(uniq[u], host_u[u]) for u in range(len(uniq))]
     hosts = [wrapped[u] for u in leaf_u]
     programs = _programs(copier_for, options, units, uniq, leaves)
     plan = Plan(
@@ -139,10 +145,11 @@ def make_plan(
         units=units,
         fingerprint=fingerprint(leaves),
         whole_checks=whole_checks,
-        member_meta=member_meta,
+        member_meta=[],
         nbytes=nbytes,
         storages=len(groups),
     )
+    _note_repeats(plan, leaf_u)
     return plan, len(groups) - len(missing), len(missing)
 
 
@@ -261,31 +268,171 @@ def sources(units: Sequence[Unit], leaves: Sequence[torch.Tensor]) -> list[torch
     return out
 
 
-def plan_holds(plan: Plan, leaves: list[torch.Tensor], tick: Callable[[], None]) -> bool:
-    """True when ``leaves`` can be copied with ``plan`` unchanged."""
+def plan_holds(
+    plan: Plan,
+    leaves: list[torch.Tensor],
+    tick: Callable[[], None],
+    *,
+    planned: list[torch.Tensor] | None = None,
+    pool: HostPool | None = None,
+) -> bool:
+    """True when ``leaves`` can be copied with ``plan`` unchanged, and the result it
+    builds is what a new plan would build (see ``FINGERPRINT``).
+
+    With ``planned``, the leaves the plan was made from (the slow path's first walk,
+    ``leaves`` being its second), and the ``pool`` of the plan's buffer set, their
+    memory may differ: an object whose ``__getstate__`` makes new tensors each call
+    gives new ones to each walk, and the copies read the second walk's. The layout may
+    not: the same fingerprint but for the data pointers, the same tensors repeated,
+    the same leaves sharing a storage, storages of the same sizes, and no new memory
+    that the plan writes. A state dict changed between the walks does not fit.
+    """
+    if _fingerprint_holds(plan, leaves, tick):
+        return True
+    if planned is None or pool is None or len(leaves) != len(planned):
+        return False
+    if not _fingerprint_holds(plan, leaves, tick, skip=1):
+        return False
+    if _aliasing(planned) != _aliasing(leaves):
+        return False
+    seen = {t.untyped_storage()._cdata for t in planned}
+    new = [st for st in (t.untyped_storage() for t in leaves) if st._cdata not in seen]
+    reads = _reads_in_pool(pool, new)
+    return not (reads and any(_overlaps(u.block, reads) for u in plan.units))
+
+
+def _fingerprint_holds(
+    plan: Plan, leaves: list[torch.Tensor], tick: Callable[[], None], *, skip: int = 0
+) -> bool:
+    """The leaves have the plan's fingerprint (without its first ``skip`` entries, the
+    data pointers with 1) and, with the pointers, the storages of whole-storage units."""
     n = len(leaves)
     if n != len(plan.hosts):
         return False
+    dtypes = plan.fingerprint[1]
+    real = len(FINGERPRINT) - 1  # entries but the last (the conj bit)
     # In chunks, ticking between them: each map over all leaves holds the GIL.
     for lo in range(0, n, _FP_CHUNK):
         chunk = leaves[lo : lo + _FP_CHUNK]
-        for f, expected in zip(FINGERPRINT, plan.fingerprint):
-            if list(map(f, chunk)) != expected[lo : lo + _FP_CHUNK]:
+        hi = len(FINGERPRINT) if not _COMPLEX.isdisjoint(dtypes[lo : lo + _FP_CHUNK]) else real
+        for f, expected in zip(FINGERPRINT[skip:hi], plan.fingerprint[skip:hi]):
+            if f(chunk) != expected[lo : lo + _FP_CHUNK]:
                 return False
         tick()
+    if skip:
+        return True
     for i, ptr, nbytes in plan.whole_checks:
         st = leaves[i].untyped_storage()
         if st.data_ptr() != ptr or st.nbytes() != nbytes:
             return False
-    for i, size, stride, offset, mbits in plan.member_meta:
-        t = leaves[i]
-        if (
-            tuple(t.size()) != size
-            or t.stride() != stride
-            or t.storage_offset() != offset
-            or _math_bits(t) != mbits
-        ):
+    repeats = _REPEATS.get(plan)
+    if repeats is not None:
+        idx, same = repeats
+        got = operator.itemgetter(*idx)(leaves) if len(idx) > 1 else (leaves[idx[0]],)
+        if _first_of_same(idx, got) != same:
             return False
+    return True
+
+
+#: Per plan with leaves that share a data pointer (aliases, the same tensor twice,
+#: empty tensors): their indices and, for each, the first of them that is the same
+#: tensor object. Hazard: the host of a leaf repeated in the state dict is one object,
+#: so the result repeats a tensor exactly where the plan's leaves did; a fingerprint of
+#: per-leaf values cannot see that, and leaves with a data pointer no other leaf has
+#: cannot be repeats (kept aside so a plan needs no new field).
+_REPEATS: weakref.WeakKeyDictionary[Plan, tuple[list[int], list[int]]] = weakref.WeakKeyDictionary()
+
+
+def _note_repeats(plan: Plan, leaf_u: list[int]) -> None:
+    ptrs = plan.fingerprint[0]
+    if len(set(ptrs)) == len(ptrs):
+        return
+    count = collections.Counter(ptrs)
+    idx = [i for i, p in enumerate(ptrs) if count[p] > 1]
+    first: dict[int, int] = {}
+    _REPEATS[plan] = (idx, [first.setdefault(leaf_u[i], i) for i in idx])
+
+
+def _first_of_same(idx: list[int], tensors: Sequence[torch.Tensor]) -> list[int]:
+    first: dict[int, int] = {}
+    return [first.setdefault(id(t), i) for i, t in zip(idx, tensors)]
+
+
+def _aliasing(leaves: list[torch.Tensor]) -> list[tuple[int, int, int]]:
+    """Per leaf: which tensor (first index of the same object), which storage (first
+    index of a leaf on it) and its size in bytes."""
+    tensors: dict[int, int] = {}
+    storages: dict[int, int] = {}
+    out = []
+    for i, t in enumerate(leaves):
+        st = t.untyped_storage()
+        out.append((tensors.setdefault(id(t), i), storages.setdefault(st._cdata, i), st.nbytes()))
+    return out
+
+
+def _reads_in_pool(pool: HostPool, storages: Iterable[torch.UntypedStorage]) -> list[tuple[int, int]]:
+    """The byte ranges of ``storages`` that lie in one of ``pool``'s arenas, sorted and
+    merged (usually none: only a staged result, staged again, lives there)."""
+    arenas = sorted((a.base, a.base + a.nbytes) for a in list(pool.arenas))
+    if not arenas:
+        return []
+    lo, hi = arenas[0][0], max(end for _, end in arenas)
+    starts = [a for a, _ in arenas]
+    found = []
+    for st in storages:
+        p = st.data_ptr()
+        if lo <= p < hi:
+            n = st.nbytes()
+            if n and p < arenas[bisect.bisect_right(starts, p) - 1][1]:
+                found.append((p, p + n))
+    found.sort()
+    merged: list[tuple[int, int]] = []
+    for a, b in found:
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def _overlaps(block: Block, reads: list[tuple[int, int]]) -> bool:
+    """Whether ``block`` overlaps one of ``reads`` (sorted, disjoint ranges)."""
+    if not block.nbytes:
+        return False
+    lo = block.tensor.data_ptr()
+    hi = lo + block.nbytes
+    k = bisect.bisect_left(reads, (hi,)) - 1  # the last range starting below ``hi``
+    return k >= 0 and reads[k][1] > lo
+
+
+def _keep_apart(
+    bufset: BufferSet,
+    groups: list[_Group],
+    reads: list[tuple[int, int]],
+    *,
+    prefault: bool,
+) -> bool:
+    """Give every group whose destination block overlaps a source of this stage
+    (``reads``) a block that does not; returns whether any block was replaced.
+
+    Such a block is memory this stage reads: an earlier result staged again whose
+    cache entry was just swept (its source died) and handed out anew, or the cached
+    block of a live source that the earlier result still views. The replaced blocks
+    stay allocated until every group has a block that fits, so none is handed out
+    again in between; then they go back to the arena.
+    """
+    clash = [g for g in groups if _overlaps(g.block, reads)]
+    if not clash:
+        return False
+    old: list[Block] = []
+    while clash:
+        old.extend(g.block for g in clash)
+        blocks = bufset.pool.allocate([g.storage.nbytes() for g in clash], prefault=prefault)
+        for g, b in zip(clash, blocks):
+            g.block = b
+            bufset.cache.insert(g.storage, g.device, b)
+        clash = [g for g in clash if _overlaps(g.block, reads)]
+    bufset.pool.free(old)
     return True
 
 
@@ -336,17 +483,5 @@ def _with_math_bits(src: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
 #: Leaves per fingerprint chunk (about 0.2 ms of GIL-holding work each).
 _FP_CHUNK = 512
 
-
-def _wrap(src: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
-    """The host tensor as the source's type: Parameter, subclass, requires_grad."""
-    cls = type(src)
-    if cls is torch.Tensor:
-        if src.requires_grad:
-            host.requires_grad_(True)
-        return host
-    if isinstance(src, torch.nn.Parameter):
-        return torch.Tensor._make_subclass(cls, host, src.requires_grad)
-    out = host.as_subclass(cls)
-    if src.requires_grad:
-        out.requires_grad_(True)
-    return out
+#: The dtypes a conj bit can be set on.
+_COMPLEX = frozenset({torch.complex32, torch.complex64, torch.complex128})

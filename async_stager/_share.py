@@ -11,7 +11,9 @@ process. ``export_shared`` sends the arenas instead:
   picklable data naming each arena the result uses (the owning pid, the descriptor
   number, its size and its inode) and the structure of ``staged`` pickled with every
   tensor replaced by a reference (arena, byte offset, dtype, size, stride, storage
-  offset). It copies no tensor data and opens no descriptor. Send it in one message.
+  offset, requires_grad, Parameter or not, lazy conjugate and negative bits; the
+  tensor's Python attributes and a Parameter subclass's class go in the structure).
+  It copies no tensor data and opens no descriptor. Send it in one message.
 - ``attach_shared(handle)`` (writer process) opens each arena once through
   ``/proc/<pid>/fd/<fd>``, maps it (one ``mmap`` per arena, not per tensor) and
   rebuilds the structure around ``torch.frombuffer`` views of the mapping: the same
@@ -24,6 +26,11 @@ buffers (they go to another buffer set). Once the lease is released the next sta
 overwrite what the writer sees. The writer's mapping keeps the memory alive even if the
 training process closes its stager, but attaching needs the training process's arena
 descriptors: attach while the lease is held.
+
+In the writer, ``AttachedStateDict.close()`` drops the structure and the mappings; an
+arena is unmapped (and the descriptor Python's ``mmap`` keeps is closed) when the last
+tensor viewing it dies: at once if the writer kept none. A tensor the writer kept stays
+valid memory until it dies.
 
 The writer may not change the training process's buffers by accident: by default the
 mapping is private (copy-on-write), so in-place writes in the writer stay in the writer.
@@ -46,7 +53,7 @@ from typing import Any
 
 import torch
 
-from ._errors import HostAllocationError, StagingError, UnsupportedError
+from ._errors import ClosedError, HostAllocationError, StagingError, UnsupportedError
 
 __all__ = ["AttachedStateDict", "SharedArena", "SharedHandle", "attach_shared", "export_shared"]
 
@@ -80,7 +87,9 @@ class SharedHandle:
 
     ``arenas``: the arenas the tensors live in. ``payload``: the structure, pickled,
     with each tensor as an index into ``refs``; ``refs``: per tensor (or storage) its
-    arena, byte offset, storage bytes, dtype, size, stride, storage offset. ``tensors``/``nbytes``: how many
+    arena, byte offset, storage bytes, dtype, size, stride, storage offset,
+    requires_grad, whether it is a Parameter, and its lazy math bits (1: conjugate,
+    2: negative). ``tensors``/``nbytes``: how many
     tensor references it holds and the bytes of the storages they view (bytes).
     The handle holds no descriptor and no memory: it is only valid while the exporting
     process holds a lease on the staged result.
@@ -154,35 +163,49 @@ class _Exporter(pickle.Pickler):
             "by this stager, while it is leased); sharing it would need a copy"
         )
 
+    def _tensor_ref(self, t: torch.Tensor, requires_grad: bool, param: bool) -> int | None:
+        """The index in ``refs`` of a new reference to ``t``, or None if it has no
+        bytes to share (or is not on the CPU): then it is pickled by value."""
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes == 0 or t.device.type != "cpu":
+            return None
+        slot, offset = self._locate(storage.data_ptr(), nbytes, t)
+        self.tensors += 1
+        self.refs.append(
+            (
+                "t",
+                slot,
+                offset,
+                nbytes,
+                _DTYPE_NAMES[t.dtype],
+                tuple(t.shape),
+                t.stride(),
+                t.storage_offset(),
+                requires_grad,
+                param,
+                # Hazard: the lazy conjugate/negative bits of a staged view (see
+                # _plan._with_math_bits) are not in its bytes: a reference without them
+                # reads z where the source was z.conj(), x where it was -x.
+                int(t.is_conj()) | (int(t.is_neg()) << 1),
+            )
+        )
+        return len(self.refs) - 1
+
     def persistent_id(self, obj: Any) -> Any:
         cls = type(obj)
         if cls is torch.Tensor or cls is torch.nn.Parameter:
             seen = self._seen.get(id(obj))
             if seen is not None:
                 return seen  # the same tensor object again: the same object there
-            t: torch.Tensor = obj
-            storage = t.untyped_storage()
-            nbytes = storage.nbytes()
-            if nbytes == 0 or t.device.type != "cpu":
-                return None  # nothing to share; pickled by value (a few bytes)
-            slot, offset = self._locate(storage.data_ptr(), nbytes, t)
-            self.tensors += 1
-            self.refs.append(
-                (
-                    "t",
-                    slot,
-                    offset,
-                    nbytes,
-                    _DTYPE_NAMES[t.dtype],
-                    tuple(t.shape),
-                    t.stride(),
-                    t.storage_offset(),
-                    t.requires_grad,
-                    cls is torch.nn.Parameter,
-                )
-            )
-            self._seen[id(obj)] = index = len(self.refs) - 1
+            if obj.__dict__:
+                return None  # Python attributes too: see reducer_override
+            index = self._tensor_ref(obj, obj.requires_grad, cls is torch.nn.Parameter)
+            if index is not None:
+                self._seen[id(obj)] = index
             return index
+        if cls is _Ref:
+            return obj.index
         if cls is torch.UntypedStorage or cls is torch.TypedStorage:
             # Tensor subclasses pickle their inner tensors' storages this way.
             untyped = obj if cls is torch.UntypedStorage else obj._untyped_storage
@@ -193,6 +216,62 @@ class _Exporter(pickle.Pickler):
             self.refs.append(("s", slot, offset, untyped.nbytes(), dtype))
             return len(self.refs) - 1
         return None
+
+    def reducer_override(self, obj: Any) -> Any:
+        """A reference for what a bare reference would lose: a tensor's Python
+        attributes (``t.__dict__``, state like a plain pickle's), and the class of a
+        Parameter subclass whose reduction is Parameter's own (which rebuilds a plain
+        Parameter). Everything else: NotImplemented (pickled as usual)."""
+        cls = type(obj)
+        if cls is torch.Tensor or cls is torch.nn.Parameter:
+            sub = None
+            index = self._tensor_ref(obj, obj.requires_grad, cls is torch.nn.Parameter)
+        elif (
+            issubclass(cls, torch.nn.Parameter)
+            and cls.__reduce_ex__ is torch.nn.Parameter.__reduce_ex__
+            and cls.__torch_dispatch__ is torch.Tensor.__torch_dispatch__
+        ):
+            sub = cls
+            index = self._tensor_ref(obj, False, False)
+        else:
+            return NotImplemented
+        if index is None:
+            return NotImplemented
+        args = (_Ref(index),) if sub is None else (_Ref(index), sub, obj.requires_grad)
+        # The state goes through BUILD (after the tensor is memoized): an attribute
+        # that refers back to the tensor is the tensor itself there too.
+        return (
+            _rebuild_tensor,
+            args,
+            torch._utils._get_obj_state(obj) or None,
+            None,
+            None,
+            _set_tensor_state,
+        )
+
+
+class _Ref:
+    """A reference's index in ``refs``, pickled as that persistent id."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def _rebuild_tensor(
+    t: torch.Tensor, cls: type[torch.Tensor] | None = None, requires_grad: bool = False
+) -> Any:
+    """(In the attaching process.) The referenced tensor, as ``cls`` if given."""
+    if cls is None:
+        return t
+    return torch.Tensor._make_subclass(cls, t, requires_grad)
+
+
+def _set_tensor_state(t: torch.Tensor, state: Any) -> None:
+    """(In the attaching process.) A tensor's Python attributes, as torch's unpickling
+    sets them."""
+    torch._utils._set_obj_state(t, state)
 
 
 def export_shared(staged: Any, stager: Any) -> SharedHandle:
@@ -205,8 +284,10 @@ def export_shared(staged: Any, stager: Any) -> SharedHandle:
 
     Raises UnsupportedError if the stager does not use shared memory, or if a tensor in
     ``staged`` is not in its buffers (a source tensor, or the result of another stager).
-    Plain tensors and Parameters are sent as references; other tensor subclasses are
-    pickled by their own protocol, with their inner storages sent as references.
+    Plain tensors and Parameters (and Parameter subclasses that keep Parameter's
+    pickling) are sent as references, with their lazy conjugate/negative bits, Python
+    attributes and class; other tensor subclasses are pickled by their own protocol,
+    with their inner storages sent as references.
     Non-tensor values are pickled by value.
     """
     arenas = _shared_arenas(stager)
@@ -262,9 +343,16 @@ class _Attacher(pickle.Unpickler):
     def _build(self, ref: tuple[Any, ...]) -> Any:
         kind = ref[0]
         if kind == "t":
-            _, slot, offset, nbytes, dtype, size, stride, storage_offset, requires_grad, param = ref
+            slot, offset, nbytes, dtype, size, stride, storage_offset, requires_grad, param, math_bits = ref[
+                1:
+            ]
             storage = self._storage(slot, offset, nbytes)
             t = torch.empty(0, dtype=getattr(torch, dtype)).set_(storage, storage_offset, size, stride)
+            # The exported view's lazy bits, in _plan._with_math_bits's order.
+            if math_bits & 1:
+                t = t.conj()
+            if math_bits & 2:
+                t = torch._neg_view(t)
             if param:
                 return torch.nn.Parameter(t, requires_grad=requires_grad)
             if requires_grad:
@@ -285,30 +373,46 @@ class AttachedStateDict:
     ``state_dict`` is the rebuilt structure; its tensors view this process's mappings
     of the exporting process's arenas (the same physical memory). ``close()`` drops
     the structure and unmaps every arena no tensor still views (tensors the caller kept
-    keep their mapping alive until they die). Use it as a context manager.
+    keep their mapping, and its descriptor, alive until they die). Use it as a context
+    manager. After ``close()``, ``state_dict`` and ``with`` raise ClosedError.
     """
 
     def __init__(self, state_dict: Any, maps: list[mmap.mmap], handle: SharedHandle) -> None:
-        self.state_dict: Any = state_dict
+        self._state_dict: Any = state_dict
         self.handle = handle
         self._maps = maps
+        self._closed = False
+
+    @property
+    def state_dict(self) -> Any:
+        """The rebuilt structure. Raises ClosedError once closed."""
+        if self._closed:
+            raise ClosedError(
+                "this AttachedStateDict is closed (tensors taken from it before close stay "
+                "valid); attach the handle again, while the exporter holds the lease"
+            )
+        return self._state_dict
 
     @property
     def closed(self) -> bool:
-        return self.state_dict is None and not self._maps
+        return self._closed
 
     def close(self) -> None:
-        """Drop the structure and unmap the arenas (those still viewed: when their last
-        tensor dies). Idempotent."""
-        self.state_dict = None
-        maps, self._maps = self._maps, []
-        for mm in maps:
-            try:
-                mm.close()
-            except BufferError:
-                pass  # a tensor the caller kept still views it
+        """Drop the structure and the mappings; each arena is unmapped, and its
+        descriptor closed, when the last tensor viewing it dies (at once if the caller
+        kept none). Idempotent."""
+        # Hazard: never mm.close() here (as in _arena.Arena._release_mapping):
+        # torch.frombuffer keeps a reference to the mmap object but no buffer export,
+        # so close() would unmap memory that tensors the caller kept still view (a
+        # segfault on their next read). Dropping our references instead unmaps it when
+        # the last of them dies.
+        self._closed = True
+        self._state_dict = None
+        self._maps = []
 
     def __enter__(self) -> AttachedStateDict:
+        if self._closed:
+            raise ClosedError("this AttachedStateDict is closed; attach the handle again")
         return self
 
     def __exit__(
@@ -358,12 +462,16 @@ def attach_shared(handle: SharedHandle, *, writable: bool = False) -> AttachedSt
     try:
         for ref in handle.arenas:
             maps.append(_map_arena(ref, writable))
-        state_dict = _Attacher(handle, maps).load()
     except BaseException:
         for mm in maps:
-            try:
-                mm.close()
-            except BufferError:
-                pass
+            mm.close()  # nothing views them yet
+        raise
+    try:
+        state_dict = _Attacher(handle, maps).load()
+    except BaseException:
+        # Tensors built before the failure may still view the mappings (an object's
+        # reduction can keep them): drop the references, never mm.close() (see
+        # AttachedStateDict.close).
+        maps.clear()
         raise
     return AttachedStateDict(state_dict, maps, handle)

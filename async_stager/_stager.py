@@ -5,10 +5,12 @@ caller's current CUDA stream), queues the walk-and-enqueue job on the stager's w
 thread, and returns a coroutine that waits for the job (the worker wakes the loop) and
 then polls the copies' completion event with back-off. The event loop never blocks.
 
-Validity of results: a plain ``stage()`` result views host buffers that the *next*
-stage into the same buffer set overwrites (checkpoint every N steps reuses memory; this
-is the point). Hold it longer with ``snapshot()``: a leased result is never overwritten;
-later stages use another buffer set (up to ``max_buffer_sets``) or wait for the release.
+Validity of results: a staged result is never overwritten while it is reachable (the
+staged dict, a tensor taken out of it, a view of one) or leased (``lease()``,
+``snapshot()``). A later stage then writes into another buffer set (up to
+``max_buffer_sets``) or waits until one is dropped or released; once a result is
+dropped, its buffers are reused without any other call (checkpoint every N steps pays
+for host memory once: this is the point).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from ._arena import Pinner
 from ._device import Backend
 from ._engine import Engine, Staged
 from ._errors import ClosedError
+from ._lease import Lease
 from ._options import (
+    DEFAULT_BUFFER_WAIT_TIMEOUT,
     DEFAULT_SCRATCH_BYTES,
     DEFAULT_SMALL_TENSOR_BYTES,
     StagerOptions,
@@ -34,7 +38,7 @@ from ._options import (
 )
 from ._stats import StageStats
 from ._waiting import Backoff, poll_completion, wait_future, wait_future_uninterrupted
-from ._worker import Worker, WorkerStopped
+from ._worker import Worker, WorkerForked, WorkerStopped
 
 __all__ = ["Stager"]
 
@@ -45,8 +49,9 @@ _DEFAULT_BANDWIDTH = 20e9
 
 
 class _Job:
-    """One submitted stage. Whoever ends up owning a lease it took must release it:
-    the awaiting coroutine, or, if that was cancelled first, the job's done-callback.
+    """One submitted stage. Whoever ends up owning its result must hand it on or drop
+    it (releasing its lease, if any): the awaiting coroutine, or, if that was cancelled
+    first, the job's done-callback.
     An abandoned job is kept in ``pending`` (owned by the stager) until its future is
     done, so the callback (which holds only a weak reference) still finds it."""
 
@@ -79,7 +84,7 @@ class _Job:
             # Done already: release here, and make sure done() (which may be running
             # right now, callbacks run after the future is marked done) does not.
             self.state = "released"
-        _release_if_leased(self.engine, fut)
+        _drop_result(fut)
 
     def done(self, fut: Any) -> None:
         with self.lock:
@@ -87,7 +92,7 @@ class _Job:
                 return
             self.state = "released"
             self.pending.discard(self)
-        _release_if_leased(self.engine, fut)
+        _drop_result(fut)
 
 
 def _job_done(ref: weakref.ref[_Job], fut: Any) -> None:
@@ -96,12 +101,18 @@ def _job_done(ref: weakref.ref[_Job], fut: Any) -> None:
         job.done(fut)
 
 
-def _release_if_leased(engine: Engine, fut: Any) -> None:
+def _drop_result(fut: Any) -> None:
+    """Nobody will take this finished stage's result: let it go (its buffer set is
+    then free for reuse) and release its lease, if any."""
     if fut.cancelled() or fut.exception() is not None:
         return
-    staged: Staged = fut.result()
-    if staged.leased:
-        engine.release(staged.bufset)
+    _drop(fut.result())
+
+
+def _drop(staged: Staged) -> None:
+    staged.result = None
+    if staged.lease is not None:
+        staged.lease.release()
 
 
 class Stager:
@@ -112,7 +123,10 @@ class Stager:
     - ``pin_memory``: register host arenas with CUDA (default: when CUDA is available).
     - ``share_memory``: host arenas in shared memory, for writer processes (default off).
     - ``non_blocking``: asynchronous device-to-host copies (default: with CUDA).
-    - ``max_buffer_sets``: host buffer generations, so leased results are not overwritten.
+    - ``max_buffer_sets``: host buffer generations: a result that is still reachable or
+      leased is never overwritten; a stage that finds every set held waits for one.
+    - ``buffer_wait_timeout``: seconds such a stage waits before BuffersHeldError
+      (None: wait for ever).
     - ``copy_threads``: threads copying on the host, the worker included (default: all
       cores but one, which stays free for the event loop).
     - ``on_stage``: called on the event loop thread with each stage's StageStats.
@@ -129,6 +143,7 @@ class Stager:
         share_memory: bool = False,
         non_blocking: bool | None = None,
         max_buffer_sets: int = 2,
+        buffer_wait_timeout: float | None = DEFAULT_BUFFER_WAIT_TIMEOUT,
         small_tensor_bytes: int = DEFAULT_SMALL_TENSOR_BYTES,
         scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
         yield_interval: float = 0.0002,
@@ -144,6 +159,7 @@ class Stager:
             share_memory=share_memory,
             non_blocking=non_blocking,
             max_buffer_sets=max_buffer_sets,
+            buffer_wait_timeout=buffer_wait_timeout,
             small_tensor_bytes=small_tensor_bytes,
             scratch_bytes=scratch_bytes,
             yield_interval=yield_interval,
@@ -171,8 +187,12 @@ class Stager:
         queued on the caller's current CUDA stream. Do not modify the sources in place
         until the coroutine returns (or ``await fence()`` has returned).
 
-        The result stays valid until the next stage into the same buffer set (use
-        ``snapshot()`` to hold one longer).
+        The result is never overwritten while it is reachable: hold it (or any tensor
+        or view taken out of it) as long as needed, and drop it (``del staged``) when
+        done, so the next stage can reuse its buffers. While every one of the
+        ``max_buffer_sets`` sets holds a reachable or leased result, a stage waits
+        (cancellably) for one to be dropped, and raises BuffersHeldError after
+        ``buffer_wait_timeout`` seconds.
 
         Cancellation: a cancelled stage returned nothing. If the worker had not yet
         enqueued the copies, it stops; copies already in flight finish in the
@@ -189,7 +209,33 @@ class Stager:
 
     async def _result(self, job: _Job) -> Any:
         staged = await self._complete(job)
-        return staged.result
+        # Handed to the caller only: the job's future keeps the Staged record, and a
+        # result reachable from it would hold its buffer set for ever.
+        result, staged.result = staged.result, None
+        return result
+
+    def lease(self, sd: T) -> Coroutine[Any, Any, Lease[T]]:
+        """Stage ``sd`` and hold its buffers: await for a ``Lease`` whose
+        ``state_dict`` is the staged copy, protected until ``release()``.
+
+        For handing a result to another task, thread or process: ``lease = await
+        stager.lease(sd)``, give the lease to the writer, the writer calls
+        ``lease.release()`` (or uses ``async with lease as staged:``) when done.
+        The snapshot point is this call, as for ``stage()``.
+
+        Cancellation: as for ``stage()``; a cancelled call leaves no lease behind.
+        """
+        job = self._submit(sd, lease=True, copy=True)
+        coro = self._leased(job)
+        weakref.finalize(coro, job.abandon)
+        return coro
+
+    async def _leased(self, job: _Job) -> Any:
+        staged = await self._complete(job)
+        lease = staged.lease
+        assert lease is not None
+        lease._state_dict, staged.result = staged.result, None
+        return lease
 
     def snapshot(self, sd: T) -> _Snapshot[T]:
         """``async with stager.snapshot(sd) as staged:`` a leased staged copy.
@@ -211,32 +257,71 @@ class Stager:
         Cancellation: as for ``stage()``; buffers already allocated stay cached.
         """
         job = self._submit(sd, lease=False, copy=False)
-        await self._complete(job)
+        staged = await self._complete(job)
+        staged.result = None
         assert self._stats is not None
         return self._stats
 
-    async def fence(self) -> None:
-        """Make the caller's current CUDA stream wait for the copies of every stage
-        submitted so far.
+    async def trim(self) -> int:
+        """Return host memory that no result uses: arenas whose storages all died
+        (fresh tensors each checkpoint, a state dict no longer staged) are unpinned and
+        unmapped. Buffer sets holding a reachable or leased result are left alone.
+        Returns the bytes released.
 
-        Waits (without blocking the loop) until the worker has finished with the last
-        submitted stage (its copies *enqueued*, or the stage failed), then orders the
-        current stream of each device after the latest copies enqueued there, whichever
-        stage enqueued them: the host is never blocked on the copies themselves. Call
-        it before modifying the sources in place (e.g. before ``optimizer.step()``)
-        while a stage overlaps training. On the CPU the copies run in the worker, so
-        this returns once they are done.
+        Memory is otherwise kept for the next checkpoint (see docs/concepts.md,
+        "Memory"): a checkpoint whose storages fit what is held pays no new mapping or
+        pinning. Call this when the state shrank for good.
+
+        Cancellation: only the wait is cancelled; the trim runs to its end in the
+        worker.
+        """
+        if self._closed:
+            raise ClosedError("the stager is closed")
+        try:
+            fut = self._worker.submit(self._engine.trim)
+        except WorkerStopped:
+            raise ClosedError("the stager is closed") from None
+        released: int = await wait_future(fut)
+        return released
+
+    def fence(self) -> Coroutine[Any, Any, None]:
+        """Make the caller's current CUDA stream wait for the copies of every stage
+        submitted so far; await the returned coroutine.
+
+        The streams are read synchronously at this call, as ``stage()`` reads its
+        snapshot point: the current stream of each CUDA device in the calling thread,
+        whichever thread or task later runs the coroutine. Then it waits (without
+        blocking the loop) until the worker has finished with the last stage submitted
+        before the call (its copies *enqueued*, or the stage failed), and makes each of
+        those streams wait for the latest copies enqueued on its device, whichever stage
+        enqueued them: the host is never blocked on the copies themselves. Call it
+        before modifying the sources in place (e.g. before ``optimizer.step()``) while a
+        stage overlaps training. On the CPU the copies run in the worker, so the wait
+        returns once they are done.
+
+        Raises UnsupportedError at the call if the current stream is capturing a CUDA
+        graph (a wait inside a capture belongs to the graph).
 
         Cancellation: only the wait is cancelled; no ordering was added.
         """
         job = self._last_job
-        if job is not None and job.future is not None:
-            try:
-                await wait_future(job.future)
-            except Exception:  # noqa: BLE001 - a failed stage still may have copies in flight
-                pass
-        if not self._closed:
-            self._engine.fence()
+        fut = job.future if job is not None else None
+        del job
+        apply = None if self._closed else self._engine.fence()
+
+        async def fenced() -> None:
+            nonlocal fut
+            if fut is not None:
+                try:
+                    await wait_future(fut)
+                except Exception:  # noqa: BLE001 - a failed stage still may have copies in flight
+                    pass
+                # The stage's future holds its result: not kept by this coroutine.
+                fut = None
+            if apply is not None and not self._closed:
+                apply()
+
+        return fenced()
 
     # -- internals --------------------------------------------------------------------
 
@@ -247,7 +332,11 @@ class Stager:
         job = _Job(self._engine, self._abandoned)
         fn = functools.partial(self._engine.run, sd, captures, lease=lease, cancel=job.cancel, copy=copy)
         try:
-            job.future = self._worker.submit(fn)
+            # The job's cancel event is also set at interpreter exit (the worker stops
+            # a running walk at its next check instead of finishing it).
+            job.future = self._worker.submit(fn, cancel=job.cancel)
+        except WorkerForked as e:
+            raise ClosedError(str(e)) from None
         except WorkerStopped:
             raise ClosedError("the stager is closed") from None
         # A weak reference: the future must not keep its job (and engine) alive in a
@@ -283,9 +372,8 @@ class Stager:
                 self._engine.settle(staged)
         except BaseException:
             # Cancelled while the copies were in flight: they finish in the background
-            # and the set keeps them as in flight; the lease (if any) goes back now.
-            if staged.leased:
-                self._engine.release(staged.bufset)
+            # and the set keeps them as in flight; the result and lease go now.
+            _drop(staged)
             raise
         now = time.perf_counter()
         wait_seconds = now - t_wait
@@ -316,8 +404,7 @@ class Stager:
                 # The caller gets the callback's error instead of the result, so
                 # nobody would ever release a lease taken for it: every later stage
                 # would then wait for that buffer set forever.
-                if staged.leased:
-                    self._engine.release(staged.bufset)
+                _drop(staged)
                 raise
         return staged
 
@@ -402,18 +489,17 @@ class _Snapshot(Generic[T]):
 
     def __init__(self, stager: Stager, sd: T) -> None:
         self._stager = stager
-        self._sd = sd
-        self._staged: Staged | None = None
+        self._sd: T | None = sd
+        self._lease: Lease[T] | None = None
 
     async def __aenter__(self) -> T:
-        job = self._stager._submit(self._sd, lease=True, copy=True)
-        self._staged = await self._stager._complete(job)
-        result: T = self._staged.result
-        return result
+        sd, self._sd = self._sd, None
+        self._lease = await self._stager.lease(sd)  # type: ignore[arg-type]
+        return self._lease.state_dict
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        staged, self._staged = self._staged, None
-        if staged is not None:
-            self._stager._engine.release(staged.bufset)
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.release()

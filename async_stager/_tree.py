@@ -12,7 +12,10 @@ Hazards:
 - The walk runs in a worker thread holding the GIL; ``tick`` is called every few
   hundred leaves so the engine can hand the GIL to the event loop.
 - Errors carry the path from the root: each container frame prepends its key on the
-  way up (try/except costs nothing until something raises).
+  way up (try/except costs nothing until something raises). A step is always a way to
+  reach the object from its parent: a key, an attribute, or, where neither exists (a
+  set member, a dict key itself, the arguments an object reduces to), a step that
+  says what it is (``Member``, ``REDUCE``).
 - Objects made during the walk (reduce results) are kept alive until it ends, so
   ``id()`` keys in the memo stay unique.
 """
@@ -22,6 +25,8 @@ from __future__ import annotations
 import collections
 import copyreg
 import enum
+import functools
+import operator
 import sys
 import types
 import weakref
@@ -33,7 +38,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ._errors import Attr, NestingError, StagingError, UncopyableObjectError, UnsupportedTensorError
 
-__all__ = ["Interrupt", "Walk", "check_tensor", "path_of_leaf"]
+__all__ = ["REDUCE", "Interrupt", "Member", "Walk", "check_tensor", "path_of_leaf", "wrap_like"]
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -68,6 +73,36 @@ _ATOMIC: frozenset[type] = frozenset(
 
 #: Leaves between calls of ``tick``.
 _TICK_EVERY = 256
+
+
+class Member:
+    """A path step to an object that no key or attribute reaches: the ``index``-th
+    ``kind`` (a set member, a dict's key itself) in iteration order. Shown as
+    ``sd['s'][<set member 3>]``."""
+
+    __slots__ = ("index", "kind")
+
+    def __init__(self, kind: str, index: int) -> None:
+        self.kind = kind
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"<{self.kind} {self.index}>"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Member) and (other.kind, other.index) == (self.kind, self.index)
+
+    def __hash__(self) -> int:
+        return hash((Member, self.kind, self.index))
+
+
+#: The path step to what an object reduces to (``copy``/``pickle`` protocol): then
+#: ``[1][i]`` is its i-th argument, ``[2]`` its state. ``sd['o'].__reduce_ex__(4)[1][0]``
+#: is Python that evaluates to (a copy of) the object the step names.
+REDUCE = Attr("__reduce_ex__(4)")
+
+#: ``functools.partial``'s reduce state, as the attributes it is made of.
+_PARTIAL_STATE = (Attr("func"), Attr("args"), Attr("keywords"))
 
 
 def check_tensor(t: torch.Tensor) -> None:
@@ -134,6 +169,10 @@ class Walk:
         self.stop_at = -1
 
     def run(self, obj: Any) -> Any:
+        if self.nhosts:
+            # Hazard: hosts are reused from stage to stage (the fast path), so
+            # attributes the caller set on an earlier result would stay: gone.
+            _clear_attrs(self.hosts)
         try:
             return self.walk(obj)
         except RecursionError as e:
@@ -168,17 +207,23 @@ class Walk:
             self.tick()
         if self.validate:
             self._check(t)
-        if i >= self.nhosts:
-            if t.__dict__:
-                self._state_dict(t.__dict__)  # walked for its leaves only
-            return t
-        h = self.hosts[i]
-        if t.__dict__:
-            # Python attributes on a tensor are state too: copy them, onto the host.
+        host = self.hosts[i] if i < self.nhosts else t
+        if not t.__dict__:
+            return host
+        # Python attributes on a tensor are state too. They go onto a new alias of the
+        # host made for this walk. Hazard: the plan's host is reused from stage to
+        # stage, so attributes put on it would stay (also after its source lost them),
+        # and what they reference (other staged tensors) would stay referenced after
+        # the result is dropped. A tensor seen again is the same alias, its
+        # attributes walked once (in every mode, so leaf indices agree).
+        memo = self.memo
+        out = memo.get(id(t))
+        if out is None:
+            out = memo[id(t)] = t if host is t else _alias(host)
             attrs = self._state_dict(t.__dict__)
-            h.__dict__.clear()
-            h.__dict__.update(attrs)
-        return h
+            if out is not t:
+                out.__dict__.update(attrs)
+        return out
 
     def _check(self, t: torch.Tensor) -> None:
         if self.stop_at >= 0:
@@ -226,9 +271,16 @@ class Walk:
         hosts = self.hosts
         nh = self.nhosts
         validate = self.validate
-        k = None
+        k = key = None
         try:
             for k, v in d.items():
+                # Keys are state too (a tensor as a key): walked first, in every
+                # branch, so their leaves come before the value's in every mode.
+                if type(k) in _ATOMIC:
+                    key = k
+                else:
+                    key = _UNWALKED
+                    key = self.walk(k)
                 c = type(v)
                 if (c is _Tensor or c is _Parameter) and not v.__dict__:
                     # The hot path, inlined: a plain tensor leaf. Every occurrence is a
@@ -240,15 +292,13 @@ class Walk:
                         self.tick()
                     if validate:
                         self._check(v)
-                    out[k] = hosts[i] if i < nh else v
+                    out[key] = hosts[i] if i < nh else v
                 elif c in _ATOMIC:
-                    out[k] = v
+                    out[key] = v
                 else:
-                    if type(k) not in _ATOMIC:
-                        k = self.walk(k)
-                    out[k] = self.walk(v)
+                    out[key] = self.walk(v)
         except StagingError as e:
-            e.path = (k, *(e.path or ()))
+            e.path = (_key_step(d, k) if key is _UNWALKED else k, *(e.path or ()))
             raise
         except RuntimeError as e:
             _raise_if_mutated(e)
@@ -267,7 +317,11 @@ class Walk:
         memo = self.memo
         if id(d) in memo:
             return memo[id(d)]
-        out: collections.defaultdict[Any, Any] = collections.defaultdict(d.default_factory)
+        factory = d.default_factory
+        if type(factory) not in _ATOMIC:
+            # A partial, a bound method of an object, a class instance: state too.
+            factory = self._walk_at(factory, Attr("default_factory"))
+        out: collections.defaultdict[Any, Any] = collections.defaultdict(factory)
         memo[id(d)] = out
         return self._dict_items(d, out)
 
@@ -281,7 +335,9 @@ class Walk:
         self._items_into(lst, out.append)
         return out
 
-    def _items_into(self, seq: Any, put: Callable[[Any], Any]) -> None:
+    def _items_into(self, seq: Any, put: Callable[[Any], Any], member: str | None = None) -> None:
+        """Walk the items of ``seq`` into ``put``; errors name the item by its index,
+        or, with ``member``, as the index-th such member (an unordered container)."""
         leaves = self.leaves
         hosts = self.hosts
         nh = self.nhosts
@@ -303,7 +359,7 @@ class Walk:
                 else:
                     put(self.walk(v))
         except StagingError as e:
-            e.path = (j, *(e.path or ()))
+            e.path = (j if member is None else Member(member, j), *(e.path or ()))
             raise
         except RuntimeError as e:
             _raise_if_mutated(e)
@@ -324,7 +380,7 @@ class Walk:
         if id(s) in self.memo:
             return self.memo[id(s)]
         items: list[Any] = []
-        self._items_into(s, items.append)
+        self._items_into(s, items.append, member="set member")
         out = type(s)(items)
         self.memo[id(s)] = out
         return out
@@ -424,15 +480,20 @@ class Walk:
     def _reconstruct(self, obj: Any, rv: tuple[Any, ...]) -> Any:
         func, args, state, listiter, dictiter = (tuple(rv) + (None,) * 5)[:5]
         cls = type(obj)
+        # functools.partial reduces to (its class, (func,), (func, args, keywords,
+        # __dict__)): its own attributes, named as such on errors.
+        partial = isinstance(obj, functools.partial) and func is cls and len(args or ()) == 1
         # What func raises is typed (with the path) by _reduce.
-        args = self.walk(args) if args else ()
+        if not args:
+            args = ()
+        elif partial:
+            args = (self._walk_at(args[0], _PARTIAL_STATE[0]),)
+        else:
+            args = self._walk_at(args, REDUCE, 1)
         y = func(*args)
         self.memo[id(obj)] = y
         if state is not None:
-            if isinstance(state, dict):
-                state = self._state_dict(state)
-            else:
-                state = self.walk(state)
+            state = self._walk_state(obj, state, partial)
             try:
                 if hasattr(y, "__setstate__"):
                     y.__setstate__(state)
@@ -456,24 +517,67 @@ class Walk:
             for item in items:
                 y.append(item)
         if dictiter is not None:
-            k = None
+            k = key = None
+            i = -1
             try:
-                for k, v in dictiter:
-                    y[self.walk(k)] = self.walk(v)
+                for i, (k, v) in enumerate(dictiter):  # noqa: B007 - i names a key on errors
+                    key = _UNWALKED
+                    key = self.walk(k)
+                    y[key] = self.walk(v)
             except StagingError as e:
-                e.path = (k, *(e.path or ()))
+                e.path = (Member("key", i) if key is _UNWALKED else k, *(e.path or ()))
                 raise
         return y
 
+    def _walk_state(self, obj: Any, state: Any, partial: bool) -> Any:
+        """The walked reduce state of ``obj``; errors name the attributes it holds where
+        it is the object's attributes, or else the state as what it is (``REDUCE``)."""
+        if partial and isinstance(state, tuple) and len(state) == 4:
+            head = tuple(self._walk_at(x, step) for x, step in zip(state, _PARTIAL_STATE))
+            return (*head, None if state[3] is None else self._state_dict(state[3]))
+        try:
+            own = obj.__dict__
+        except Exception:  # noqa: BLE001 - no __dict__ (slots), or a __getattr__ that raises
+            own = None
+        if state is own and isinstance(state, dict):
+            return self._state_dict(state)
+        if (
+            isinstance(state, tuple)
+            and len(state) == 2
+            and (state[0] is None or state[0] is own)
+            and isinstance(state[1], dict)
+            and getattr(type(obj), "__getstate__", None) is getattr(object, "__getstate__", None)
+        ):
+            # The default state of an object with __slots__: (its __dict__, slot values).
+            return (None if state[0] is None else self._state_dict(state[0]), self._state_dict(state[1]))
+        return self._walk_at(state, REDUCE, 2)
+
+    def _walk_at(self, obj: Any, *steps: Any) -> Any:
+        """``walk(obj)``; errors are prefixed with ``steps`` (from the caller's object)."""
+        try:
+            return self.walk(obj)
+        except StagingError as e:
+            e.path = (*steps, *(e.path or ()))
+            raise
+
     def _state_dict(self, state: dict[Any, Any]) -> dict[Any, Any]:
-        # An object's __dict__: same as a dict, but its keys show as attributes.
+        # An object's __dict__ (or slot values): a dict whose keys are its attributes.
         out: dict[Any, Any] = {}
-        k = None
+        k = key = None
         try:
             for k, v in state.items():
-                out[k] = v if type(v) in _ATOMIC else self.walk(v)
+                if type(k) is str or type(k) in _ATOMIC:
+                    key = k
+                else:
+                    key = _UNWALKED
+                    key = self.walk(k)
+                out[key] = v if type(v) in _ATOMIC else self.walk(v)
         except StagingError as e:
-            e.path = (Attr(k) if isinstance(k, str) else k, *(e.path or ()))
+            if key is _UNWALKED:
+                step: Any = _key_step(state, k)
+            else:
+                step = Attr(k) if isinstance(k, str) else k
+            e.path = (step, *(e.path or ()))
             raise
         return out
 
@@ -490,6 +594,49 @@ _DISPATCH: dict[type, Callable[[Walk, Any], Any]] = {
     _Parameter: Walk._tensor,
     torch.Generator: Walk._generator,
 }
+
+
+def wrap_like(src: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+    """``host`` as ``src``'s class (Parameter, subclass) with its requires_grad."""
+    cls = type(src)
+    if cls is torch.Tensor:
+        if src.requires_grad:
+            host.requires_grad_(True)
+        return host
+    if isinstance(src, torch.nn.Parameter):
+        return torch.Tensor._make_subclass(cls, host, src.requires_grad)
+    out = host.as_subclass(cls)
+    if src.requires_grad:
+        out.requires_grad_(True)
+    return out
+
+
+def _alias(host: torch.Tensor) -> torch.Tensor:
+    """A new tensor on ``host``'s memory with its layout, conj/neg bits, class and
+    requires_grad, and no attributes (overrides of ``__torch_function__`` off)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return wrap_like(host, host.detach())
+
+
+_ATTRS = operator.attrgetter("__dict__")
+
+
+def _clear_attrs(hosts: Sequence[torch.Tensor]) -> None:
+    """Every host tensor without attributes (at C speed but for hosts that have some)."""
+    for attrs in filter(None, map(_ATTRS, hosts)):
+        attrs.clear()
+
+
+#: Stands for a key whose walk has not returned (it raised): the error names the key.
+_UNWALKED: Any = object()
+
+
+def _key_step(d: Any, key: Any) -> Member:
+    """The path step naming ``key`` itself (not its value) in ``d``."""
+    for i, k in enumerate(d):
+        if k is key:
+            return Member("key", i)
+    return Member("key", -1)
 
 
 def _raise_if_mutated(e: RuntimeError) -> None:

@@ -35,7 +35,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from ._device import caller_cuda_device
 from ._waiting import wait_future_uninterrupted
+from ._worker import clear_locals
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -94,13 +96,15 @@ def save(
 
     Raises ClosedError (at the call) if the stager is closed.
     """
-    # The staging job is submitted now, leased (what ``snapshot`` does on entering).
+    # The staging job is submitted now, leased (what ``snapshot`` does on entering),
+    # and the caller's CUDA device read now: the coroutine may run in another thread.
     job = stager._submit(state_dict, lease=True, copy=True)
     started = [False]
     coro = _save(
         stager,
         job,
         started,
+        cuda_device=_current_cuda_device(),
         checkpoint_id=checkpoint_id,
         storage_writer=storage_writer,
         planner=planner,
@@ -116,16 +120,17 @@ def _abandon_unstarted(job: Any, started: list[bool]) -> None:
         job.abandon()  # releases the lease once the job is done
 
 
-async def _save(stager: Stager, job: Any, started: list[bool], **kwargs: Any) -> Metadata:
+async def _save(
+    stager: Stager, job: Any, started: list[bool], *, cuda_device: int | None, **kwargs: Any
+) -> Metadata:
     started[0] = True
-    staged = await stager._complete(job)  # on cancellation: no lease left behind
-    try:
-        return await save_staged(staged.result, **kwargs)
-    finally:
-        stager._engine.release(staged.bufset)
+    lease = await stager._leased(job)  # on cancellation: no lease left behind
+    # Released after the write, whatever happens (the write's cancellation is deferred).
+    with lease as staged:
+        return await _save_staged(staged, cuda_device=cuda_device, **kwargs)
 
 
-async def save_staged(
+def save_staged(
     staged: dict[str, Any],
     *,
     checkpoint_id: str | os.PathLike[str] | None = None,
@@ -133,18 +138,20 @@ async def save_staged(
     planner: SavePlanner | None = None,
     process_group: ProcessGroup | None = None,
     no_dist: bool = False,
-) -> Metadata:
-    """Save an already staged state dict with DCP in a worker thread.
+) -> Coroutine[Any, Any, Metadata]:
+    """Save an already staged state dict with DCP in a worker thread; await the
+    returned coroutine for DCP's ``Metadata``.
 
     For callers that hold a lease themselves (``async with stager.snapshot(sd) as
     staged:``), e.g. to send the same staged copy to a writer process as well. The
-    caller must keep ``staged`` unchanged (leased) until this returns.
+    caller must keep ``staged`` unchanged (leased) until this returns. The caller's
+    CUDA device (which DCP's collectives use) is read at this call, in the calling
+    thread.
 
     Cancellation: deferred until the save's thread has finished, then raised (see
     ``save``); the checkpoint on disk is complete in that case.
     """
-    fn = functools.partial(
-        _save_blocking,
+    return _save_staged(
         staged,
         cuda_device=_current_cuda_device(),
         checkpoint_id=checkpoint_id,
@@ -153,6 +160,10 @@ async def save_staged(
         process_group=process_group,
         no_dist=no_dist,
     )
+
+
+async def _save_staged(staged: dict[str, Any], *, cuda_device: int | None, **kwargs: Any) -> Metadata:
+    fn = functools.partial(_save_blocking, staged, cuda_device=cuda_device, **kwargs)
     metadata: Metadata = await _run_to_completion(fn, name="async-stager-dcp-save")
     return metadata
 
@@ -170,24 +181,35 @@ async def _run_to_completion(fn: Callable[[], T], *, name: str) -> T:
     cancellation is raised with ``fn``'s error as its cause.
     """
     fut: Future[T] = Future()
+    # Hazard: the thread must let go of ``fn`` (which holds the staged dict) before it
+    # wakes the waiter, or the next stage could find that result still reachable and
+    # pick another buffer set.
+    box = [fn]
+    del fn
 
     def target() -> None:
+        f = box.pop()
         if not fut.set_running_or_notify_cancel():
             return
         try:
-            fut.set_result(fn())
+            result = f()
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+            del f
+            clear_locals(e)  # its frames hold the staged dict
             fut.set_exception(e)
+            return
+        del f
+        fut.set_result(result)
 
     threading.Thread(target=target, name=name, daemon=False).start()
     return await wait_future_uninterrupted(fut)
 
 
 def _current_cuda_device() -> int | None:
-    """The caller's current CUDA device, if CUDA is in use in this process."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return int(torch.cuda.current_device())
-    return None
+    """The calling thread's CUDA device, if CUDA is in use in this process: its current
+    device when that has a context, else the first device that has one (never one
+    without: the save thread's ``set_device`` would create a context there)."""
+    return caller_cuda_device()
 
 
 def _save_blocking(

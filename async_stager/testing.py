@@ -7,23 +7,36 @@ completion was observed sees stale bytes: the fake makes ordering bugs visible.
 The event fires after ``delay`` seconds, after ``polls`` queries, or by hand
 (``complete()``), and can be told to fail.
 
+Streams are modelled too: each fake device has the caller's current ``FakeStream``
+(``FakeBackend.stream(device)``, switched with ``use_stream``), on which a test queues
+work that has not run yet (``enqueue``: a producer kernel, a ``non_blocking`` copy into a
+pinned CPU tensor). A capture marks the stream's position at the call; the copies of a
+stage run that work first (the copy stream waits on the capture), the host copies of CPU
+leaves (``host_copies=True``) run it before they copy (they wait for the captures), and
+a fence queues a wait for the copies on the stream read at the call. A stream can be
+marked ``capturing`` (a CUDA graph capture underway): captures and fences on it raise
+``UnsupportedError``. The device scratch for gathering small storages can be limited
+(``scratch_limit``), which makes the copier fall back to direct copies.
+
 ``FakePinner`` records pin registrations (and can refuse them), so tests check that
 pinning happens once per arena and that close unpins everything.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from ._device import Backend, Copier
+from ._device import Backend, Copier, CpuCopier, ScratchCopier
 from ._errors import PinningError
 
-__all__ = ["FakeBackend", "FakeCopier", "FakeEvent", "FakePinner"]
+__all__ = ["FakeBackend", "FakeCapture", "FakeCopier", "FakeEvent", "FakePinner", "FakeStream"]
 
 
 class FakeEvent:
@@ -82,11 +95,118 @@ class FakeEvent:
         self.complete()
 
 
-class FakeCopier(Copier):
-    """An 'accelerator' copier over CPU tensors, with deferred, batched copies."""
+class FakeStream:
+    """The caller's stream on a fake device: work queued on it (``enqueue``) runs in
+    order when something waits for it (a capture, a fence's copies) or ``run()``.
+
+    ``capturing``: a CUDA graph capture is underway on it (captures and fences raise).
+    """
+
+    def __init__(self, name: str = "") -> None:
+        self.name = name
+        self.capturing = False
+        self._cond = threading.Condition()
+        self._ops: list[Callable[[], None]] = []
+        self._running = False
+        #: Work queued so far, and work that has run.
+        self.queued = 0
+        self.finished = 0
+
+    def enqueue(self, op: Callable[[], None]) -> None:
+        """Queue ``op`` (it runs when the stream gets that far)."""
+        with self._cond:
+            self._ops.append(op)
+            self.queued += 1
+
+    def wait_for(self, completion: Any) -> None:
+        """Queue a wait: later work runs after ``completion`` (its copies land first)."""
+        fire = getattr(completion, "complete", None) or completion.synchronize
+        self.enqueue(fire)
+
+    def run_until(self, position: int) -> None:
+        """Run queued work (in order, one runner at a time) until ``position`` ops have
+        run. Waiting does not hold the stream, so work that itself waits for an event
+        whose copies wait for an earlier position cannot deadlock."""
+        while True:
+            with self._cond:
+                while self._running and self.finished < position:
+                    self._cond.wait()
+                if self.finished >= position or not self._ops:
+                    return
+                op = self._ops.pop(0)
+                self._running = True
+            try:
+                with torch.no_grad():
+                    op()
+            finally:
+                with self._cond:
+                    self.finished += 1
+                    self._running = False
+                    self._cond.notify_all()
+
+    def run(self) -> None:
+        """Run everything queued so far."""
+        self.run_until(self.queued)
+
+    def __repr__(self) -> str:
+        return f"<FakeStream {self.name!r} {self.finished}/{self.queued}>"
+
+
+class FakeCapture:
+    """A capture: the position of ``stream`` at the call. Done once the stream's work
+    up to there has run; ``synchronize`` runs it."""
+
+    def __init__(self, stream: FakeStream, number: int) -> None:
+        self.stream = stream
+        self.position = stream.queued
+        self.number = number
+        self.synchronized = 0
+
+    def query(self) -> bool:
+        return self.stream.finished >= self.position
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+        self.stream.run_until(self.position)
+
+    complete = synchronize
+
+    def __repr__(self) -> str:
+        return f"<FakeCapture #{self.number} of {self.stream!r} at {self.position}>"
+
+
+class _Where:
+    """A destination as raw memory: address, dtype and layout (no reference to it)."""
+
+    __slots__ = ("dtype", "nbytes", "ptr", "size", "stride")
+
+    def __init__(self, ptr: int, nbytes: int, dtype: torch.dtype, size: Any, stride: Any) -> None:
+        self.ptr, self.nbytes, self.dtype, self.size, self.stride = ptr, nbytes, dtype, size, stride
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> _Where:
+        if any(st < 0 for st in t.stride()):
+            raise RuntimeError("the fake copier takes destinations with non-negative strides")
+        extent = 0 if t.numel() == 0 else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+        return cls(t.data_ptr(), extent * t.element_size(), t.dtype, tuple(t.shape), t.stride())
+
+    def view(self) -> torch.Tensor:
+        if not self.nbytes:
+            return torch.empty(self.size, dtype=self.dtype)
+        raw = (ctypes.c_uint8 * self.nbytes).from_address(self.ptr)
+        flat = torch.frombuffer(raw, dtype=torch.uint8).view(self.dtype)
+        return flat.as_strided(self.size, self.stride)
+
+
+class FakeCopier(ScratchCopier):
+    """An 'accelerator' copier over CPU tensors, with deferred, batched copies.
+
+    Its copy stream waits on the capture: when the completion fires, the work queued on
+    the captured stream before the call runs first, then the copies. Scratch memory is
+    accounted against ``FakeBackend.scratch_limit`` but never really freed (copies
+    still pending hold its raw address)."""
 
     asynchronous = True
-    batch_small = True
 
     def __init__(self, backend: FakeBackend, device: torch.device) -> None:
         super().__init__(device)
@@ -96,14 +216,15 @@ class FakeCopier(Copier):
 
     def capture(self) -> Any:
         self._backend.captures += 1
-        return ("capture", self._backend.captures)
+        return FakeCapture(self._backend.stream(self.device), self._backend.captures)
 
     def begin(self, capture: Any) -> None:
-        self._ops = []
+        captures = capture if isinstance(capture, tuple) else () if capture is None else (capture,)
+        self._ops = [c.synchronize for c in captures if hasattr(c, "synchronize")]
         self._held = []
         self._backend.begun.append(capture)
 
-    def copy(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    def copy_now(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
         if not dsts:
             return
         fail_at = self._backend.fail_copy_at
@@ -116,27 +237,52 @@ class FakeCopier(Copier):
             bad_ptr = bad.untyped_storage().data_ptr()
             if any(t.untyped_storage().data_ptr() == bad_ptr for t in srcs):
                 raise RuntimeError("injected copy failure of one source")
-        d, s = list(dsts), list(srcs)
+        s = list(srcs)
         # Shapes are checked now, like a real enqueue would.
-        for a, b in zip(d, s):
+        for a, b in zip(dsts, s):
             if a.shape != b.shape and a.numel() != b.numel():
                 raise RuntimeError(f"shape mismatch {tuple(a.shape)} vs {tuple(b.shape)}")
+        # Like a DMA engine, a pending copy knows where to write, not which tensor:
+        # holding the destination tensors would make a staged result look reachable
+        # (see BufferSet.held) for as long as the copy is in flight.
+        where = [_Where.of(t) for t in dsts]
         self._backend.launches += 1
-        self._ops.append(lambda: torch._foreach_copy_(d, s))
+        self._ops.append(lambda: torch._foreach_copy_([w.view() for w in where], s))
 
     def protect(self, srcs: Sequence[torch.Tensor]) -> None:
         self._held = list(srcs)
+        self._backend.protected.append(len(self._held))
 
     def end(self) -> FakeEvent:
+        self.release_scratch()
         ev = FakeEvent(
             self._ops, delay=self._backend.delay, polls=self._backend.polls, manual=self._backend.manual
         )
+        # The pending copies keep their sources alive until they fire (as the real
+        # copier's record_stream does); nothing is kept beyond that.
         self._ops = []
+        self._held = []
         self._backend.events.append(ev)
         return ev
 
-    def fence(self, completion: Any) -> None:
+    def fence_point(self) -> Any:
+        return self._backend.stream(self.device)
+
+    def fence(self, completion: Any, point: Any) -> None:
         self._backend.fences.append(completion)
+        self._backend.fence_points.append(point)
+        if isinstance(point, FakeStream):
+            point.wait_for(completion)
+
+    def _alloc_scratch(self, nbytes: int) -> torch.Tensor:
+        self._backend._take_scratch(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def _grow_scratch(self, base: torch.Tensor) -> None:
+        self._backend._take_scratch(base.numel())
+
+    def _free_scratch(self, base: torch.Tensor) -> None:
+        self._backend._give_scratch(base.numel())
 
 
 class FakeBackend(Backend):
@@ -147,6 +293,15 @@ class FakeBackend(Backend):
     ``fail_copy_at``: raise in the copy that would take the total past this count.
     ``fail_copy_of``: raise in every copy that reads this tensor's storage (a fault
     tied to one source, so the error can name its path).
+    ``devices``: the fake devices with a context, captured on at every call (the
+    caller's current device first; default: the CPU, as a fake accelerator).
+    ``host_copies``: CPU leaves are copied by the real host copier (one thread), which
+    waits for the captures of ``devices`` first; then ``devices`` should name others
+    than the CPU (e.g. ``torch.device("cuda", 0)``: no tensor lives there, its stream is
+    where a test queues work that CPU leaves depend on).
+    ``scratch_limit``: device bytes for gathering small storages (beyond it, allocating
+    scratch raises ``torch.OutOfMemoryError``); None: unlimited.
+    ``host_device``: what the worker runs on for pinning when no device is known.
     """
 
     def __init__(
@@ -157,28 +312,94 @@ class FakeBackend(Backend):
         manual: bool = False,
         fail_copy_at: int | None = None,
         fail_copy_of: torch.Tensor | None = None,
+        devices: Sequence[torch.device] | None = None,
+        host_copies: bool = False,
+        scratch_limit: int | None = None,
+        host_device: torch.device | None = None,
     ) -> None:
         self.delay = delay
         self.polls = polls
         self.manual = manual
         self.fail_copy_at = fail_copy_at
         self.fail_copy_of = fail_copy_of
+        self.devices: tuple[torch.device, ...] = (
+            tuple(devices) if devices is not None else () if host_copies else (torch.device("cpu"),)
+        )
+        self.host_copies = host_copies
+        self.scratch_limit = scratch_limit
+        self.host_device_ = host_device
         self.copies_seen = 0
         self.launches = 0
         self.captures = 0
+        #: What each ``begin`` was ordered after (a capture, a tuple of them, None).
         self.begun: list[Any] = []
+        #: The number of sources each ``protect`` kept (one per begin, when ordered).
+        self.protected: list[int] = []
         self.events: list[FakeEvent] = []
         self.fences: list[Any] = []
+        #: The stream each fence ordered (read at the fence's call).
+        self.fence_points: list[Any] = []
+        #: Devices the worker made current (``device_guard``), in order.
+        self.guards: list[torch.device] = []
+        #: Scratch bytes held now, and at most.
+        self.scratch_in_use = 0
+        self.scratch_peak = 0
+        self._streams: dict[torch.device, FakeStream] = {}
 
     def copier(self, device: torch.device) -> Copier:
+        if self.host_copies and device.type == "cpu":
+            return CpuCopier(device, threads=1)
         return FakeCopier(self, device)
 
     def known_devices(self) -> Sequence[torch.device]:
-        return (torch.device("cpu"),)
+        return self.devices
+
+    def device_guard(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+        self.guards.append(device)
+        return contextlib.nullcontext()
+
+    def host_device(self) -> torch.device | None:
+        return self.host_device_
+
+    def capturing(self, device: torch.device) -> bool:
+        return self.stream(device).capturing
+
+    # -- streams -------------------------------------------------------------------------
+
+    def stream(self, device: torch.device) -> FakeStream:
+        """The caller's current stream on ``device`` (its default stream at first)."""
+        s = self._streams.get(device)
+        if s is None:
+            s = self._streams[device] = FakeStream(f"{device} default")
+        return s
+
+    @contextlib.contextmanager
+    def use_stream(self, device: torch.device, stream: FakeStream) -> Iterator[FakeStream]:
+        """``with torch.cuda.stream(stream):`` for the fake ``device``."""
+        prev = self.stream(device)
+        self._streams[device] = stream
+        try:
+            yield stream
+        finally:
+            self._streams[device] = prev
 
     def complete_all(self) -> None:
         for ev in list(self.events):
             ev.complete()
+
+    # -- scratch memory ------------------------------------------------------------------
+
+    def _take_scratch(self, nbytes: int) -> None:
+        if self.scratch_limit is not None and self.scratch_in_use + nbytes > self.scratch_limit:
+            raise torch.OutOfMemoryError(
+                f"fake device out of memory: {nbytes} bytes of scratch asked, "
+                f"{self.scratch_in_use} of {self.scratch_limit} in use"
+            )
+        self.scratch_in_use += nbytes
+        self.scratch_peak = max(self.scratch_peak, self.scratch_in_use)
+
+    def _give_scratch(self, nbytes: int) -> None:
+        self.scratch_in_use -= nbytes
 
 
 class FakePinner:

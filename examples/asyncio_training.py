@@ -4,9 +4,11 @@ Every ``--every`` steps the loop starts ``stager.stage(state)`` as a task and ke
 training: forward and backward only read the parameters, so they overlap with the
 copies. Before ``optimizer.step()`` (which writes parameters and optimizer state in
 place) it awaits ``stager.fence()``, so the snapshot holds the values as of the call.
-A staged checkpoint is then written to disk by a second task in a worker thread, at
-most one write in flight (a checkpoint due while one is in flight is skipped, except at
-the last step, which is always saved); the next stage reuses the same host buffers.
+The stage is a lease (``stager.lease``): the checkpoint task receives it, writes the
+staged copy to disk in a worker thread and releases it, so no later stage overwrites a
+checkpoint being written, and the next stage reuses the buffers once it is released. At
+most one write is in flight (a checkpoint due while one is in flight is skipped, except
+at the last step, which is always saved).
 
 Run: ``python examples/asyncio_training.py --steps 200 --every 50 --out /tmp/ckpt``
 """
@@ -24,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from async_stager import Stager
+from async_stager import Lease, Stager
 
 
 def make_model(width: int) -> nn.Module:
@@ -45,12 +47,12 @@ def write_atomically(staged: dict[str, Any], path: Path) -> None:
     os.replace(tmp, path)
 
 
-async def checkpoint(staging: Awaitable[dict[str, Any]], path: Path) -> None:
-    """Finish a stage (overlapping training), then write it in a thread. The staged
-    copy stays valid until the next stage into the same buffers, which the caller
-    starts only after this task has finished."""
-    staged = await staging
-    await asyncio.to_thread(write_atomically, staged, path)
+async def checkpoint(staging: Awaitable[Lease[dict[str, Any]]], path: Path) -> None:
+    """Finish a stage (overlapping training), then write it in a thread; the lease is
+    released once the file is durable, and no stage writes into its buffers before."""
+    lease = await staging
+    async with lease as staged:
+        await asyncio.to_thread(write_atomically, staged, path)
 
 
 async def train(steps: int, every: int, width: int, out: Path) -> int:
@@ -76,7 +78,7 @@ async def train(steps: int, every: int, width: int, out: Path) -> int:
                     await pending  # re-raise its error, if any (the last step waits for it)
                 # The snapshot point is this call (after step(): it holds this step);
                 # the task only finishes it and writes.
-                staging = stager.stage(state_of(model, optimizer, step))
+                staging = stager.lease(state_of(model, optimizer, step))
                 pending = asyncio.create_task(checkpoint(staging, out / f"step{step}.pt"))
                 saves += 1
             await asyncio.sleep(0)  # let the checkpoint task and the loop run

@@ -9,8 +9,8 @@ Standard library only, besides torch and async_stager. The pieces:
   parameters before they change;
 - the saver task starts a checkpoint every ``--interval`` seconds, at most one in
   flight: if the previous one is still being written, that tick is skipped;
-- a checkpoint is ``await stager.stage(state)`` (the snapshot point is the call), then
-  ``torch.save`` in a worker thread to a temporary name, fsync, rename: a reader never
+- a checkpoint is ``stager.lease(state)`` (the snapshot point is the call), handed to a
+  task that finishes it, then ``torch.save`` in a worker thread to a temporary name, fsync, rename: a reader never
   sees a torn file;
 - SIGTERM (or SIGINT) sets an event; the service stops the trainer at a step boundary,
   stops the saver, waits for the checkpoint in flight, and writes ``final.pt`` within
@@ -84,12 +84,13 @@ class Service:
         """Start a checkpoint: the snapshot point is this call (a step boundary); the
         returned task finishes the stage and writes it."""
         step = self.step
-        staging = stager.stage(self.state())
+        staging = stager.lease(self.state())
         path = self.out / name
 
         async def finish() -> None:
-            staged = await staging
-            await asyncio.to_thread(write_atomically, staged, path)
+            # The lease keeps later stages out of these buffers until the file is durable.
+            async with await staging as staged:
+                await asyncio.to_thread(write_atomically, staged, path)
             print(f"saved step {step} {path}", flush=True)
 
         return asyncio.create_task(finish())
@@ -124,7 +125,7 @@ class Service:
 
             async def final() -> None:
                 if self.in_flight is not None:
-                    await self.in_flight  # its buffers are the ones we stage into next
+                    await self.in_flight  # the final checkpoint comes after it
                 await self.checkpoint(stager, "final.pt")
 
             try:

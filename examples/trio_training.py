@@ -1,6 +1,6 @@
 """The asyncio training example under trio: checkpoints overlap training.
 
-Every ``--every`` steps the loop calls ``stager.stage(state)`` (the snapshot point)
+Every ``--every`` steps the loop calls ``stager.lease(state)`` (the snapshot point)
 and hands the awaitable to a task in a nursery that finishes the stage and writes the
 result with ``trio.to_thread.run_sync``; at most one checkpoint is in flight. Before
 ``optimizer.step()`` the loop awaits ``stager.fence()``. The last step is always
@@ -22,7 +22,7 @@ import torch
 import trio
 from torch import nn
 
-from async_stager import Stager
+from async_stager import Lease, Stager
 
 
 def write_atomically(staged: dict[str, Any], path: Path) -> None:
@@ -57,10 +57,11 @@ async def train(steps: int, every: int, width: int, out: Path) -> int:
     saves = 0
     in_flight = trio.Semaphore(1)  # at most one checkpoint at a time
 
-    async def checkpoint(staging: Awaitable[dict[str, Any]], path: Path) -> None:
+    async def checkpoint(staging: Awaitable[Lease[dict[str, Any]]], path: Path) -> None:
+        # The lease keeps later stages out of these buffers until the file is written.
         try:
-            staged = await staging
-            await trio.to_thread.run_sync(write_atomically, staged, path)
+            async with await staging as staged:
+                await trio.to_thread.run_sync(write_atomically, staged, path)
         finally:
             in_flight.release()
 
@@ -74,7 +75,7 @@ async def train(steps: int, every: int, width: int, out: Path) -> int:
             due = step % every == 0 or step == steps
             if due and await take_slot(in_flight, wait=step == steps):  # the last step waits
                 state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step}
-                nursery.start_soon(checkpoint, stager.stage(state), out / f"step{step}.pt")
+                nursery.start_soon(checkpoint, stager.lease(state), out / f"step{step}.pt")
                 saves += 1
             await trio.lowlevel.checkpoint()  # let the checkpoint task run
     return saves

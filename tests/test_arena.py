@@ -31,7 +31,7 @@ def test_blocks_are_exact_size_and_aligned() -> None:
         pool.close()
 
 
-def test_free_space_is_reused_and_empty_arenas_released() -> None:
+def test_free_space_is_reused_and_empty_arenas_kept_until_trim() -> None:
     pinner = FakePinner()
     pool = HostPool(shared=False, pinner=pinner)
     try:
@@ -42,7 +42,14 @@ def test_free_space_is_reused_and_empty_arenas_released() -> None:
         assert b[0].arena is a[0].arena and b[0].offset == 0  # reused, no new arena
         assert pinner.total_registrations == 1
         pool.free([a[1], b[0]])
-        assert pool.arenas == [] and pinner.registered == {}  # whole arena went back
+        # A wholly free arena stays mapped and pinned for the next checkpoint...
+        assert len(pool.arenas) == 1 and len(pinner.registered) == 1
+        c = pool.allocate([2 << 20])
+        assert c[0].arena is a[0].arena and pinner.total_registrations == 1
+        pool.free(c)
+        # ...until trim() gives it back.
+        assert pool.trim() == a[0].arena.nbytes
+        assert pool.arenas == [] and pinner.registered == {}
     finally:
         pool.close()
     assert pinner.registered == {}

@@ -287,11 +287,13 @@ def test_cache_hits_and_fast_path(engine: Any) -> None:
     sd = {f"w{i}": torch.randn(4) for i in range(10)}
     s1 = stage_sync(engine, sd)
     assert (s1.hits, s1.misses, s1.fast_path) == (0, 10, False)
+    del s1  # a reachable result is never overwritten: drop it to reuse its buffers
     for v in sd.values():
         v.mul_(2)
     s2 = stage_sync(engine, sd)
     assert s2.fast_path and s2.hits == 10 and s2.misses == 0
     assert_same(s2.result, sd)
+    del s2
     # A fresh dict of the same tensors (like module.state_dict()) still hits.
     s3 = stage_sync(engine, {k: v.detach() for k, v in sd.items()})
     assert s3.fast_path

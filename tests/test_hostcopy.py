@@ -272,6 +272,7 @@ def test_engine_copies_big_cpu_programs_in_pieces(copy_threads: int, pooled: boo
         assert_same(staged.result, sd)
         (prog,) = eng._recent.plans[next(iter(eng._recent.plans))].programs  # type: ignore[union-attr]
         assert isinstance(prog.direct_layout, Schedule) == pooled
+        del staged, prog  # a reachable result is never overwritten: drop it
         # Cached stage with new values: the fast path, through the same pieces.
         for t in (sd["a"], sd["b"]["c"], sd["b"]["d"]):
             t.add_(1)
@@ -362,6 +363,7 @@ def test_engine_stages_grad_tensors_with_helpers() -> None:
                 out = staged.result[key]
                 assert torch.equal(out.detach(), sd[key].detach())
                 assert out.grad_fn is None
+            del staged, out  # dropped: the next stage reuses these buffers
     finally:
         eng.close()
 

@@ -30,6 +30,7 @@ async def test_stage_returns_a_staged_copy(anyio_backend: Any, no_thread_leak: N
         stats = stager.stats
         assert isinstance(stats, StageStats)
         assert stats.tensors == 8 and stats.bytes == 8 * 64 and stats.cache_misses == 8
+        del staged  # a reachable result is never overwritten: drop it to reuse its buffers
         await stager.stage(sd)
         assert stager.stats is not None and stager.stats.fast_path and stager.stats.cache_hits == 8
 
@@ -100,6 +101,7 @@ async def test_snapshot_is_never_overwritten(anyio_backend: Any) -> None:
                 later = await stager.stage({"w": w})
                 assert torch.equal(later["w"], torch.full((256,), float(step)))
                 assert torch.equal(held["w"], torch.zeros(256))
+                del later
         assert stager.buffer_sets == 2
 
 
@@ -119,6 +121,7 @@ async def test_stage_waits_for_a_lease_release(anyio_backend: Any) -> None:
             await anyio.sleep(0.1)
             order.append("released")
             assert torch.equal(held["w"], torch.zeros(64))
+            del held  # reachable results are protected too: drop it with the lease
         assert order == ["released", "staged"]
 
 

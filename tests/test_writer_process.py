@@ -61,6 +61,7 @@ def _writer_main(inbox: Any, outbox: Any) -> None:
                 assert attached is not None
                 sd = attached.state_dict
                 outbox.put(("ok", {k: float(v.double().sum()) for k, v in sd.items() if torch.is_tensor(v)}))
+                del sd  # a kept tensor keeps its mapping alive (and the test checks it is gone)
             elif op == "read":
                 assert attached is not None
                 key, index = arg
