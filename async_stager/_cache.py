@@ -11,8 +11,9 @@ the next slow-path stage and its block goes back to the arena (never a stale hit
 memory does not grow across checkpoints of fresh tensors).
 
 A Plan remembers one state dict's layout (the host tensor of each leaf and the copy
-program) plus a fingerprint of its leaves; when the next state dict's leaves have the
-same fingerprint the engine reuses it without touching the cache (the fast path).
+program) plus a fingerprint of its leaves (everything a staged tensor carries but its
+values: see FINGERPRINT); when the next state dict's leaves have the same fingerprint
+the engine reuses it without touching the cache (the fast path).
 """
 
 from __future__ import annotations
@@ -264,10 +265,18 @@ def signature_of(sd: Any) -> Any:
 
 
 def _hashable(k: Any) -> Any:
+    """The key as part of a signature. Hazard: the signature is kept with the plan, so
+    a tensor key must not be kept itself, or the plan would keep that source and its
+    memory alive: its type and id stand in, as for unhashable keys (the fingerprint, not
+    the signature, decides whether the plan is reused)."""
+    if isinstance(k, torch.Tensor):
+        return (type(k), id(k))
+    if type(k) is tuple:
+        return tuple(map(_hashable, k))
     try:
         hash(k)
     except TypeError:
-        return id(k)
+        return (type(k), id(k))
     return k
 
 

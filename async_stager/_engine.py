@@ -2,11 +2,11 @@
 
 Both public APIs sit on this: the async Stager (``_stager.py``) and the seed's
 DefaultStager (``_seed.py``). ``capture`` runs on the caller's thread at the call;
-``run`` runs on the stager's worker thread; ``settle``/``release`` may run anywhere.
+``run`` runs on the stager's worker thread; ``settle`` may run anywhere.
 
 Fast path: the state dict is walked once with the host tensors of the plan that
-matches its signature; if every leaf's fingerprint (data pointer, dtype, dim, numel,
-device) equals the plan's, the plan's copy program runs as is. Otherwise the slow path
+matches its signature; if every leaf's fingerprint (see ``_cache.FINGERPRINT``)
+equals the plan's, the plan's copy program runs as is. Otherwise the slow path
 validates every leaf, groups leaves by source storage, looks each storage up in the
 storage cache (allocating exact-size blocks for misses), makes a new plan and walks
 again to build the result around it.

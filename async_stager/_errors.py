@@ -33,15 +33,38 @@ class Attr(str):
     __slots__ = ()
 
 
+class Nth:
+    """A path step to the ``index``-th object that iterating a container gives, where
+    no key or attribute reaches it (a set member, a dict's key itself). Shown as
+    Python that evaluates to it: ``list(sd['s'])[3]``."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"Nth({self.index})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Nth) and other.index == self.index
+
+    def __hash__(self) -> int:
+        return hash((Nth, self.index))
+
+
 def format_path(path: Sequence[Any], root: str = "sd") -> str:
-    """Render a path from the root as Python source: ``sd['optim']['state'][3].exp_avg``."""
-    parts = [root]
+    """Render a path from the root as Python source: ``sd['optim']['state'][3].exp_avg``,
+    ``list(sd['tags'])[2]`` for a set member."""
+    out = root
     for step in path:
         if isinstance(step, Attr):
-            parts.append(f".{step}")
+            out += f".{step}"
+        elif isinstance(step, Nth):
+            out = f"list({out})[{step.index}]"
         else:
-            parts.append(f"[{step!r}]")
-    return "".join(parts)
+            out += f"[{step!r}]"
+    return out
 
 
 class StagingError(Exception):

@@ -15,7 +15,7 @@ Hazards:
   way up (try/except costs nothing until something raises). A step is always a way to
   reach the object from its parent: a key, an attribute, or, where neither exists (a
   set member, a dict key itself, the arguments an object reduces to), a step that
-  says what it is (``Member``, ``REDUCE``).
+  says what it is (``Nth``, ``REDUCE``).
 - Objects made during the walk (reduce results) are kept alive until it ends, so
   ``id()`` keys in the memo stay unique.
 """
@@ -36,9 +36,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ._errors import Attr, NestingError, StagingError, UncopyableObjectError, UnsupportedTensorError
+from ._errors import Attr, NestingError, Nth, StagingError, UncopyableObjectError, UnsupportedTensorError
 
-__all__ = ["REDUCE", "Interrupt", "Member", "Walk", "check_tensor", "path_of_leaf", "wrap_like"]
+__all__ = ["REDUCE", "Interrupt", "Walk", "check_tensor", "path_of_leaf", "wrap_like"]
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -73,27 +73,6 @@ _ATOMIC: frozenset[type] = frozenset(
 
 #: Leaves between calls of ``tick``.
 _TICK_EVERY = 256
-
-
-class Member:
-    """A path step to an object that no key or attribute reaches: the ``index``-th
-    ``kind`` (a set member, a dict's key itself) in iteration order. Shown as
-    ``sd['s'][<set member 3>]``."""
-
-    __slots__ = ("index", "kind")
-
-    def __init__(self, kind: str, index: int) -> None:
-        self.kind = kind
-        self.index = index
-
-    def __repr__(self) -> str:
-        return f"<{self.kind} {self.index}>"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Member) and (other.kind, other.index) == (self.kind, self.index)
-
-    def __hash__(self) -> int:
-        return hash((Member, self.kind, self.index))
 
 
 #: The path step to what an object reduces to (``copy``/``pickle`` protocol): then
@@ -359,7 +338,7 @@ class Walk:
                 else:
                     put(self.walk(v))
         except StagingError as e:
-            e.path = (j if member is None else Member(member, j), *(e.path or ()))
+            e.path = (j if member is None else Nth(j), *(e.path or ()))
             raise
         except RuntimeError as e:
             _raise_if_mutated(e)
@@ -525,7 +504,7 @@ class Walk:
                     key = self.walk(k)
                     y[key] = self.walk(v)
             except StagingError as e:
-                e.path = (Member("key", i) if key is _UNWALKED else k, *(e.path or ()))
+                e.path = (Nth(i) if key is _UNWALKED else k, *(e.path or ()))
                 raise
         return y
 
@@ -631,12 +610,12 @@ def _clear_attrs(hosts: Sequence[torch.Tensor]) -> None:
 _UNWALKED: Any = object()
 
 
-def _key_step(d: Any, key: Any) -> Member:
+def _key_step(d: Any, key: Any) -> Nth:
     """The path step naming ``key`` itself (not its value) in ``d``."""
     for i, k in enumerate(d):
         if k is key:
-            return Member("key", i)
-    return Member("key", -1)
+            return Nth(i)
+    return Nth(-1)
 
 
 def _raise_if_mutated(e: RuntimeError) -> None:

@@ -341,3 +341,15 @@ async def test_fresh_tensors_reuse_memory_and_trim_returns_it(anyio_backend: Any
         # A held result is never trimmed away.
         assert await stager.trim() == 0
         _assert_step(staged, 9)
+
+
+async def test_a_plan_does_not_keep_a_tensor_key_alive(anyio_backend: Any) -> None:
+    import weakref
+
+    key = torch.ones(2)
+    ref = weakref.ref(key)
+    async with Stager() as stager:
+        staged = await stager.stage({key: torch.zeros(3)})
+        del staged, key
+        gc.collect()
+        assert ref() is None, "the stager kept a source tensor (a dict key) alive"
