@@ -27,6 +27,7 @@ from ._stager import Stager
 from ._stats import StageStats
 from ._waiting import Backoff
 
+# The one source of the version: pyproject.toml reads it (dynamic, setuptools attr:).
 __version__ = "0.1.0"
 
 __all__ = [

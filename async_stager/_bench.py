@@ -171,31 +171,51 @@ def check_fits(workloads: Sequence[str], scale: float, device: torch.device) -> 
             )
 
 
+def _clock(seconds: float) -> str:
+    """``m:ss`` (``h:mm:ss`` from an hour)."""
+    s = max(0, round(seconds))
+    h, rest = divmod(s, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
+
+
 @dataclass
 class Progress:
-    """A progress bar on stderr: a redrawn line on a terminal, a line per phase otherwise."""
+    """Progress on stderr, every line at most ``width`` characters: on a terminal one
+    line redrawn at each step; otherwise (a CI log, a file) one line per step, so a log
+    never goes quiet for long. Each line shows the steps done, the time so far and an
+    estimate of the time left (steps left at the mean pace so far), then what ran."""
 
     total: int
     stream: TextIO | None = field(default_factory=lambda: sys.stderr)
     done: int = 0
-    _last_phase: str = ""
+    width: int = 79
     _t0: float = field(default_factory=time.perf_counter)
 
+    def line(self, phase: str, detail: str = "") -> str:
+        """The progress line as of now (no newline, at most ``width`` characters)."""
+        frac = min(1.0, self.done / max(1, self.total))
+        elapsed = time.perf_counter() - self._t0
+        eta = _clock(elapsed / self.done * (self.total - self.done)) if self.done else "?"
+        bar = "#" * int(frac * 8)
+        what = f"{phase} {detail}".strip()
+        text = f"[{bar:<8}] {self.done}/{self.total} {_clock(elapsed)} eta {eta} {what}"
+        return text[: self.width]
+
     def step(self, phase: str, detail: str = "") -> None:
-        """One step done; ``phase`` names what is running (a new phase prints a line)."""
+        """One step done; ``phase`` and ``detail`` say what it was."""
         self.done += 1
         if self.stream is None:
             return
-        frac = min(1.0, self.done / max(1, self.total))
-        elapsed = time.perf_counter() - self._t0
-        bar = "#" * int(frac * 30)
-        text = f"[{bar:<30}] {self.done}/{self.total} {elapsed:5.1f}s {phase} {detail}"
+        text = self.line(phase, detail)
         if self.stream.isatty():
-            self.stream.write("\r" + text[:110].ljust(110))
-        elif phase != self._last_phase:
+            self.stream.write("\r" + text.ljust(self.width))
+        else:
             self.stream.write(text + "\n")
-        self._last_phase = phase
         self.stream.flush()
+
+    def skip(self, steps: int) -> None:
+        """Steps that will not run (a contender failed): counted as done, not shown."""
+        self.done += steps
 
     def finish(self) -> None:
         if self.stream is not None and self.stream.isatty():
@@ -256,7 +276,7 @@ async def _bench_workload(
     synchronize(device)
     tensors, nbytes = count_tensors(sd)
     bound = Bound(nbytes, device)
-    progress.step(name, "built")
+    progress.step(name, f"built ({tensors:,} tensors, {nbytes / 2**20:,.1f} MiB)")
     total = opts.warmup + _runs(opts, name)
     # The first stage of the run pays the most for fresh pages: the contenders take
     # turns at going first, one workload each.
@@ -275,11 +295,11 @@ async def _bench_workload(
                 cold[cname] = await timed_stage(c, sd, device, opts.lag_period)
             except Exception as exc:  # noqa: BLE001 - a failing contender is a result
                 errors[cname] = f"{type(exc).__name__}: {exc}"
-                progress.step(name, f"{cname} cold failed")
-                progress.done += total * 2
+                progress.step(name, f"cold: {cname} failed")
+                progress.skip(total * 2)
                 continue
             fds[cname] = open_fds() - before
-            progress.step(name, f"{cname} cold")
+            progress.step(name, f"cold: {cname}")
 
         async def timed(c: Contender) -> tuple[float, list[float]]:
             gc.collect()
@@ -301,21 +321,22 @@ async def _bench_workload(
         for r in range(total):
             k = r % len(order) if order else 0
             report = r >= opts.warmup
-            phase = "warm-up" if not report else f"run {r - opts.warmup + 1}/{total - opts.warmup}"
+            phase = "warm-up" if not report else f"{r - opts.warmup + 1}/{total - opts.warmup}"
+            phase = f"{name} {phase}:"  # "transformer 3/7: async_stager" (round 3 of 7)
             gc.collect()
             sync_s = bound.run()
-            progress.step(name, phase)
+            progress.step(phase, "bound (calling thread)")
             first, lag = await timed(bound)
-            progress.step(name, phase)
+            progress.step(phase, "bound")
             round_bounds = [first]
             round_lag = lag
             round_times: dict[str, float] = {}
             round_lags: dict[str, list[float]] = {}
             for cname in order[k:] + order[:k]:
                 round_times[cname], round_lags[cname] = await timed(live[cname])
-                progress.step(name, phase)
+                progress.step(phase, cname)
                 after, blag = await timed(bound)
-                progress.step(name, phase)
+                progress.step(phase, "bound")
                 round_bounds.append(after)
                 round_lag.extend(blag)
             if report:
@@ -407,8 +428,8 @@ async def run_bench(opts: BenchOptions, stream: TextIO | None = None) -> BenchRe
     t0 = time.perf_counter()
     load_at_start = _loadavg()
     makers = _contender_makers(opts, device)
-    progress = Progress(_steps(opts, len(makers)), stream)
     idle = lag_stats(await idle_lag(opts.idle_seconds, opts.lag_period))
+    progress = Progress(_steps(opts, len(makers)), stream)
     results = []
     try:
         for name in opts.workloads:
@@ -611,7 +632,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE.png",
         help="write a chart (needs matplotlib: async_stager[plot])",
     )
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--wide",
+        action="store_true",
+        help="one table with every column (about 190 characters wide; default: two tables "
+        "per workload that fit 80 columns)",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
 def options_from_args(ns: argparse.Namespace) -> BenchOptions:
@@ -643,7 +670,7 @@ def run_cli(ns: argparse.Namespace, out: TextIO) -> int:
     if ns.json == "-":
         out.write(to_json(report) + "\n")
     else:
-        out.write(format_table(report) + "\n")
+        out.write(format_table(report, wide=getattr(ns, "wide", False)) + "\n")
         if ns.json:
             try:
                 with open(ns.json, "w", encoding="utf-8") as f:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -152,11 +153,154 @@ def to_json(report: BenchReport) -> str:
     return json.dumps(dataclasses.asdict(report), indent=2, sort_keys=False)
 
 
+#: The default table's lines fit a terminal this wide (``--wide``: one wider table).
+WIDTH = 80
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-_COLUMNS = (
+def _fit(value: float, decimals: int, width: int) -> str:
+    """``value`` with ``decimals`` decimals, fewer where that would be wider than
+    ``width`` (a slow machine's 12345.67 ms becomes 12345.7, then 12346)."""
+    for d in range(decimals, -1, -1):
+        text = f"{value:.{d}f}"
+        if len(text) <= width:
+            return text
+    return text
+
+
+def _lag_pair(lag: LagStats) -> str:
+    """p99 and max (ms), both with the same decimals: two below 100 ms, one below
+    1000, none above (``0.57/4.80``, ``98.6/118.6``)."""
+    top = max(lag.p99_ms, lag.max_ms)
+    d = 2 if top < 100 else 1 if top < 1000 else 0
+    return f"{lag.p99_ms:.{d}f}/{lag.max_ms:.{d}f}"
+
+
+def _lag_triple(lag: LagStats) -> str:
+    """p50 (two decimals), then p99 and max as ``_lag_pair`` shows them."""
+    return f"{_fit(lag.p50_ms, 2, 5)}/{_lag_pair(lag)}"
+
+
+def _table(columns: Sequence[tuple[str, str]], rows: Sequence[Sequence[str]]) -> list[str]:
+    """A fixed-width table with Markdown-compatible pipes; ``columns`` are
+    (header, ``<`` or ``>``) pairs."""
+    headers = [c for c, _ in columns]
+    widths = [max(len(headers[i]), *(len(r[i]) for r in rows)) for i in range(len(headers))]
+
+    def line(cells: Sequence[str]) -> str:
+        out = [
+            cell.ljust(width) if align == "<" else cell.rjust(width)
+            for (_, align), cell, width in zip(columns, cells, widths)
+        ]
+        return "| " + " | ".join(out) + " |"
+
+    sep = (
+        "|"
+        + "|".join(
+            ("-" * (w + 1) + ":" if a == ">" else ":" + "-" * (w + 1)) for (_, a), w in zip(columns, widths)
+        )
+        + "|"
+    )
+    return [line(headers), sep, *(line(r) for r in rows)]
+
+
+def _header(report: BenchReport) -> list[str]:
+    """What the numbers were measured on, in lines of at most WIDTH characters."""
+    m = report.machine
+    idle = report.idle_lag
+    parts = [
+        f"device {m.get('device')}, {m.get('cores')} cores, torch {m.get('torch')}, python {m.get('python')}",
+        f"runs {report.options.get('runs')}, scale {report.options.get('scale')}, {report.seconds:.0f} s in all; "
+        f"load {m.get('loadavg_1min_at_start')}->{m.get('loadavg_1min_at_end')} (1-minute average)",
+        f"idle loop lag p50/p99/max {_lag_triple(idle)} ms",
+        "ms: median cached stage; cold: the first stage; lag: how late a 1 ms asyncio "
+        "ticker woke while staging (ms); see docs/benchmarks.md",
+    ]
+    return [ln for p in parts for ln in textwrap.wrap(p, WIDTH, subsequent_indent="  ")]
+
+
+class _Footnotes:
+    """Numbered notes under the tables (a contender's failure: its message can be long)."""
+
+    def __init__(self) -> None:
+        self.notes: list[str] = []
+        self._numbers: dict[tuple[str, str], int] = {}
+
+    def mark(self, workload: str, s: StagerResult) -> str:
+        key = (workload, s.name)
+        if key not in self._numbers:
+            self.notes.append(f"{s.name} failed on {workload}: {s.error}")
+            self._numbers[key] = len(self.notes)
+        return f"[{self._numbers[key]}]"
+
+    def lines(self) -> list[str]:
+        out: list[str] = []
+        for i, note in enumerate(self.notes, 1):
+            out += textwrap.wrap(f"[{i}] {note}", WIDTH, subsequent_indent="    ", break_on_hyphens=False)
+        return out
+
+
+_SPEED = (
+    ("stager", "<"),
+    ("cold ms", ">"),
+    ("ms", ">"),
+    ("GB/s", ">"),
+    ("vs DCP", ">"),
+    ("of bound", ">"),
+)
+_LOOP = (
+    ("stager", "<"),
+    ("lag p99/max", ">"),
+    ("cold p99/max", ">"),
+    ("host MiB", ">"),
+    ("fds", ">"),
+)
+
+
+def _narrow(report: BenchReport, notes: _Footnotes) -> list[str]:
+    """Per workload, two tables of at most WIDTH characters: times and ratios; loop lag
+    (ms) and what the stager holds."""
+    out: list[str] = []
+    for w in report.workloads:
+        speed: list[tuple[str, ...]] = []
+        loop: list[tuple[str, ...]] = []
+        for s in w.stagers:
+            if s.error is not None:
+                mark = notes.mark(w.name, s)
+                speed.append((s.name, "failed", mark, "", "", ""))
+                loop.append((s.name, "failed", mark, "", ""))
+                continue
+            speed.append(
+                (
+                    s.name,
+                    _fit(s.cold_seconds * 1e3, 1, 7),
+                    _fit(s.seconds * 1e3, 2, 7),
+                    _fit(s.gbps, 2, 6),
+                    "-" if s.vs_dcp is None else _fit(s.vs_dcp, 2, 6) + "x",
+                    _fmt(s.of_bound, ".2f"),
+                )
+            )
+            host = "-" if s.host_bytes is None else _fit(s.host_bytes / 2**20, 1, 8)
+            loop.append((s.name, _lag_pair(s.lag), _lag_pair(s.cold_lag), host, str(s.fds)))
+        b = w.bound
+        speed.append(("bound (1 buffer)", "", _fit(b.seconds * 1e3, 2, 7), _fit(b.gbps, 2, 6), "", "1.00"))
+        loop.append(("bound (1 buffer)", _lag_pair(b.lag), "", "", ""))
+        out += [
+            "",
+            *textwrap.wrap(
+                f"{w.name}: {w.tensors:,} tensors, {w.bytes / 2**20:.1f} MiB on {w.device}", WIDTH
+            ),
+            *_table(_SPEED, speed),
+            "",
+            *_table(_LOOP, loop),
+        ]
+    return out
+
+
+_WIDE = (
     ("workload", "<"),
     ("stager", "<"),
     ("tensors", ">"),
@@ -174,15 +318,15 @@ _COLUMNS = (
 )
 
 
-def _rows(report: BenchReport) -> list[tuple[str, ...]]:
+def _wide(report: BenchReport, notes: _Footnotes) -> list[str]:
+    """One table, every column, one row per stager and workload plus the bound."""
     rows: list[tuple[str, ...]] = []
     for w in report.workloads:
         mib = f"{w.bytes / 2**20:.1f}"
         for s in w.stagers:
             if s.error is not None:
-                rows.append((w.name, s.name, str(w.tensors), mib, "failed: " + s.error[:60], *[""] * 9))
+                rows.append((w.name, s.name, str(w.tensors), mib, "failed", notes.mark(w.name, s), *[""] * 8))
                 continue
-            lag = f"{s.lag.p50_ms:.2f}/{s.lag.p99_ms:.2f}/{s.lag.max_ms:.1f}"
             host = "-" if s.host_bytes is None else f"{s.host_bytes / 2**20:.1f}"
             rows.append(
                 (
@@ -196,68 +340,28 @@ def _rows(report: BenchReport) -> list[tuple[str, ...]]:
                     _fmt(s.vs_dcp, ".2f") + ("x" if s.vs_dcp is not None else ""),
                     _fmt(s.of_bound, ".2f"),
                     f"{s.us_per_tensor:.2f}",
-                    lag,
-                    f"{s.cold_lag.p99_ms:.1f}/{s.cold_lag.max_ms:.1f}",
+                    _lag_triple(s.lag),
+                    _lag_pair(s.cold_lag),
                     host,
                     str(s.fds),
                 )
             )
         b = w.bound
-        blag = f"{b.lag.p50_ms:.2f}/{b.lag.p99_ms:.2f}/{b.lag.max_ms:.1f}"
-        rows.append(
-            (
-                w.name,
-                "bound (1 buffer)",
-                "1",
-                mib,
-                "",
-                f"{b.seconds * 1e3:.2f}",
-                f"{b.gbps:.2f}",
-                "",
-                "1.00",
-                "",
-                blag,
-                "",
-                "",
-                "",
-            )
-        )
-    return rows
+        bound = (w.name, "bound (1 buffer)", "1", mib, "", f"{b.seconds * 1e3:.2f}", f"{b.gbps:.2f}")
+        rows.append((*bound, "", "1.00", "", _lag_triple(b.lag), "", "", ""))
+    return ["", *_table(_WIDE, rows)]
 
 
-def format_table(report: BenchReport) -> str:
-    """A fixed-width text table (Markdown-compatible pipes), one row per stager and
-    workload plus the bound, and a header line describing the machine."""
-    rows = _rows(report)
-    headers = tuple(c for c, _ in _COLUMNS)
-    widths = [
-        max(len(headers[i]), *(len(r[i]) for r in rows)) if rows else len(headers[i])
-        for i in range(len(headers))
-    ]
-
-    def line(cells: Sequence[str]) -> str:
-        out = []
-        for (_, align), cell, width in zip(_COLUMNS, cells, widths):
-            out.append(cell.ljust(width) if align == "<" else cell.rjust(width))
-        return "| " + " | ".join(out) + " |"
-
-    sep = (
-        "|"
-        + "|".join(
-            ("-" * (w + 1) + ":" if a == ">" else ":" + "-" * (w + 1)) for (_, a), w in zip(_COLUMNS, widths)
-        )
-        + "|"
-    )
-    m = report.machine
-    idle = report.idle_lag
-    head = (
-        f"device {m.get('device')}, {m.get('cores')} cores, torch {m.get('torch')}, "
-        f"python {m.get('python')}, load {m.get('loadavg_1min_at_start')}->{m.get('loadavg_1min_at_end')}; "
-        f"runs {report.options.get('runs')}, scale {report.options.get('scale')}; "
-        f"idle loop lag p50/p99/max {idle.p50_ms:.2f}/{idle.p99_ms:.2f}/{idle.max_ms:.1f} ms; "
-        f"{report.seconds:.0f} s in all"
-    )
-    return "\n".join([head, "", line(headers), sep, *(line(r) for r in rows)])
+def format_table(report: BenchReport, *, wide: bool = False) -> str:
+    """The report as text: a header describing the machine, then per workload two
+    tables (times and ratios; loop lag and memory), every line at most WIDTH (80)
+    characters; a contender that failed has a numbered footnote with its error.
+    ``wide``: one table with every column (about 190 characters wide), as
+    docs/benchmarks.md shows. The tables use Markdown-compatible pipes."""
+    notes = _Footnotes()
+    body = _wide(report, notes) if wide else _narrow(report, notes)
+    foot = notes.lines()
+    return "\n".join([*_header(report), *body, *(["", *foot] if foot else [])])
 
 
 def require_matplotlib() -> Any:

@@ -15,7 +15,8 @@ Hazards:
   CPU tensor may still be the target of a ``non_blocking`` copy queued on the caller's
   stream.
 - CUDA graphs: an event cannot be recorded for use outside a stream that is capturing
-  a graph; ``capture``/``fence_point`` refuse with UnsupportedError.
+  a graph; the engine asks ``Backend.capturing`` first and refuses with
+  UnsupportedError (``graph_capture_error``).
 - Contexts: event queries and host waits run with the event's device current, and the
   worker runs with a device that already has a context: a thread that never used CUDA
   would otherwise create a context on GPU 0 (for every rank).
@@ -125,9 +126,9 @@ def _pinning_device() -> torch.device | None:
 _GRAPH_CAPTURE_HINT = (
     "stage (and fence) outside the capture: before torch.cuda.graph(...) is entered or "
     "after it exits, e.g. between the replays of a captured training step; a graph "
-    "captured in another thread must use "
-    'torch.cuda.graph(..., capture_error_mode="thread_local"), since the stager\'s worker '
-    "and event loop make CUDA calls that a global-mode capture forbids in every thread"
+    "captured in another thread while stages are in flight should use "
+    'torch.cuda.graph(..., capture_error_mode="thread_local"): the stager\'s worker and '
+    "event loop make CUDA calls that a global-mode capture forbids in every thread"
 )
 
 
@@ -556,7 +557,8 @@ class CudaCopier(ScratchCopier):
 
     def close(self) -> None:
         self.release_scratch()
-        self.stream.synchronize()
+        # A blocking event, not stream.synchronize(): the wait sleeps.
+        CudaEvent(self.stream).synchronize()
 
 
 class Backend(ABC):

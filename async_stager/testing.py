@@ -106,13 +106,13 @@ class FakeStream:
         self.name = name
         self.capturing = False
         self._cond = threading.Condition()
-        self._ops: list[Callable[[], None]] = []
+        self._ops: list[Callable[[], object]] = []
         self._running = False
         #: Work queued so far, and work that has run.
         self.queued = 0
         self.finished = 0
 
-    def enqueue(self, op: Callable[[], None]) -> None:
+    def enqueue(self, op: Callable[[], object]) -> None:
         """Queue ``op`` (it runs when the stream gets that far)."""
         with self._cond:
             self._ops.append(op)

@@ -1,19 +1,28 @@
 #!/usr/bin/env bash
-# GPU check, one prepared script for a CUDA machine (budget: under 5 minutes in all).
+# GPU check: one prepared script for a CUDA machine, within 8 minutes on one GPU.
 #
-#   1. every `cuda`-marked test:   python -m pytest -m cuda -q
-#   2. the benchmark's GPU workloads at scale 1, and the two big ones at scale 4
+#   1. pytest tests/test_cuda.py tests/test_device_ordering.py  (the CUDA path and its
+#      ordering logic; nothing else is imported)
+#   2. the benchmark on the GPU, modest runs
+#   3. fresh tensors re-staged: host memory kept, no re-pinning (timings)
+#   4. a snapshot under a side stream: producer still running, pinned CPU leaf being
+#      filled, fence read at the call
+#   5. a stage inside a CUDA graph capture is refused, and the capture survives
+#   then one summary table (also in summary.txt).
 #
-# Results go to "$OUT" if set, else ./gpu_out: env.txt (versions), pytest.txt,
-# bench_cuda.{txt,json,png}, bench_cuda_x4.{txt,json}, summary.txt (one line per step
-# with its exit status). The exit status is non-zero if any step failed.
+# Needs torch with CUDA, anyio, sniffio and pytest; pytest-asyncio, pytest-timeout,
+# hypothesis, trio, uvloop and matplotlib are optional (the GPU machine may lack them):
+# pytest-asyncio is always left out (-p no:asyncio), its and pytest-timeout's ini
+# options are then unknown (ignored config warnings), without pytest-timeout the
+# strict-markers option is dropped, without trio the trio-parametrized tests are
+# deselected. Pass/fail is pytest's own result (its exit status and JUnit report);
+# a module that cannot be imported is a failure, not skipped.
 #
-# Tolerates a machine without pytest-asyncio, pytest-timeout, hypothesis, trio or
-# matplotlib (the GPU machine has torch and pytest but not every test extra): the
-# missing plugin's ini options and markers are not turned into errors, a test module
-# that cannot be imported is reported without stopping the run, and the chart is skipped.
+# Results go to "$OUT" if set, else ./gpu_out: env.txt, pytest.txt, pytest.xml,
+# bench_cuda.{txt,json}, checks.txt, summary.txt. Exit status non-zero if a step failed.
 #
-# Dry run on a CPU machine: GPU_CHECK_DEVICE=cpu GPU_CHECK_SCALE=0.01 scripts/gpu_check.sh
+# Dry run on a CPU machine (the CUDA steps then report "skipped: no CUDA"):
+#   GPU_CHECK_DEVICE=cpu GPU_CHECK_SCALE=0.05 scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-$PWD/gpu_out}"
@@ -22,77 +31,234 @@ SCALE="${GPU_CHECK_SCALE:-1}"
 PY="${PYTHON:-python}"
 mkdir -p "$OUT_DIR"
 : > "$OUT_DIR/summary.txt"
+: > "$OUT_DIR/checks.txt"
 # The package from this working tree, whether or not it is installed.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 failed=0
+rows=()
 
 note() { echo "[gpu_check $(date -u +%H:%M:%S)] $*" | tee -a "$OUT_DIR/summary.txt"; }
 has() { "$PY" -c "import $1" >/dev/null 2>&1; }
+# row STEP RESULT SECONDS DETAIL
+row() { rows+=("$(printf '%-28s %-8s %7s  %s' "$1" "$2" "$3" "$4")"); }
+now() { date +%s.%N; }
+since() { "$PY" -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" "$1" "$(now)"; }
 
 {
     date -u
     nvidia-smi 2>&1 || echo "nvidia-smi: not available"
-    "$PY" -c 'import sys, torch; print("python", sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())'
-    "$PY" -m pip list 2>/dev/null | grep -iE '^(torch|pytest|anyio|trio|uvloop|sniffio|matplotlib|hypothesis|numpy) ' || true
+    "$PY" -c 'import sys, torch; print("python", sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available(), "devices", torch.cuda.device_count())'
+    for m in pytest anyio sniffio trio uvloop pytest_asyncio pytest_timeout hypothesis numpy matplotlib; do
+        if has "$m"; then echo "module $m: yes"; else echo "module $m: no"; fi
+    done
     nproc
     free -g 2>/dev/null || true
 } > "$OUT_DIR/env.txt" 2>&1
 
-# -- 1. cuda-marked tests ------------------------------------------------------------
-# pytest-asyncio is always left out (-p no:asyncio), so this runs alike with and
-# without it: the tests use anyio's plugin. Without it, pyproject's asyncio_* ini
-# options are unknown (a config warning, fatal under filterwarnings=error at start-up)
-# and a module using @pytest.mark.asyncio warns of an unknown mark when collected;
-# both warnings are ignored. The asyncio-marked tests are not cuda-marked.
-pytest_args=(-m cuda -q -rfEs -p no:asyncio --continue-on-collection-errors
+cuda_ok=0
+if [ "$DEVICE" = cuda ] && "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    cuda_ok=1
+fi
+for m in torch anyio sniffio pytest; do
+    has "$m" || note "required module $m is missing: steps that need it fail"
+done
+
+# -- 1. tests --------------------------------------------------------------------------
+t0=$(now)
+pytest_args=(tests/test_cuda.py tests/test_device_ordering.py -q -rfEs -p no:asyncio
+    -p no:cacheprovider --junitxml "$OUT_DIR/pytest.xml"
     -W "ignore::pytest.PytestConfigWarning" -W "ignore::pytest.PytestUnknownMarkWarning")
 if ! has pytest_timeout; then
     # @pytest.mark.timeout is then an unknown marker: drop --strict-markers (from
     # addopts) and let the outer `timeout` bound the run instead.
-    pytest_args+=(-o "addopts=-ra -p no:cacheprovider")
-    note "pytest-timeout missing: per-test timeouts off, whole run bounded at 120 s"
+    pytest_args+=(-o "addopts=-ra")
+    note "pytest-timeout missing: per-test timeouts off, the run is bounded at 170 s"
 fi
 if ! has trio; then
     pytest_args+=(-k "not trio")
     note "trio missing: trio-parametrized tests deselected"
 fi
-timeout 120 "$PY" -m pytest "${pytest_args[@]}" > "$OUT_DIR/pytest.txt" 2>&1
+timeout 170 "$PY" -m pytest "${pytest_args[@]}" > "$OUT_DIR/pytest.txt" 2>&1
 rc=$?
-tail -n 3 "$OUT_DIR/pytest.txt" | sed 's/^/    /' | tee -a "$OUT_DIR/summary.txt"
-if [ "$rc" -eq 5 ]; then
-    note "pytest -m cuda: no cuda-marked test collected (rc 5), not a failure"
-elif [ "$rc" -ne 0 ]; then
-    note "pytest -m cuda: FAILED (rc $rc$([ "$rc" -eq 124 ] && echo ', timed out'))"
-    failed=1
+# Counts from pytest's JUnit report (absent if pytest did not get that far).
+counts=$("$PY" - "$OUT_DIR/pytest.xml" <<'EOF' 2>/dev/null
+import sys
+import xml.etree.ElementTree as ET
+
+root = ET.parse(sys.argv[1]).getroot()
+suites = [root] if root.tag == "testsuite" else list(root)
+t = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+print(f"{t['tests'] - t['failures'] - t['errors'] - t['skipped']} passed, {t['failures']} failed, "
+      f"{t['errors']} errors, {t['skipped']} skipped")
+EOF
+)
+counts=${counts:-"no report"}
+tail -n 3 "$OUT_DIR/pytest.txt" | sed 's/^/    /' >> "$OUT_DIR/summary.txt"
+if [ "$rc" -eq 0 ]; then
+    row "pytest (cuda + ordering)" ok "$(since "$t0")" "$counts"
 else
-    note "pytest -m cuda: passed"
+    why="rc $rc"
+    [ "$rc" -eq 124 ] && why="timed out"
+    [ "$rc" -eq 2 ] && why="interrupted or a module failed to import (rc 2)"
+    [ "$rc" -eq 5 ] && why="no test collected (rc 5)"
+    row "pytest (cuda + ordering)" FAILED "$(since "$t0")" "$counts; $why; see pytest.txt"
+    failed=1
 fi
 
-# -- 2. benchmark --------------------------------------------------------------------
-plot_args=()
-if has matplotlib; then
-    plot_args=(--plot "$OUT_DIR/bench_${DEVICE}.png")
-fi
-timeout 90 "$PY" -m async_stager bench --device "$DEVICE" --scale "$SCALE" --runs 5 \
-    --json "$OUT_DIR/bench_${DEVICE}.json" "${plot_args[@]}" > "$OUT_DIR/bench_${DEVICE}.txt" 2>&1
+# -- 2. benchmark -------------------------------------------------------------------------
+t0=$(now)
+timeout 150 "$PY" -m async_stager bench --device "$DEVICE" --scale "$SCALE" --runs 3 --warmup 1 --quiet \
+    --json "$OUT_DIR/bench_${DEVICE}.json" > "$OUT_DIR/bench_${DEVICE}.txt" 2>&1
 rc=$?
-if [ "$rc" -ne 0 ]; then
-    note "bench (scale $SCALE): FAILED (rc $rc); see bench_${DEVICE}.txt"
-    failed=1
+if [ "$rc" -eq 0 ]; then
+    row "bench ($DEVICE, scale $SCALE)" ok "$(since "$t0")" "see bench_${DEVICE}.txt"
 else
-    note "bench (scale $SCALE): done"
+    row "bench ($DEVICE, scale $SCALE)" FAILED "$(since "$t0")" "rc $rc$([ "$rc" -eq 124 ] && echo ', timed out'); see bench_${DEVICE}.txt"
+    failed=1
 fi
 
-big=$("$PY" -c "print(4 * float('$SCALE'))")
-timeout 75 "$PY" -m async_stager bench --device "$DEVICE" --scale "$big" --runs 3 --workloads large1g,transformer \
-    --json "$OUT_DIR/bench_${DEVICE}_x4.json" > "$OUT_DIR/bench_${DEVICE}_x4.txt" 2>&1
-rc=$?
-if [ "$rc" -ne 0 ]; then
-    note "bench (scale $big, large1g+transformer): FAILED (rc $rc); see bench_${DEVICE}_x4.txt"
-    failed=1
+# -- 3-5. standalone checks -----------------------------------------------------------
+# Each prints one line "RESULT | detail" last; RESULT is ok, FAILED or skipped.
+check() {
+    local name=$1 limit=$2 code=$3 t0 out rc line
+    t0=$(now)
+    out=$(GPU_CHECK_SCALE="$SCALE" timeout "$limit" "$PY" -c "$code" 2>&1)
+    rc=$?
+    { echo "== $name (rc $rc)"; echo "$out"; } >> "$OUT_DIR/checks.txt"
+    line=$(printf '%s\n' "$out" | grep -E '^(ok|FAILED|skipped) \|' | tail -n 1)
+    if [ "$rc" -ne 0 ] || [ -z "$line" ]; then
+        row "$name" FAILED "$(since "$t0")" "rc $rc$([ "$rc" -eq 124 ] && echo ', timed out'); see checks.txt"
+        failed=1
+        return
+    fi
+    row "$name" "${line%% |*}" "$(since "$t0")" "${line#*| }"
+    [ "${line%% |*}" = FAILED ] && failed=1
+}
+
+if [ "$cuda_ok" -ne 1 ]; then
+    row "fresh tensors re-staged" skipped 0 "no CUDA"
+    row "side-stream snapshot" skipped 0 "no CUDA"
+    row "graph capture refused" skipped 0 "no CUDA"
 else
-    note "bench (scale $big, large1g+transformer): done"
+check "fresh tensors re-staged" 40 '
+import asyncio, os, time, torch
+from async_stager import Stager
+
+scale = float(os.environ["GPU_CHECK_SCALE"])
+n, numel = 64, max(1, int((1 << 30) * scale) // 64 // 4)  # 1 GiB at scale 1, in 64 tensors
+
+def fresh():
+    return {f"w{i}": torch.full((numel,), float(i), device="cuda") for i in range(n)}
+
+async def main():
+    async with Stager() as stager:
+        times, held = [], []
+        for k in range(4):
+            sd = fresh()  # new allocations each time: what state_dict() hooks often make
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            staged = await stager.stage(sd)
+            times.append(time.perf_counter() - t)
+            held.append(stager.host_bytes)
+            assert torch.equal(staged["w7"][:16], torch.full((16,), 7.0)), "wrong data"
+            del staged, sd
+        gb = n * numel * 4 / 1e9
+        again = sorted(times[1:])[len(times[1:]) // 2]
+        kept = held[1:] == held[:1] * 3
+        mem = "kept" if kept else "grew"
+        ok = kept and again < times[0]
+        print(f"times {[round(t, 4) for t in times]}, host bytes {[h >> 20 for h in held]} MiB")
+        print(("ok" if ok else "FAILED") + f" | {gb:.2f} GB: first {times[0]:.3f} s (pins), fresh re-stage "
+              f"{again:.3f} s ({gb / again:.1f} GB/s), host memory {mem}")
+
+asyncio.run(main())
+'
+
+check "side-stream snapshot" 40 '
+import asyncio, torch
+from async_stager import Stager
+
+SPIN = 50_000_000
+
+async def main():
+    n = 8 << 20
+    x = torch.zeros(n, device="cuda")
+    src = torch.full((n,), 3.0, device="cuda")
+    buf = torch.zeros(n).pin_memory()
+    w = torch.ones(n, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    problems = []
+    async with Stager() as stager:
+        await stager.reserve({"x": x, "buf": buf, "w": w})
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(4 * SPIN)  # the producer is still running at the call
+            x.fill_(7.0)
+            buf.copy_(src, non_blocking=True)  # a pending copy into a pinned CPU leaf
+            pending = stager.stage({"x": x, "buf": buf, "w": w})
+            fence = stager.fence()  # reads the side stream now
+        await fence  # awaited with the default stream current
+        with torch.cuda.stream(side):
+            w.add_(1.0)  # the optimizer step: after the copies
+        staged = await pending
+        torch.cuda.synchronize()
+        if not bool((staged["x"] == 7.0).all()):
+            problems.append("producer write missed")
+        if not bool((staged["buf"] == 3.0).all()):
+            problems.append("pending copy into the pinned CPU leaf missed")
+        if not bool((staged["w"] == 1.0).all()):
+            problems.append("the step after fence() ran before the copies")
+    print(("FAILED | " + "; ".join(problems)) if problems else "ok | producer, pinned CPU leaf and fence ordered")
+
+asyncio.run(main())
+'
+
+check "graph capture refused" 40 '
+import asyncio, torch
+from async_stager import Stager, UnsupportedError
+
+async def main():
+    x = torch.ones(1 << 10, device="cuda")
+    async with Stager() as stager:
+        await stager.stage({"x": x})
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            y = x * 2  # warm-up
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        refused = []
+        msg = ""
+        with torch.cuda.graph(g):
+            y = x * 2
+            for name, call in (("stage", lambda: stager.stage({"x": x})), ("fence", stager.fence)):
+                try:
+                    coro = call()
+                except UnsupportedError as e:
+                    refused.append(name)
+                    msg = str(e)
+                else:
+                    coro.close()
+        x.fill_(3.0)
+        g.replay()
+        torch.cuda.synchronize()
+        replay_ok = bool((y == 6.0).all())
+        after = await stager.stage({"x": x})
+        usable = bool((after["x"] == 3.0).all())
+    ok = refused == ["stage", "fence"] and replay_ok and usable and "thread_local" in msg
+    print(f"refused: {refused}; replay ok: {replay_ok}; usable after: {usable}")
+    print(("ok" if ok else "FAILED") + f" | refused {refused}, graph replays, stager usable after")
+
+asyncio.run(main())
+'
 fi
 
-note "results in $OUT_DIR; overall: $([ "$failed" -eq 0 ] && echo ok || echo FAILED)"
+# -- summary --------------------------------------------------------------------------
+{
+    echo
+    printf '%-28s %-8s %7s  %s\n' "step" "result" "seconds" "detail"
+    printf '%s\n' "${rows[@]}"
+    echo
+    echo "overall: $([ "$failed" -eq 0 ] && echo ok || echo FAILED); results in $OUT_DIR"
+} | tee -a "$OUT_DIR/summary.txt"
 exit "$failed"

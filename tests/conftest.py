@@ -1,4 +1,10 @@
-"""Shared fixtures: every async test runs on asyncio, asyncio+uvloop and trio."""
+"""Shared fixtures: every async test runs on asyncio, asyncio+uvloop and trio.
+
+Markers (declared once, in pyproject.toml): ``cuda`` tests skip without a CUDA device;
+``stress`` tests skip unless ``ASYNC_STAGER_STRESS=1`` is set (the one gate, here), so
+the default run and CI leave them out. The stress run:
+``ASYNC_STAGER_STRESS=1 python -m pytest -m stress``.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,8 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+#: Stress runs are on when ASYNC_STAGER_STRESS is set to anything but "" or "0".
+STRESS = os.environ.get("ASYNC_STAGER_STRESS", "") not in ("", "0")
 
 try:
     import uvloop  # noqa: F401
@@ -32,9 +40,12 @@ def anyio_backend(request: pytest.FixtureRequest) -> Any:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
+    skip_stress = pytest.mark.skip(reason="stress run: set ASYNC_STAGER_STRESS=1 (and -m stress)")
     for item in items:
-        if "cuda" in item.keywords and not HAS_CUDA:
+        if item.get_closest_marker("cuda") is not None and not HAS_CUDA:
             item.add_marker(skip_cuda)
+        if item.get_closest_marker("stress") is not None and not STRESS:
+            item.add_marker(skip_stress)
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ async def stager() -> Stager:  # type: ignore[misc]
 
 @pytest.mark.asyncio
 async def test_stage_under_pytest_asyncio(stager: Stager) -> None:
-    sd = {"w": torch.randn(8), "step": 1}
+    sd: dict[str, Any] = {"w": torch.randn(8), "step": 1}
     staged = await stager.stage(sd)
     assert torch.equal(staged["w"], sd["w"]) and staged["step"] == 1
 

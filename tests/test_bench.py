@@ -4,8 +4,10 @@ these tests assert structure (and that measured numbers are positive), not speed
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,11 @@ TINY = ["--scale", "0.0005", "--runs", "1", "--warmup", "0", "--quiet"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+def _check_width(text: str, width: int = 80) -> None:
+    wide = [line for line in text.splitlines() if len(line) > width]
+    assert not wide, f"{len(wide)} lines wider than {width}: {wide[:3]}"
+
+
 def _check_lag(lag: dict[str, Any]) -> None:
     assert set(lag) == {"p50_ms", "p99_ms", "max_ms", "samples"}
     assert 0 <= lag["p50_ms"] <= lag["p99_ms"] <= lag["max_ms"]
@@ -46,7 +53,8 @@ def test_bench_cli_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[s
     rc = cli.main(["bench", *TINY, "--json", str(out_json), "--plot", str(out_png)])
     assert rc == 0
     table = capsys.readouterr().out
-    assert "| workload" in table and "bound (1 buffer)" in table
+    assert "| stager" in table and "bound (1 buffer)" in table and "[1]" not in table
+    _check_width(table)
 
     data = json.loads(out_json.read_text())
     assert data["schema_version"] == 2
@@ -113,6 +121,12 @@ def test_failing_contender_is_a_result(
     ours, seed, dcp = w["stagers"]
     assert dcp["name"] == "dcp" and "Too many open files" in dcp["error"]
     assert ours["error"] is None and ours["vs_dcp"] is None and seed["error"] is None
+    # The table: the failure is a footnote under the tables, marked in dcp's rows.
+    assert cli.main(["bench", *TINY, "--workloads", "small20k", "--no-all-threads"]) == 0
+    table = capsys.readouterr().out
+    _check_width(table)
+    assert table.splitlines()[-1] == "[1] dcp failed on small20k: OSError: [Errno 24] Too many open files"
+    assert sum("| dcp" in line and "failed" in line and "[1]" in line for line in table.splitlines()) == 2
 
 
 @pytest.mark.timeout(30)
@@ -176,20 +190,72 @@ def _report(error: bool = False) -> BenchReport:
     return BenchReport(machine, {"runs": 1, "scale": 1.0}, lag, (w,), 3.0)
 
 
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
 @pytest.mark.timeout(10)
 def test_table_format() -> None:
     text = format_table(_report())
-    head, blank, *table = text.splitlines()
-    assert "2 cores" in head and "idle loop lag p50/p99/max 0.10/0.50/2.0 ms" in head and blank == ""
+    _check_width(text)
+    lines = text.splitlines()
+    assert "2 cores" in lines[0]
+    assert "idle loop lag p50/p99/max 0.10/0.50/2.00 ms" in text
+    # Per workload: a title, then two tables (times and ratios; loop lag and memory),
+    # each with a header, a separator, a row per stager and the bound.
+    title = lines.index("small20k: 20,000 tensors, 1.2 MiB on cpu")
+    speed, loop = lines[title + 1 : title + 6], lines[title + 7 : title + 12]
+    assert lines[title + 6] == "" and len(lines) == title + 12
+    for table in (speed, loop):
+        assert len({len(line) for line in table}) == 1, "columns are aligned"
+        assert [_cells(r)[0] for r in table[2:]] == ["async_stager", "dcp", "bound (1 buffer)"]
+    assert _cells(speed[0]) == ["stager", "cold ms", "ms", "GB/s", "vs DCP", "of bound"]
+    assert _cells(speed[2]) == ["async_stager", "300.0", "20.00", "1.00", "12.50x", "0.90"]
+    assert _cells(speed[3])[4] == "-"
+    assert _cells(speed[4]) == ["bound (1 buffer)", "", "1.00", "1.28", "", "1.00"]
+    assert _cells(loop[0]) == ["stager", "lag p99/max", "cold p99/max", "host MiB", "fds"]
+    assert _cells(loop[2]) == ["async_stager", "0.50/2.00", "0.50/2.00", "1.0", "0"]
+    assert _cells(loop[3])[3] == "-"
+    assert "[1]" not in text
+
+
+@pytest.mark.timeout(10)
+def test_wide_table_has_every_column() -> None:
+    text = format_table(_report(), wide=True)
+    lines = text.splitlines()
+    table = lines[lines.index("") + 1 :]
     assert len(table) == 2 + 3  # header, separator, ours, dcp, bound
     assert len({len(line) for line in table}) == 1, "columns are aligned"
-    cells = [c.strip() for c in table[2].strip("|").split("|")]
+    cells = _cells(table[2])
     assert cells[:4] == ["small20k", "async_stager", "20000", "1.2"]
     assert cells[5] == "20.00" and cells[7] == "12.50x" and cells[8] == "0.90"
-    assert cells[10] == "0.10/0.50/2.0" and cells[-2] == "1.0" and cells[-1] == "0"
-    dcp_cells = [c.strip() for c in table[3].strip("|").split("|")]
+    assert cells[10] == "0.10/0.50/2.00" and cells[11] == "0.50/2.00"
+    assert cells[-2] == "1.0" and cells[-1] == "0"
+    dcp_cells = _cells(table[3])
     assert dcp_cells[7] == "-" and dcp_cells[-2] == "-"
     assert "bound (1 buffer)" in table[4]
+
+
+@pytest.mark.timeout(10)
+def test_lag_p99_and_max_share_their_precision() -> None:
+    report = _report()
+    (w,) = report.workloads
+    lag = LagStats(0.3, 98.64, 118.61, 1000)
+    slow = dataclasses.replace(w.stagers[0], lag=lag, cold_lag=LagStats(0.1, 0.57, 4.8, 10))
+    text = format_table(dataclasses.replace(report, workloads=(dataclasses.replace(w, stagers=(slow,)),)))
+    row = next(line for line in text.splitlines() if line.startswith("| async_stager ") and "/" in line)
+    assert _cells(row)[1:3] == ["98.6/118.6", "0.57/4.80"]
+
+
+@pytest.mark.timeout(10)
+def test_huge_numbers_still_fit() -> None:
+    # A very slow machine: times and lags in the tens of seconds keep the width.
+    report = _report(error=True)
+    (w,) = report.workloads
+    lag = LagStats(1234.5, 23456.7, 34567.8, 10)
+    slow = dataclasses.replace(w.stagers[0], cold_seconds=1234.5, seconds=987.65, lag=lag, cold_lag=lag)
+    w = dataclasses.replace(w, stagers=(slow, w.stagers[1]))
+    _check_width(format_table(dataclasses.replace(report, workloads=(w, w))))
 
 
 @pytest.mark.timeout(10)
@@ -202,9 +268,26 @@ def test_ratios_are_paired_per_round() -> None:
 
 
 @pytest.mark.timeout(10)
-def test_table_shows_failures() -> None:
+def test_table_shows_failures_in_a_footnote() -> None:
     text = format_table(_report(error=True))
-    assert "failed: OSError: Too many open files" in text
+    _check_width(text)
+    lines = text.splitlines()
+    assert lines[-2:] == ["", "[1] dcp failed on small20k: OSError: Too many open files"]
+    rows = [_cells(line) for line in lines if line.startswith("| dcp ")]
+    assert rows == [["dcp", "failed", "[1]", "", "", ""], ["dcp", "failed", "[1]", "", ""]]
+    # A long message wraps under its number; the wide table uses the same footnote.
+    report = _report(error=True)
+    (w,) = report.workloads
+    long = dataclasses.replace(w.stagers[1], error="RuntimeError: " + "unable to open shared memory " * 8)
+    two = (w, dataclasses.replace(w, name="large1g", stagers=(w.stagers[0], long)))
+    text = format_table(dataclasses.replace(report, workloads=two))
+    _check_width(text)
+    foot = text[text.index("\n[1] ") + 1 :].splitlines()
+    assert foot[1].startswith("[2] dcp failed on large1g: RuntimeError: unable")
+    assert len(foot) > 3 and all(line.startswith("    ") for line in foot[2:])
+    wide = format_table(_report(error=True), wide=True)
+    assert wide.splitlines()[-1] == "[1] dcp failed on small20k: OSError: Too many open files"
+    assert "failed: " not in wide
 
 
 @pytest.mark.timeout(30)
@@ -253,14 +336,49 @@ def test_progress_bar() -> None:
     tty = Tty()
     p = _bench.Progress(4, tty)
     p.step("a")
-    p.step("a", "x")
+    p.step("a", "x" * 200)
     p.finish()
-    assert tty.getvalue().count("\r") == 2 and "2/4" in tty.getvalue() and tty.getvalue().endswith("\n")
+    text = tty.getvalue()
+    assert text.count("\r") == 2 and "2/4" in text and text.endswith("\n")
+    assert all(len(part) <= 79 for part in text.strip("\n").split("\r")), "fits 80 columns"
+    assert "eta 0:00" in text  # two steps took well under a second: two more, likewise
+
+
+def _count(line: str) -> str:
+    """The ``done/total`` of a progress line."""
+    found = re.search(r"\] (\d+/\d+) ", line)
+    assert found, line
+    return found.group(1)
+
+
+@pytest.mark.timeout(10)
+def test_progress_lines_without_a_terminal() -> None:
+    # A CI log or a file: one line per step (the log never goes quiet for long), each
+    # with the count, the time so far and the estimate of the time left.
     plain = io.StringIO()
     p = _bench.Progress(3, plain)
     for phase in ("a", "a", "b"):
-        p.step(phase)
-    assert plain.getvalue().count("\n") == 2  # a line per new phase, not per step
+        p.step(phase, "detail")
+    p.finish()
+    lines = plain.getvalue().splitlines()
+    assert len(lines) == 3 and plain.getvalue().endswith("\n") and "\r" not in plain.getvalue()
+    assert [_count(line) for line in lines] == ["1/3", "2/3", "3/3"]
+    assert all(" eta " in line and line.endswith(" detail") and len(line) <= 79 for line in lines)
+    assert _bench._clock(59.4) == "0:59" and _bench._clock(61) == "1:01" and _bench._clock(3725) == "1:02:05"
+
+
+@pytest.mark.timeout(30)
+def test_cli_progress_on_a_pipe_is_a_line_per_step(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", *TINY[:-1], "--workloads", "small20k", "--no-dcp", "--no-all-threads"]
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    steps = _bench._steps(_bench.BenchOptions(workloads=("small20k",), runs=1, warmup=0), 2)
+    lines = captured.err.splitlines()
+    assert len(lines) == steps and "\r" not in captured.err
+    assert [_count(line) for line in lines] == [f"{i}/{steps}" for i in range(1, steps + 1)]
+    assert "small20k built" in lines[0] and " eta " in lines[-1]
+    _check_width(captured.err)
+    _check_width(captured.out)
 
 
 @pytest.mark.timeout(30)

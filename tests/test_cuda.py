@@ -6,6 +6,11 @@ runs them on a CUDA machine.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+import time
 from typing import Any
 
 import anyio
@@ -13,7 +18,14 @@ import pytest
 import torch
 from helpers import assert_same
 
-from async_stager import CheckpointStagerConfig, DefaultStager, Stager, UnsupportedTensorError
+from async_stager import (
+    CheckpointStagerConfig,
+    DefaultStager,
+    Stager,
+    UnsupportedError,
+    UnsupportedTensorError,
+)
+from async_stager._device import CudaCopier
 
 pytestmark = [pytest.mark.cuda, pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -22,8 +34,18 @@ pytestmark = [pytest.mark.cuda, pytest.mark.anyio, pytest.mark.timeout(120)]
 _SPIN_CYCLES = 50_000_000
 
 
+def _side_stream() -> torch.cuda.Stream:
+    """A side stream ordered after the work already queued on the current stream (the
+    tensors' initial values), as training on a side stream would be. The tests run
+    there: on the default stream, a stage that missed its capture would still be
+    ordered by the copier's fallback (it waits for the default stream)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    return side
+
+
 async def test_gpu_state_dict_is_staged_pinned(anyio_backend: Any) -> None:
-    sd = {
+    sd: dict[str, Any] = {
         "w": torch.randn(256, 256, device="cuda"),
         "b": torch.randn(256, device="cuda"),
         "small": [torch.randn(16, device="cuda") for _ in range(500)],
@@ -45,12 +67,124 @@ async def test_gpu_state_dict_is_staged_pinned(anyio_backend: Any) -> None:
 
 async def test_producer_still_running_at_the_call(anyio_backend: Any) -> None:
     x = torch.zeros(1 << 20, device="cuda")
+    side = _side_stream()
     async with Stager() as stager:
         await stager.reserve({"x": x})
-        torch.cuda._sleep(_SPIN_CYCLES)  # the producer is still busy...
-        x.fill_(7.0)  # ...and this write is queued behind it
-        staged = await stager.stage({"x": x})  # snapshot point: after the fill
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(_SPIN_CYCLES)  # the producer is still busy...
+            x.fill_(7.0)  # ...and this write is queued behind it
+            staged = await stager.stage({"x": x})  # snapshot point: after the fill
         assert torch.equal(staged["x"], torch.full((1 << 20,), 7.0))
+
+
+async def test_copies_are_asynchronous(anyio_backend: Any) -> None:
+    # The worker must enqueue the copies and return while the capture is still held
+    # back by a long kernel: copies made synchronous (a blocking copy, a host wait in
+    # the worker) would leave no completion in flight.
+    x = torch.ones(1 << 20, device="cuda")
+    side = _side_stream()
+    async with Stager() as stager:
+        await stager.reserve({"x": x})
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(4 * _SPIN_CYCLES)
+            pending = stager.stage({"x": x})
+        job = stager._last_job
+        assert job is not None
+        while not job.future.done():
+            await anyio.sleep(0.001)
+        record = job.future.result()
+        assert record.completions, "the copies were synchronous"
+        assert not side.query(), "the kernel ended before the copies were enqueued"
+        assert not any(c.query() for c in record.completions)
+        del record
+        staged = await pending
+        assert torch.equal(staged["x"], torch.ones(1 << 20))
+
+
+async def test_host_waits_sleep_instead_of_spinning(anyio_backend: Any) -> None:
+    x = torch.ones(1 << 20, device="cuda")
+    side = _side_stream()
+    async with Stager() as stager:
+        await stager.reserve({"x": x})
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(8 * _SPIN_CYCLES)
+            pending = stager.stage({"x": x})
+        job = stager._last_job
+        assert job is not None
+        while not job.future.done():
+            await anyio.sleep(0.001)
+        (completion,) = job.future.result().completions
+        wall0, cpu0 = time.perf_counter(), time.thread_time()
+        completion.synchronize()  # what the worker, close() and the seed's API do
+        wall, cpu = time.perf_counter() - wall0, time.thread_time() - cpu0
+        assert wall > 0.05, "the kernel ended too soon to tell"
+        assert cpu < 0.5 * wall, f"a host wait of {wall:.3f} s used {cpu:.3f} s of CPU: it spins"
+        await pending
+
+
+async def test_pinned_cpu_leaf_filled_by_a_pending_copy(anyio_backend: Any) -> None:
+    # A CPU leaf still being filled by a non_blocking device-to-host copy queued on the
+    # caller's stream before the call: the host copy must wait for it.
+    n = 8 << 20
+    src = torch.full((n,), 3.0, device="cuda")
+    buf = torch.zeros(n).pin_memory()
+    side = _side_stream()
+    async with Stager() as stager:
+        await stager.reserve({"buf": buf, "w": src})
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(4 * _SPIN_CYCLES)  # the copy into buf lands after this
+            buf.copy_(src, non_blocking=True)
+            staged = await stager.stage({"buf": buf, "w": src})
+        assert bool((staged["buf"] == 3.0).all())
+        assert bool((staged["w"] == 3.0).all())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+async def test_first_stage_from_another_device_is_captured(anyio_backend: Any) -> None:
+    # The caller is on GPU 0; the source lives on GPU 1, whose current stream is a side
+    # stream with the producer still queued. Nothing was staged from GPU 1 before.
+    torch.cuda.set_device(0)
+    x = torch.zeros(1 << 20, device="cuda:1")
+    s1 = torch.cuda.Stream(device=1)
+    s1.wait_stream(torch.cuda.current_stream(1))
+    prev = torch.cuda.current_stream(1)
+    torch.cuda.set_stream(s1)  # GPU 1's current stream (this makes GPU 1 current)...
+    torch.cuda.set_device(0)  # ...and the caller is back on GPU 0
+    try:
+        with torch.cuda.device(1):
+            torch.cuda._sleep(4 * _SPIN_CYCLES)
+            x.fill_(7.0)  # queued on GPU 1's current stream, behind the kernel
+        assert torch.cuda.current_device() == 0
+        async with Stager() as stager:
+            staged = await stager.stage({"x": x})
+        assert torch.equal(staged["x"], torch.full((1 << 20,), 7.0))
+    finally:
+        torch.cuda.set_stream(prev)
+        torch.cuda.set_device(0)
+        torch.cuda.synchronize(1)
+
+
+async def test_stage_inside_a_graph_capture_is_refused(anyio_backend: Any) -> None:
+    x = torch.ones(1 << 10, device="cuda")
+    async with Stager() as stager:
+        assert torch.equal((await stager.stage({"x": x}))["x"], x.cpu())
+        side = _side_stream()
+        with torch.cuda.stream(side):  # warm-up, as torch's CUDA graph docs ask
+            y = x * 2
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = x * 2
+            with pytest.raises(UnsupportedError, match="thread_local"):
+                stager.stage({"x": x})  # type: ignore[unused-coroutine]
+            with pytest.raises(UnsupportedError, match="capturing a CUDA graph"):
+                stager.fence()  # type: ignore[unused-coroutine]
+        # The capture was not disturbed, and the stager stays usable.
+        x.fill_(3.0)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, torch.full_like(x, 6.0))
+        assert torch.equal((await stager.stage({"x": x, "y": y}))["y"], y.cpu())
 
 
 async def test_source_freed_and_reallocated_during_the_copy(anyio_backend: Any) -> None:
@@ -82,20 +216,86 @@ async def test_source_freed_and_reallocated_during_the_copy(anyio_backend: Any) 
 
 async def test_fence_orders_training_after_the_copies(anyio_backend: Any) -> None:
     w = torch.full((32 << 20,), 1.0, device="cuda")
+    side = _side_stream()
+    result: dict[str, Any] = {}
     async with Stager() as stager:
         await stager.reserve({"w": w})
-        async with anyio.create_task_group() as tg:
-            result: dict[str, Any] = {}
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(_SPIN_CYCLES)  # the copies wait behind the capture
+            # Submitted (snapshot point) before the fence, whatever order the event
+            # loop runs the tasks in (trio randomizes it): the stage is a task only for
+            # its wait.
+            pending = stager.stage({"w": w})
 
             async def checkpoint() -> None:
-                result["staged"] = await stager.stage({"w": w})
+                result["staged"] = await pending
 
-            tg.start_soon(checkpoint)
-            await anyio.sleep(0)
-            await stager.fence()  # the optimizer step may now run on the current stream
-            w.add_(1.0)
-        assert bool((result["staged"]["w"] == 1.0).all())
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(checkpoint)
+                await stager.fence()  # the optimizer step may now run on this stream
+                w.add_(1.0)
+        torch.cuda.synchronize()
+    assert bool((result["staged"]["w"] == 1.0).all())
+    assert bool((w == 2.0).all())
+
+
+async def test_fence_orders_the_stream_current_at_the_call(anyio_backend: Any) -> None:
+    w = torch.full((32 << 20,), 1.0, device="cuda")
+    side = _side_stream()
+    async with Stager() as stager:
+        await stager.reserve({"w": w})
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(2 * _SPIN_CYCLES)  # the copies wait behind the capture
+            pending = stager.stage({"w": w})
+            fence = stager.fence()  # reads the side stream now...
+        await fence  # ...and is awaited with the default stream current
+        with torch.cuda.stream(side):
+            w.add_(1.0)  # the optimizer step on the side stream: after the copies
+        staged = await pending
+        torch.cuda.synchronize()
+        assert bool((staged["w"] == 1.0).all())
         assert bool((w == 2.0).all())
+
+
+async def test_scratch_is_returned_between_stages_and_falls_back(
+    anyio_backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sd = {f"n{i}": torch.randn(16, device="cuda") for i in range(5000)}
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    async with Stager() as stager:
+        staged = await stager.stage(sd)
+        copier = stager._engine._copiers[torch.device("cuda", torch.cuda.current_device())]
+        assert isinstance(copier, CudaCopier)
+        plan = next(iter(staged_set_plans(stager)))
+        runs = [r for p in plan.programs for r in p.runs]
+        assert runs, "small storages were not gathered"
+        # Between stages the scratch holds no device memory (the allocator may give
+        # it to training): the views stay, their storage is empty.
+        assert all(r.scratch.untyped_storage().nbytes() == 0 for r in runs)
+        del plan, runs
+        assert copier.scratch_live_bytes == 0
+        assert torch.cuda.memory_allocated() == base
+        del staged
+        for v in sd.values():
+            v.add_(1.0)
+        staged = await stager.stage(sd)  # re-materialized on the copy stream
+        for k in ("n0", "n2500", "n4999"):
+            assert torch.equal(staged[k], sd[k].cpu())
+        del staged
+
+        def out_of_memory(scratch: torch.Tensor) -> None:
+            raise torch.OutOfMemoryError("no scratch for you")
+
+        # Out of device memory when a run's scratch is needed: copied directly.
+        monkeypatch.setattr(copier, "_grow_scratch", out_of_memory)
+        fallbacks = copier.scratch_fallbacks
+        for v in sd.values():
+            v.add_(1.0)
+        staged = await stager.stage(sd)
+        assert copier.scratch_fallbacks > fallbacks
+        for k in ("n0", "n2500", "n4999"):
+            assert torch.equal(staged[k], sd[k].cpu())
 
 
 async def test_many_small_tensors_are_batched(anyio_backend: Any) -> None:
@@ -141,10 +341,57 @@ async def test_two_accelerator_devices_are_refused(anyio_backend: Any) -> None:
 
 
 def test_default_stager_on_cuda() -> None:
-    sd = {"w": torch.randn(1024, 1024, device="cuda"), "step": 5}
+    sd: dict[str, Any] = {"w": torch.randn(1024, 1024, device="cuda"), "step": 5}
     with DefaultStager(CheckpointStagerConfig()) as stager:
         staged = stager.stage(sd).result(timeout=60)  # type: ignore[union-attr]
         assert staged["w"].is_pinned() and torch.equal(staged["w"], sd["w"].cpu())
     with DefaultStager(CheckpointStagerConfig(use_async_staging=False, use_shared_memory=False)) as stager:
         staged = stager.stage(sd)
         assert torch.equal(staged["w"], sd["w"].cpu())  # type: ignore[index]
+
+
+def staged_set_plans(stager: Stager) -> list[Any]:
+    return [p for s in stager._engine._sets for p in s.plans.values()]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_no_context_is_created_on_gpu0() -> None:
+    # A fresh process (contexts cannot be undone): a rank on GPU 1 pins for a CPU-only
+    # state dict before CUDA is initialised, then stages from GPU 1 with the event
+    # loop in a thread that never selected a device. GPU 0 must stay untouched.
+    code = textwrap.dedent(
+        """
+        import asyncio, threading, torch
+        from async_stager import Stager
+
+        has = torch._C._cuda_hasPrimaryContext
+
+        async def cpu_only(stager):
+            staged = await stager.stage({"w": torch.ones(1 << 20)})
+            assert torch.equal(staged["w"], torch.ones(1 << 20))
+
+        async def from_gpu1(stager, x):
+            staged = await stager.stage({"x": x})
+            await stager.fence()
+            assert torch.equal(staged["x"], torch.full((1 << 20,), 2.0))
+
+        stager = Stager()
+        asyncio.run(cpu_only(stager))
+        assert torch.cuda.is_initialized()
+        assert has(1) and not has(0), "pinning created a context on GPU 0"
+        torch.cuda.set_device(1)
+        x = torch.full((1 << 20,), 2.0, device="cuda:1")
+        torch.cuda.synchronize(1)
+        t = threading.Thread(target=lambda: asyncio.run(from_gpu1(stager, x)))
+        t.start()
+        t.join()
+        stager.close()
+        assert not has(0), "staging from GPU 1 created a context on GPU 0"
+        print("ok")
+        """
+    )
+    env = dict(os.environ, LOCAL_RANK="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-4000:]

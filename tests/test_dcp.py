@@ -184,13 +184,13 @@ def test_default_stager_with_dcp_async_save(tmp_path: Path) -> None:
             response = dcp.async_save(
                 sd, checkpoint_id=str(tmp_path / str(i)), async_stager=stager, no_dist=True
             )
-            upload = getattr(response, "upload_completion", response)
+            upload: Any = getattr(response, "upload_completion", response)
             upload.result(timeout=30)
             assert_loaded_equal(load(tmp_path / str(i), sd), sd)
 
 
 async def test_snapshot_point_is_the_call(anyio_backend: Any, tmp_path: Path) -> None:
-    sd = {"w": torch.arange(1000.0), "step": 1}
+    sd: dict[str, Any] = {"w": torch.arange(1000.0), "step": 1}
     expected = sd["w"].clone()
     async with Stager() as stager:
         pending = adcp.save(sd, stager=stager, checkpoint_id=tmp_path, no_dist=True)

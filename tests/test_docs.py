@@ -55,8 +55,9 @@ def test_referenced_paths_exist(doc: str) -> None:
     text = (ROOT / "docs" / doc).read_text()
     for path in re.findall(r"`((?:examples|tests)/[\w/]+\.py)`", text):
         assert (ROOT / path).exists(), f"{doc} mentions {path}"
-    for link in re.findall(r"\]\(([\w-]+\.md)\)", text):
-        assert (ROOT / "docs" / link).exists(), f"{doc} links to {link}"
+    for link in re.findall(r"\]\(([\w./-]+\.md)(?:#[\w-]*)?\)", text):
+        # Relative to the page itself (README.md's links start at the repository root).
+        assert ((ROOT / "docs" / doc).parent / link).exists(), f"{doc} links to {link}"
 
 
 @pytest.mark.parametrize("code", PY_BLOCKS)

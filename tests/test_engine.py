@@ -77,7 +77,7 @@ def engine(request: pytest.FixtureRequest) -> Any:
 def test_nested_structures(engine: Any) -> None:
     dd: collections.defaultdict[str, list[int]] = collections.defaultdict(list)
     dd["a"].append(1)
-    sd = {
+    sd: dict[str, Any] = {
         "model": collections.OrderedDict(w=torch.randn(3, 4), b=torch.randn(4)),
         "optim": {"state": {0: {"exp_avg": torch.randn(3, 4), "step": torch.tensor(5.0)}}, "lr": 0.1},
         "list": [torch.arange(6), 3, "s", None, b"b", 2.5, True, 1 + 2j],
@@ -241,7 +241,7 @@ def test_cpu_sources_are_copied_not_aliased(engine: Any) -> None:
 
 
 def test_non_tensor_leaves_are_snapshotted(engine: Any) -> None:
-    sd = {"hist": [1, 2], "cfg": {"lr": 0.1}}
+    sd: dict[str, Any] = {"hist": [1, 2], "cfg": {"lr": 0.1}}
     staged = stage_sync(engine, sd).result
     sd["hist"].append(3)
     sd["cfg"]["lr"] = 0.2

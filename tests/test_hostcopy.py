@@ -260,7 +260,7 @@ def test_helpers_take_the_creating_threads_priority() -> None:
 def test_engine_copies_big_cpu_programs_in_pieces(copy_threads: int, pooled: bool) -> None:
     _wait_no_copy_threads()
     n = MIN_POOL_BYTES // 4 // 2  # float32 + bfloat16 + float32: over the threshold
-    sd = {
+    sd: dict[str, Any] = {
         "a": torch.randn(n),
         "b": {"c": torch.randn(n).to(torch.bfloat16), "d": torch.randn(n)},
         "small": [torch.arange(5), 3],

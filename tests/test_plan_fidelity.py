@@ -170,7 +170,7 @@ async def test_repeated_tensors_are_repeated_exactly_where_the_source_repeats_th
 @pytest.mark.parametrize("kind", BACKENDS)
 async def test_attributes_set_on_a_dropped_result_do_not_come_back(anyio_backend: Any, kind: str) -> None:
     async with make_stager(kind) as stager:
-        sd = {"w": torch.ones(3), "v": [torch.zeros(2)]}
+        sd: dict[str, Any] = {"w": torch.ones(3), "v": [torch.zeros(2)]}
         out = await stager.stage(sd)
         out["w"].mark = 1
         out["v"][0].mark = 2
@@ -190,7 +190,7 @@ async def test_attributes_referencing_staged_tensors_are_dropped_with_the_result
     a, b = torch.ones(2), torch.zeros(3)
     a.buddy = b  # type: ignore[attr-defined]
     a.me = a  # type: ignore[attr-defined]
-    sd = {"a": a, "b": b, "again": a}
+    sd: dict[str, Any] = {"a": a, "b": b, "again": a}
     async with make_stager(kind, max_buffer_sets=1, buffer_wait_timeout=10) as stager:
         for _ in range(3):
             out = await stager.stage(sd)
@@ -249,7 +249,7 @@ async def test_tensor_keys_are_staged(anyio_backend: Any, kind: str) -> None:
     factory_t = torch.full((2,), 6.0)
     dd: collections.defaultdict[Any, Any] = collections.defaultdict(functools.partial(torch.clone, factory_t))
     dd[k4] = torch.zeros(1)
-    sd = {
+    sd: dict[str, Any] = {
         "plain": {k1: torch.zeros(1)},  # a tensor value
         "atomic": {k2: 7},  # an atomic value
         "ordered": collections.OrderedDict([((k3, "x"), "v")]),  # a tuple key holding a tensor
@@ -299,7 +299,7 @@ async def test_fresh_tensors_from_getstate_are_staged(anyio_backend: Any, kind: 
     async with make_stager(kind) as stager:
         obj = FreshState()
         for _ in range(3):
-            out = await stager.stage({"o": obj, "w": torch.ones(2)})
+            out: Any = await stager.stage({"o": obj, "w": torch.ones(2)})
             n = float(obj.calls)  # the values of the last walk are the ones copied
             assert torch.equal(out["o"].t, torch.full((3,), 2.0))
             assert torch.equal(out["o"].a, torch.full((3,), n)) and torch.equal(

@@ -180,7 +180,7 @@ def record(t: torch.Tensor) -> Rec:
         t.dtype,
         tuple(t.shape),
         t.stride(),
-        t.storage_offset(),
+        int(t.storage_offset()),
         t.is_conj(),
         t.is_neg(),
         t.requires_grad,
@@ -282,7 +282,7 @@ def mark(out: Any, value: int) -> None:
     """An attribute on every tensor of ``out`` (in a function: no tensor stays bound
     to a local of the caller, which would keep the result's buffer set held)."""
     for t in staged_tensors(out):
-        t.mark = value
+        t.mark = value  # type: ignore[attr-defined]
 
 
 def check_result(out: Any, snap: Any, recs: list[Rec], sources: list[tuple[int, int]]) -> None:

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import re
+from pathlib import Path
 
 import pytest
 
 import async_stager
 
 pytestmark = pytest.mark.timeout(30)
+
+API_MD = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 
 
 def test_all_lists_exactly_the_public_names() -> None:
@@ -45,3 +50,45 @@ def test_testing_module_exports() -> None:
 
     for name in testing.__all__:
         assert hasattr(testing, name)
+
+
+def _api_md() -> tuple[list[str], list[str]]:
+    """docs/api.md's headings and its inline code spans (outside fenced blocks)."""
+    text = re.sub(r"^```.*?^```", "", API_MD.read_text(), flags=re.MULTILINE | re.DOTALL)
+    headings = [line for line in text.splitlines() if line.startswith("#")]
+    return headings, re.findall(r"`([^`]+)`", text)  # a span may break across lines
+
+
+def test_every_public_name_is_documented_in_api_md() -> None:
+    headings, spans = _api_md()
+    places = [*headings, *spans]
+    missing = [
+        name
+        for name in async_stager.__all__
+        # __version__ is the packaging convention, not API to document.
+        if not name.startswith("__")
+        and not any(re.search(rf"(?<![\w.]){re.escape(name)}(?!\w)", p) for p in places)
+    ]
+    assert not missing, f"in async_stager.__all__ but not documented in docs/api.md: {missing}"
+
+
+def test_every_name_in_api_md_headings_is_public() -> None:
+    headings, _ = _api_md()
+    named = [name for h in headings for name in re.findall(r"`([^`]+)`", h)]
+    assert named, "docs/api.md's headings name nothing"
+    for name in named:
+        if "." in name:  # a module, e.g. async_stager.dcp
+            assert name.startswith("async_stager."), name
+            importlib.import_module(name)
+        else:
+            assert name in async_stager.__all__, f"docs/api.md documents {name!r}, not in __all__"
+
+
+def test_one_version() -> None:
+    # pyproject.toml reads the version from async_stager.__version__ (one source).
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((API_MD.parent.parent / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    attr = project["tool"]["setuptools"]["dynamic"]["version"]["attr"]
+    assert attr == "async_stager.__version__"
+    assert re.fullmatch(r"\d+\.\d+\.\d+([.-]?(a|b|rc|dev|post)\d*)*", async_stager.__version__)

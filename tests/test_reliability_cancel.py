@@ -23,8 +23,6 @@ from async_stager.testing import FakeBackend, FakePinner
 
 pytestmark = [pytest.mark.anyio]
 
-STRESS = bool(os.environ.get("ASYNC_STAGER_STRESS"))
-stress = pytest.mark.skipif(not STRESS, reason="stress run: set ASYNC_STAGER_STRESS=1")
 
 #: Filled in by the storms, reported by docs/reliability.md (stress run figures).
 FIGURES: dict[str, int] = {}
@@ -155,8 +153,7 @@ async def test_cancel_at_every_phase(anyio_backend: Any, no_thread_leak: None) -
             assert s.leases == 0
 
 
-@stress
-@pytest.mark.stress
+@pytest.mark.stress  # skipped unless ASYNC_STAGER_STRESS=1 (conftest.py)
 @pytest.mark.timeout(600)
 async def test_cancellation_storm_stress(anyio_backend: Any, no_thread_leak: None) -> None:
     n = 1500

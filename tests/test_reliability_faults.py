@@ -253,7 +253,7 @@ async def test_worker_thread_cannot_start(
         with pytest.raises(StagingError, match="could not start"):
             await stager.stage(sd_of())
         with pytest.raises(StagingError, match="could not start"):
-            stager.stage(sd_of())  # fails at the call, nothing left half-submitted
+            _ = stager.stage(sd_of())  # fails at the call, nothing left half-submitted
     sd = sd_of(value=4.0)
     assert_same(await stager.stage(sd), sd)
     await stager.aclose()

@@ -100,10 +100,13 @@ def test_accepts_torch_staging_options() -> None:
 def test_errors_come_through_the_future_with_path() -> None:
     with DefaultStager() as stager:
         fut = stager.stage({"a": {"b": torch.empty(1, device="meta")}})
+        assert isinstance(fut, Future)
         with pytest.raises(UnsupportedTensorError) as ei:
             fut.result(timeout=30)
         assert ei.value.path == ("a", "b")
-        ok = stager.stage({"w": torch.ones(2)}).result(timeout=30)
+        pending = stager.stage({"w": torch.ones(2)})
+        assert isinstance(pending, Future)
+        ok = pending.result(timeout=30)
         assert torch.equal(ok["w"], torch.ones(2))
 
 
@@ -131,7 +134,7 @@ def test_fake_device_waits_for_completion() -> None:
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_dcp_async_save_round_trip(tmp_path: Any) -> None:
-    sd = {"model": {"w": torch.randn(16, 16), "b": torch.randn(16)}, "step": torch.tensor(7)}
+    sd: dict[str, Any] = {"model": {"w": torch.randn(16, 16), "b": torch.randn(16)}, "step": torch.tensor(7)}
     expect = {"model": {k: v.clone() for k, v in sd["model"].items()}, "step": sd["step"].clone()}
     stager = DefaultStager(CheckpointStagerConfig(use_async_staging=True))
     try:

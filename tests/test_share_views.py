@@ -33,6 +33,8 @@ class TaggedParameter(torch.nn.Parameter):
     """A Parameter subclass that inherits Parameter's pickling (which rebuilds a plain
     Parameter)."""
 
+    shard: int  # set by a test, as a model's bookkeeping may
+
 
 def resolved(t: torch.Tensor) -> torch.Tensor:
     """The values a tensor reads as, with its lazy bits applied."""
@@ -128,17 +130,18 @@ async def test_conj_view_and_its_base_stay_aliases(anyio_backend: Any) -> None:
 @pytest.mark.anyio
 async def test_python_attributes_and_parameter_subclasses_survive_attach(anyio_backend: Any) -> None:
     other = torch.randn(3)
-    t = torch.randn(4)
+    # Tensors with Python attributes, as models' bookkeeping sets them: typed Any.
+    t: Any = torch.randn(4)
     t.tag = "weights"
     t.scale = 0.5
     t.other = other
-    p = torch.nn.Parameter(torch.randn(2, 2))
+    p: Any = torch.nn.Parameter(torch.randn(2, 2))
     p.tensor_model_parallel = True
     p.partition_dim = 1
     q = TaggedParameter(torch.randn(3))
     q.shard = 2
     frozen = TaggedParameter(torch.randn(2), requires_grad=False)
-    zc = torch.randn(3, dtype=torch.complex64).conj()
+    zc: Any = torch.randn(3, dtype=torch.complex64).conj()
     zc.note = "conj with attributes"
     sd: dict[str, Any] = {"t": t, "other": other, "p": p, "q": q, "frozen": frozen, "zc": zc}
     async with Stager(share_memory=True) as stager, stager.snapshot(sd) as staged:
@@ -161,7 +164,7 @@ async def test_python_attributes_and_parameter_subclasses_survive_attach(anyio_b
 @pytest.mark.anyio
 async def test_an_attribute_that_refers_back_to_its_tensor(anyio_backend: Any) -> None:
     t = torch.randn(3)
-    sd = {"t": t}
+    sd: dict[str, Any] = {"t": t}
     async with Stager(share_memory=True) as stager, stager.snapshot(sd) as staged:
         staged["t"].me = staged["t"]  # a cycle, as a model's bookkeeping may make
         with attach_shared(export_shared(staged, stager)) as att:
