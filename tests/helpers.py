@@ -30,12 +30,14 @@ def stage_sync(engine: Engine, sd: Any, **kw: Any) -> Staged:
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """A tensor's raw bytes (for bit-exact comparison of any dtype, NaNs included)."""
-    t = t.detach()
+    t = t.detach().resolve_conj()
     if t.is_complex():
         t = torch.view_as_real(t)
-    c = t.contiguous()
-    if c.numel() == 0:
+    if t.numel() == 0:
         return torch.empty(0, dtype=torch.uint8)
+    # A fresh tensor with standard strides: contiguous() may return a view whose
+    # size-1 dims keep odd strides, which the byte view below refuses.
+    c = torch.empty(t.shape, dtype=t.dtype).copy_(t)
     return c.reshape(-1).view(torch.uint8)
 
 
