@@ -30,7 +30,7 @@ import torch
 
 from ._errors import HostAllocationError, PinningError
 
-__all__ = ["ALIGN", "Arena", "Block", "CudaPinner", "HostPool", "Pinner"]
+__all__ = ["ALIGN", "Arena", "Block", "CudaPinner", "HostPool", "Pinner", "align"]
 
 #: Block alignment in bytes: a cache line, and enough for any dtype and for DMA.
 ALIGN = 64
@@ -40,7 +40,8 @@ _PAGE = mmap.PAGESIZE
 MIN_ARENA_BYTES = 1 << 20
 
 
-def _align(n: int, a: int = ALIGN) -> int:
+def align(n: int, a: int = ALIGN) -> int:
+    """``n`` rounded up to a multiple of ``a``: the bytes a block of ``n`` takes."""
     return (n + a - 1) // a * a
 
 
@@ -115,8 +116,9 @@ class Arena:
                 # MAP_PRIVATE: a forked child gets copy-on-write pages, never a view that
                 # a later stage in the parent writes into (Megatron-LM #2288).
                 self.mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            # Transparent huge pages where the kernel allows them: 512x fewer page
-            # faults on the first copy (MAP_POPULATE measured slower than lazy faults).
+            # Transparent huge pages where the kernel allows them: one fault per huge
+            # page instead of one per page on the first copy (and lazy faults rather
+            # than MAP_POPULATE, which made the first stage slower).
             if hasattr(mmap, "MADV_HUGEPAGE"):
                 try:
                     self.mm.madvise(mmap.MADV_HUGEPAGE)
@@ -146,10 +148,6 @@ class Arena:
             # its pages pinned: a later mapping at the same address would then fail
             # to register ("already registered").
             self._unpinner = weakref.finalize(self, pinner.unregister, self.base)
-
-    @property
-    def pinned(self) -> bool:
-        return self._pinned_ptr != 0
 
     def block_tensor(self, offset: int, nbytes: int) -> torch.Tensor:
         """A uint8 tensor whose storage is exactly bytes [offset, offset+nbytes)."""
@@ -208,7 +206,10 @@ def _make_shared_fd(nbytes: int) -> int:
 
 @dataclass(eq=False)
 class Block:
-    """Bytes [offset, offset+nbytes) of ``arena``; ``tensor`` is its exact-size uint8 view."""
+    """Bytes [offset, offset+nbytes) of ``arena``; ``tensor`` is its exact-size uint8 view.
+
+    A zero-byte block needs no memory: its ``arena`` is ``_EMPTY_ARENA``, which has no
+    mapping (and is in no pool)."""
 
     arena: Arena
     offset: int
@@ -265,7 +266,7 @@ class HostPool:
                     break
                 pending = self._fit(arena, sizes, pending, out)
             if pending:
-                need = sum(_align(sizes[i]) for i in pending)
+                need = sum(align(sizes[i]) for i in pending)
                 arena = Arena(
                     max(need, MIN_ARENA_BYTES), shared=self.shared, pinner=self._pinner, prefault=prefault
                 )
@@ -290,7 +291,7 @@ class HostPool:
         for off, size in free:
             while k < len(pending):
                 i = pending[k]
-                n = _align(sizes[i])
+                n = align(sizes[i])
                 if n > size:
                     break
                 out[i] = Block(arena, off, sizes[i], arena.block_tensor(off, sizes[i]))
@@ -313,8 +314,8 @@ class HostPool:
             for b in blocks:
                 if b.nbytes == 0 or b.arena not in self._free:
                     continue
-                by_arena.setdefault(b.arena, []).append((b.offset, _align(b.nbytes)))
-                self._used[b.arena] -= _align(b.nbytes)
+                by_arena.setdefault(b.arena, []).append((b.offset, align(b.nbytes)))
+                self._used[b.arena] -= align(b.nbytes)
             for arena, ranges in by_arena.items():
                 merged: list[tuple[int, int]] = []
                 for off, size in sorted(self._free[arena] + ranges):
@@ -367,13 +368,10 @@ def _raise_first(errors: list[BaseException]) -> None:
 
 
 class _EmptyArena:
-    """Stands in for the arena of zero-byte blocks, which need no memory."""
-
-    nbytes = 0
-    shared = False
-    fd = -1
-    base = 0
-    pinned = False
+    """The arena of zero-byte blocks: no mapping, and in no pool (``HostPool.free``
+    skips zero-byte blocks). It has no fields, as nothing reads the arena of a zero-byte
+    block: it exists only because ``Block.arena`` is typed ``Arena`` (it is to become
+    ``Arena | None`` once ``_plan._make_run`` checks for None)."""
 
 
 _EMPTY_ARENA = _EmptyArena()

@@ -54,7 +54,7 @@ from ._bench_report import (
     write_plot,
 )
 from ._bench_workloads import WORKLOADS, count_tensors
-from ._options import loop_friendly_threads
+from ._options import loop_friendly_threads, usable_cores
 
 __all__ = [
     "BenchOptions",
@@ -74,8 +74,8 @@ DCP = "dcp"
 #: Largest ``scale`` (the transformer would be about 275 TiB): beyond any machine, it
 #: only keeps the size arithmetic finite; ``check_fits`` refuses what memory cannot hold.
 MAX_SCALE = 1e6
-#: Python and torch bookkeeping per tensor of a built state dict (bytes, measured about
-#: 540 on CPython 3.11 with torch 2.x; a low estimate, so no feasible run is refused).
+#: Python and torch bookkeeping per tensor of a built state dict (bytes): a low
+#: estimate, so no feasible run is refused.
 TENSOR_OVERHEAD = 512
 
 
@@ -309,8 +309,8 @@ async def _bench_workload(
         # bound copies (timed the same way). A round's reference is the median of its
         # bound copies: drift slower than a round cancels in the ratio, and a single
         # copy that caught a fast or slow moment does not count (the mean of the two
-        # copies around a stage did: one 38 ms copy among 60 ms ones moved a ratio
-        # from 0.96 to 0.85). The first ``warmup`` rounds are not reported.
+        # copies around a stage did: one fast copy among slow ones moved a ratio by
+        # a tenth). The first ``warmup`` rounds are not reported.
         order = [n for n in live if n not in errors]
         times: dict[str, list[float]] = {n: [] for n in order}
         reference: list[float] = []
@@ -402,7 +402,7 @@ def _loadavg() -> float | None:
 
 def machine_info(device: torch.device) -> dict[str, Any]:
     """What the numbers were measured on."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})"
     return {
         "device": name,

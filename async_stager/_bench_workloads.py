@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["WORKLOADS", "Workload", "count_tensors", "workload_names"]
+__all__ = ["WORKLOADS", "Workload", "count_tensors"]
 
 #: Bytes of a float32 element.
 F32 = 4
@@ -167,11 +167,6 @@ WORKLOADS: dict[str, Workload] = {
         ),
     )
 }
-
-
-def workload_names() -> list[str]:
-    """The workload names, in the default order."""
-    return list(WORKLOADS)
 
 
 def count_tensors(obj: Any) -> tuple[int, int]:

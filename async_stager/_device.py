@@ -204,8 +204,6 @@ class Copier(ABC):
     ``begin(capture)``, any number of ``copy``, ``protect``, then ``end()``.
     """
 
-    #: True when ``end()`` returns a Completion that must be waited for.
-    asynchronous: bool = False
     #: True when small storages should first be gathered on the device (one fused
     #: kernel) and moved by one copy per contiguous host run.
     batch_small: bool = False
@@ -271,9 +269,9 @@ class CpuCopier(Copier):
     """Copies run in the calling thread; torch releases the GIL for each batch.
 
     ``threads``: threads copying (None: torch's intra-op thread count). The async
-    Stager leaves one core to the event loop: with every core copying, a 1 ms timer was
-    measured up to 5 ms late on 2 cores (one thread: under 1 ms, at 87-92% of the
-    two-thread bandwidth there). A program of at least ``MIN_POOL_BYTES`` is copied by
+    Stager leaves one core to the event loop (``loop_friendly_threads``): with every
+    core copying, the loop's timers fire late; docs/benchmarks.md has the loop lag and
+    the bandwidth of both choices. A program of at least ``MIN_POOL_BYTES`` is copied by
     the calling thread and ``threads - 1`` helpers claiming pieces (``_hostcopy``);
     smaller ones by ``_foreach_copy_`` with that many torch threads.
 
@@ -493,11 +491,13 @@ def _host_piece(span: torch.Tensor, base: torch.Tensor, view: torch.Tensor) -> t
 
 
 class CudaCopier(ScratchCopier):
-    """A dedicated copy stream on one CUDA device; completion is a CUDA event."""
+    """A dedicated copy stream on one CUDA device; completion is a CUDA event.
+
+    ``non_blocking`` False: ``end`` waits for the copies and returns None."""
 
     def __init__(self, device: torch.device, *, non_blocking: bool) -> None:
         super().__init__(device)
-        self.asynchronous = non_blocking
+        self.non_blocking = non_blocking
         with torch.cuda.device(device):
             self.stream = torch.cuda.Stream(device=device)
         self._ctx: contextlib.ExitStack | None = None
@@ -519,7 +519,7 @@ class CudaCopier(ScratchCopier):
 
     def copy_now(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
         if dsts:
-            torch._foreach_copy_(list(dsts), list(srcs), non_blocking=self.asynchronous)
+            torch._foreach_copy_(list(dsts), list(srcs), non_blocking=self.non_blocking)
 
     def protect(self, srcs: Sequence[torch.Tensor]) -> None:
         for s in srcs:
@@ -532,7 +532,7 @@ class CudaCopier(ScratchCopier):
         if ctx is not None:
             ctx.close()
         self.release_scratch()
-        if not self.asynchronous:
+        if not self.non_blocking:
             done.synchronize()
             return None
         return done
@@ -562,7 +562,11 @@ class CudaCopier(ScratchCopier):
 
 
 class Backend(ABC):
-    """Makes the Copier for each source device (and says if pinning is possible)."""
+    """Makes the Copier for each source device, and answers the engine's questions
+    about devices: which to capture on at a call (``known_devices``), how to make one
+    current (``device_guard``), where a pinning worker runs (``host_device``) and
+    whether a stream is capturing a CUDA graph (``capturing``). Pinning itself is the
+    ``Pinner``'s (``_arena``)."""
 
     @abstractmethod
     def copier(self, device: torch.device) -> Copier: ...

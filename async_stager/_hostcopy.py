@@ -4,12 +4,12 @@ Why not torch's own parallel copy: ``_foreach_copy_`` on the CPU copies tensor a
 tensor, each in its own OpenMP region whose threads split that tensor statically and
 meet at a barrier. Whenever anything else runs (the event loop waking up, a data
 loader), the thread it displaces is late for that barrier and every other copy thread
-waits: 64 tensors of 16 MiB were measured at 0.86-0.92 of one 1 GiB ``copy_`` on 2
-cores with an asyncio loop ticking. Here the stage's worker and ``threads - 1`` helper
+waits, and many tensors copy markedly slower than one ``copy_`` of the same bytes
+while an asyncio loop ticks. Here the stage's worker and ``threads - 1`` helper
 threads each copy single-threaded, claiming pieces of about ``PIECE_BYTES`` from one
 list until it is empty (see ``_Job`` for how many at a time), so a displaced thread
-delays only its own piece: a median of 0.97 of the bound over nine benchmark runs
-(single runs 0.88-1.03 on that noisy VM).
+delays only its own piece. docs/benchmarks.md has the numbers (``large1g`` against
+the one-buffer bound).
 
 Hazards:
 - OpenMP: each thread's team size must be 1, or every piece copy would start its own
@@ -21,7 +21,7 @@ Hazards:
   for the copy); the views are built by the worker before the helpers start.
 - Priority: helpers take the priority of the thread that creates them (the worker's
   niceness), as an OpenMP team would. Not SCHED_IDLE: a helper starved while holding
-  the GIL would stall the event loop (measured: 6 s under two CPU hogs).
+  the GIL would stall the event loop (for seconds, under CPU hogs).
 - Ownership: every piece has finished when ``run`` returns, error or not, so no copy
   writes into a host buffer after the engine thinks it is done.
 - Interpreter exit: helpers are daemon threads; one still inside torch when the
@@ -59,18 +59,19 @@ __all__ = [
     "omp_threads",
     "pieces",
     "schedule",
+    "set_thread_priority",
 ]
 
-#: Bytes per piece: each is one torch copy (~10 us of fixed cost against ~0.9 ms of
-#: copying at 9 GB/s a thread), and the last ones decide how evenly the threads end.
-#: Side by side (guided claims, a ticking loop, 2 cores): 8 MiB 0.975 (transformer)
-#: and 1.02 (1 GiB) of the bound, 4 MiB 0.94 and 0.98, 1 MiB 0.78 and 0.91.
+#: Bytes per piece: each is one torch copy (a fixed cost small against the copying
+#: of this many bytes), and the last ones decide how evenly the threads end. Of the
+#: sizes compared side by side (guided claims, a ticking loop), 8 MiB came closest to
+#: the bound, smaller pieces lower (see docs/benchmarks.md).
 PIECE_BYTES = 8 << 20
 #: Copies of fewer bytes than this run on the calling thread alone (a pool hand-off
 #: costs tens of microseconds).
 MIN_POOL_BYTES = 2 * PIECE_BYTES
 #: At most this many tensors per ``_foreach_copy_`` call (torch parses the lists with
-#: the GIL held, ~0.1 us a tensor).
+#: the GIL held, a cost per tensor).
 GROUP_MAX = 1024
 
 
@@ -263,8 +264,8 @@ class _Job:
     Claims are guided (as OpenMP's ``schedule(guided)``): a thread takes the remaining
     pieces divided by twice the thread count, at least one, and copies them with one
     ``_foreach_copy_`` call. Early claims are big, so few GIL round trips (with one
-    claim per piece, 2 MiB pieces measured 2x slower than 4 MiB ones: the copy threads
-    queue for the GIL); the last ones are single pieces, so the threads finish
+    claim per piece, small pieces were much slower: the copy threads queue for the
+    GIL); the last ones are single pieces, so the threads finish
     together.
     """
 
@@ -331,6 +332,22 @@ class _Job:
                 self.finished.set()
 
 
+def set_thread_priority(nice: int) -> None:
+    """Set the calling thread's niceness (Linux: per thread), best effort: without
+    ``os.setpriority``, or without the privilege (a negative value), nothing changes."""
+    if hasattr(os, "setpriority"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+
+
+def thread_priority() -> int | None:
+    """The calling thread's niceness; None where it cannot be read."""
+    if hasattr(os, "getpriority"):
+        with contextlib.suppress(OSError):
+            return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    return None
+
+
 def _helper(inbox: queue.SimpleQueue[_Job | None], priority: int | None) -> None:
     # A module function holding only its inbox: the thread must not keep the pool
     # (and through it the stager) alive.
@@ -344,8 +361,7 @@ def _helper(inbox: queue.SimpleQueue[_Job | None], priority: int | None) -> None
 def _serve(inbox: queue.SimpleQueue[_Job | None], priority: int | None) -> None:
     try:
         if priority is not None:
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), priority)
+            set_thread_priority(priority)
         torch.get_num_threads()  # torch's lazy per-thread setup first (see omp_threads)
         omp = _openmp()
         if omp is not None:
@@ -425,10 +441,7 @@ class CopyPool:
         del self._inboxes[:]
 
     def _start(self) -> None:
-        prio: int | None = None
-        if hasattr(os, "getpriority"):
-            with contextlib.suppress(OSError):
-                prio = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        prio = thread_priority()
         # A helper that is gone (it never is, short of close) would never check out.
         live = [(t, q) for t, q in zip(self._threads, self._inboxes) if t.is_alive()]
         self._threads[:] = [t for t, _ in live]

@@ -127,10 +127,15 @@ def check_seconds(name: str, value: object, *, maximum: float | None = None, zer
     return seconds
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def loop_friendly_threads() -> int:
-    """Copy threads that leave one core to the event loop (at least one)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(torch.get_num_threads(), cores - 1))
+    """Copy threads that leave one core to the event loop (at least one, at most
+    torch's intra-op thread count): ``Stager``'s default ``copy_threads``."""
+    return max(1, min(torch.get_num_threads(), usable_cores() - 1))
 
 
 def cuda_available() -> bool:
@@ -159,7 +164,9 @@ class StagerOptions:
     - ``worker_nice``: niceness added to the worker thread (Linux), 0 to leave it; the
       event loop then preempts host copies at once (see docs/concepts.md).
     - ``copy_threads``: threads for host-to-host copies, the worker and ``n - 1``
-      helpers (see ``_hostcopy``); None: torch's intra-op thread count.
+      helpers (see ``_hostcopy``); None: torch's intra-op thread count (what
+      ``DefaultStager`` uses). ``Stager`` never leaves it None: its default, all cores
+      but one, is resolved by ``loop_friendly_threads()`` before the options are made.
     - ``buffer_wait_timeout``: seconds a stage waits for a free buffer set before
       BuffersHeldError; None: for ever.
 

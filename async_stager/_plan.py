@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ._arena import ALIGN, Block, HostPool
+from ._arena import Block, HostPool, align
 from ._cache import FINGERPRINT, BufferSet, DeviceProgram, Plan, Run, Unit, fingerprint
 from ._device import Copier
 from ._options import StagerOptions
@@ -179,7 +179,7 @@ def _programs(
             if (
                 cur is not None
                 and cur[-1].block.arena is u.block.arena
-                and cur[-1].block.offset + _align(cur[-1].nbytes) == u.block.offset
+                and cur[-1].block.offset + align(cur[-1].nbytes) == u.block.offset
             ):
                 cur.append(u)
             else:
@@ -227,10 +227,6 @@ class _Group:
         self.device = device
         self.members: list[int] = []
         self.block: Any = None
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def _make_run(copier: Copier, run: list[Unit], start: int, end: int, leaves: list[torch.Tensor]) -> Run:

@@ -137,7 +137,7 @@ class _Exporter(pickle.Pickler):
         self.storages: dict[tuple[int, int], int] = {}
         #: The references; the payload holds only their indices. (A tuple returned by
         #: persistent_id would be pickled element by element, each element passing
-        #: through persistent_id again: 14 Python calls per tensor instead of one.)
+        #: through persistent_id again: a Python call per element instead of one per tensor.)
         self.refs: list[tuple[Any, ...]] = []
         # id(tensor) -> its index in refs (the structure keeps the tensors alive).
         self._seen: dict[int, int] = {}

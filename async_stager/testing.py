@@ -5,7 +5,9 @@
 event fires, like DMA landing later. So a test that reads a staged result before the
 completion was observed sees stale bytes: the fake makes ordering bugs visible.
 The event fires after ``delay`` seconds, after ``polls`` queries, or by hand
-(``complete()``), and can be told to fail.
+(``complete()``). Failures are injected at enqueue instead (``fail_copy_at``,
+``fail_copy_of``), where a real copy would raise too; so is a source whose shape does
+not broadcast to its destination's.
 
 Streams are modelled too: each fake device has the caller's current ``FakeStream``
 (``FakeBackend.stream(device)``, switched with ``use_stream``), on which a test queues
@@ -20,6 +22,11 @@ marked ``capturing`` (a CUDA graph capture underway): captures and fences on it 
 
 ``FakePinner`` records pin registrations (and can refuse them), so tests check that
 pinning happens once per arena and that close unpins everything.
+
+The seam's types are exported here too, for writing another fake (or a real backend)
+against them: ``Backend`` (makes a ``Copier`` per source device), ``Copier`` (enqueues
+the copies of one device and returns a ``Completion``), ``Completion`` (says when the
+copies have landed) and ``Pinner`` (page-locks host arenas).
 """
 
 from __future__ import annotations
@@ -33,10 +40,22 @@ from typing import Any
 
 import torch
 
-from ._device import Backend, Copier, CpuCopier, ScratchCopier
+from ._arena import Pinner
+from ._device import Backend, Completion, Copier, CpuCopier, ScratchCopier
 from ._errors import PinningError
 
-__all__ = ["FakeBackend", "FakeCapture", "FakeCopier", "FakeEvent", "FakePinner", "FakeStream"]
+__all__ = [
+    "Backend",
+    "Completion",
+    "Copier",
+    "FakeBackend",
+    "FakeCapture",
+    "FakeCopier",
+    "FakeEvent",
+    "FakePinner",
+    "FakeStream",
+    "Pinner",
+]
 
 
 class FakeEvent:
@@ -52,7 +71,6 @@ class FakeEvent:
         self._polls_left = polls
         self._manual = manual
         self.queries = 0
-        self.failed: BaseException | None = None
 
     def complete(self) -> None:
         """Fire now: run the recorded copies (idempotent)."""
@@ -198,6 +216,21 @@ class _Where:
         return flat.as_strided(self.size, self.stride)
 
 
+def _check_broadcast(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Raise RuntimeError unless ``src`` broadcasts to ``dst``'s shape, as
+    ``dst.copy_(src)`` requires (equal sizes or 1 in ``src``, aligned from the right;
+    a ``src`` of more dimensions, or merely of the same number of elements, does not)."""
+    try:
+        ok = torch.broadcast_shapes(dst.shape, src.shape) == dst.shape
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise RuntimeError(
+            f"shape mismatch: a source of shape {tuple(src.shape)} does not broadcast to "
+            f"the destination's shape {tuple(dst.shape)}"
+        )
+
+
 class FakeCopier(ScratchCopier):
     """An 'accelerator' copier over CPU tensors, with deferred, batched copies.
 
@@ -205,8 +238,6 @@ class FakeCopier(ScratchCopier):
     the captured stream before the call runs first, then the copies. Scratch memory is
     accounted against ``FakeBackend.scratch_limit`` but never really freed (copies
     still pending hold its raw address)."""
-
-    asynchronous = True
 
     def __init__(self, backend: FakeBackend, device: torch.device) -> None:
         super().__init__(device)
@@ -240,8 +271,7 @@ class FakeCopier(ScratchCopier):
         s = list(srcs)
         # Shapes are checked now, like a real enqueue would.
         for a, b in zip(dsts, s):
-            if a.shape != b.shape and a.numel() != b.numel():
-                raise RuntimeError(f"shape mismatch {tuple(a.shape)} vs {tuple(b.shape)}")
+            _check_broadcast(a, b)
         # Like a DMA engine, a pending copy knows where to write, not which tensor:
         # holding the destination tensors would make a staged result look reachable
         # (see BufferSet.held) for as long as the copy is in flight.

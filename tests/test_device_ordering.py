@@ -19,7 +19,7 @@ from helpers import assert_same, make_engine, stage_sync
 import async_stager.dcp as adcp
 from async_stager import CopyError, Stager, UnsupportedError
 from async_stager._device import CudaEvent, RealBackend, ScratchCopier, caller_cuda_device, order_after
-from async_stager.testing import FakeBackend, FakeCapture, FakePinner, FakeStream
+from async_stager.testing import FakeBackend, FakeCapture, FakeEvent, FakePinner, FakeStream
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -347,8 +347,6 @@ class _SyncScratchCopier(ScratchCopier):
     """A ScratchCopier whose copies run at once, with the real scratch memory calls
     (storage resize to nothing and back): the CUDA copier's logic on the CPU."""
 
-    asynchronous = False
-
     def copy_now(self, dsts: Any, srcs: Any) -> None:
         if dsts:
             torch._foreach_copy_(list(dsts), list(srcs))
@@ -417,3 +415,41 @@ async def test_fake_stream_fence_in_a_task_group(anyio_backend: Any) -> None:
         assert backend.fence_points[-1] is training
         backend.complete_all()
         assert torch.equal((await pending)["w"], w)
+
+
+# -- the fake copier checks shapes like a real enqueue ----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dst", "src"),
+    [((2, 3), (6,)), ((2, 3), (2,)), ((3,), (2, 3)), ((2, 3), (3, 2)), ((4,), (0,))],
+)
+def test_fake_copier_refuses_a_source_that_does_not_broadcast_at_enqueue(
+    dst: tuple[int, ...], src: tuple[int, ...]
+) -> None:
+    # Same number of elements is not enough: a real copy_ raises for (2, 3) <- (6,) too.
+    with pytest.raises(RuntimeError):
+        torch.empty(dst).copy_(torch.zeros(src))
+    backend = FakeBackend(manual=True)
+    copier = backend.copier(CPU)
+    copier.begin(None)
+    with pytest.raises(RuntimeError, match="does not broadcast"):
+        copier.copy([torch.empty(dst)], [torch.zeros(src)])
+    assert backend.launches == 0  # refused at enqueue, nothing recorded
+    copier.close()
+
+
+@pytest.mark.parametrize(("dst", "src"), [((2, 3), (3,)), ((2, 3), (2, 1)), ((2, 3), ()), ((0,), (1,))])
+def test_fake_copier_takes_a_source_that_broadcasts(dst: tuple[int, ...], src: tuple[int, ...]) -> None:
+    backend = FakeBackend(manual=True)
+    copier = backend.copier(CPU)
+    copier.begin(None)
+    out = torch.zeros(dst)
+    source = torch.arange(1, 1 + torch.zeros(src).numel(), dtype=torch.float32).reshape(src)
+    copier.copy([out], [source])
+    event = copier.end()
+    assert isinstance(event, FakeEvent)
+    assert not torch.equal(out, torch.empty(dst).copy_(source)) or out.numel() == 0  # not landed yet
+    event.complete()
+    assert torch.equal(out, torch.empty(dst).copy_(source))
+    copier.close()

@@ -52,6 +52,22 @@ def test_testing_module_exports() -> None:
         assert hasattr(testing, name)
 
 
+def test_seam_types_are_exported_from_testing_and_are_the_engines() -> None:
+    from async_stager import _arena, _device, _engine, testing
+    from async_stager.testing import Backend, Completion, Copier, Pinner
+
+    for name in ("Backend", "Completion", "Copier", "Pinner"):
+        assert name in testing.__all__, name
+    engine = vars(_engine)  # the names the engine imported and types its seam with
+    assert Backend is _device.Backend is engine["Backend"]
+    assert Copier is _device.Copier
+    assert Completion is _device.Completion is engine["Completion"]
+    assert Pinner is _arena.Pinner is engine["Pinner"]
+    # The fakes implement them.
+    assert issubclass(testing.FakeBackend, Backend)
+    assert issubclass(testing.FakeCopier, Copier)
+
+
 def _api_md() -> tuple[list[str], list[str]]:
     """docs/api.md's headings and its inline code spans (outside fenced blocks)."""
     text = re.sub(r"^```.*?^```", "", API_MD.read_text(), flags=re.MULTILINE | re.DOTALL)
