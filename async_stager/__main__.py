@@ -58,7 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     _bench.add_arguments(bench)
     demo = sub.add_parser("demo", help="stage a small model and print what happened")
-    _bench.scale_argument(demo, 0.25, "model size (1: the transformer workload with AdamW state, see docs/benchmarks.md)")
+    _bench.scale_argument(
+        demo, 0.25, "model size (1: the transformer workload with AdamW state, see docs/benchmarks.md)"
+    )
     demo.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     return parser
 

@@ -13,55 +13,147 @@ stager raises ClosedError; ``close()`` is idempotent and never raises a stage's 
 (nor CancelledError); ``synchronize_staging()`` skips stages whose Future was
 cancelled (they staged nothing) instead of raising CancelledError; a stager cannot be
 used in a process forked from the one that staged with it (ClosedError, at once).
+
+Additions (all optional): ``stage(sd, keys_not_requiring_copy)`` passes top-level
+entries through uncopied (and refuses unknown keywords with TypeError, where the seed
+forwarded them); ``get_staged_state_dict()``; ``pinned_num_bytes()``;
+``DefaultStager(config, staging_executor=pool)`` stages in a caller-owned thread pool;
+``CheckpointStagerConfig.thread_name`` and ``.metric_prefix``; every stage runs in the
+caller's contextvars context and is logged (``async_stager.stage`` logger).
+docs/migration.md lists every difference.
 """
 
 from __future__ import annotations
 
 import abc
 import concurrent.futures
+import contextvars
+import copy
 import functools
+import logging
+import os
 import threading
+import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 from ._engine import Cancelled, Engine, Staged
-from ._errors import ClosedError, UnsupportedError
+from ._errors import ClosedError, InvalidOptionError, InvalidOptionTypeError, UnsupportedError
 from ._options import resolve_options
-from ._worker import Worker, WorkerForked, WorkerStopped
+from ._worker import Worker, WorkerForked, WorkerStopped, clear_locals
 
 __all__ = ["CheckpointStager", "CheckpointStagerConfig", "DefaultStager"]
 
 STATE_DICT = dict[str, Any]
 
 
+_log = logging.getLogger("async_stager.stage")
+
+DEFAULT_THREAD_NAME = "async-stager-dcp"
+DEFAULT_METRIC_PREFIX = "async_stager"
+
+
 class CheckpointStager(abc.ABC):
-    """Interface of a checkpoint stager: ``stage`` and ``close`` (as in the seed)."""
+    """Interface of a checkpoint stager: ``stage`` and ``close`` (as in the seed), and
+    ``pinned_num_bytes`` (0 unless a stager pins host memory)."""
 
     @abc.abstractmethod
-    def stage(self, state_dict: STATE_DICT, **kwargs: Any) -> STATE_DICT | Future[STATE_DICT]:
-        """A staged copy of ``state_dict``, or a Future of it."""
+    def stage(
+        self, state_dict: STATE_DICT, keys_not_requiring_copy: Iterable[Any] = ()
+    ) -> STATE_DICT | Future[STATE_DICT]:
+        """A staged copy of ``state_dict`` (the top-level ``keys_not_requiring_copy``
+        passed through as they are), or a Future of it."""
 
     @abc.abstractmethod
     def close(self) -> None:
         """Release every resource of the stager."""
 
+    def pinned_num_bytes(self) -> int:
+        """Pinned (page-locked) host memory held, in bytes; 0 by default."""
+        return 0
+
 
 @dataclass(frozen=True)
 class CheckpointStagerConfig:
-    """The seed's four flags. ``None``: what the machine supports.
+    """The seed's four flags, and two of ours. ``None``: what the machine supports.
 
     - ``use_pinned_memory``: pinned host arenas (needs CUDA).
     - ``use_shared_memory``: shared-memory host arenas (memfd; one descriptor each).
     - ``use_async_staging``: ``stage()`` returns a Future; staging runs in a worker.
     - ``use_non_blocking_copy``: asynchronous device-to-host copies (needs CUDA).
+    - ``thread_name``: the name of the stager's worker thread, in Python and at OS
+      level (Linux keeps its first 15 bytes: ``top -H``, ``py-spy``,
+      ``/proc/self/task/<tid>/comm``).
+    - ``metric_prefix``: the prefix of the metric names in the stage log records
+      (``<prefix>.stage_seconds``, ``<prefix>.bytes``, ``<prefix>.cache_hits``).
     """
 
     use_pinned_memory: bool | None = None
     use_shared_memory: bool = True
     use_async_staging: bool = True
     use_non_blocking_copy: bool | None = None
+    thread_name: str = DEFAULT_THREAD_NAME
+    metric_prefix: str = DEFAULT_METRIC_PREFIX
+
+
+class _FifoLock:
+    """Stages of one stager, one at a time, in submission order (on a shared executor,
+    whichever of its threads picks a stage up): a ticket per stage at submission,
+    released once the stage ran or its Future was cancelled before it started."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._issued = 0
+        self._serving = 0
+        self._over: set[int] = set()
+
+    def ticket(self) -> int:
+        with self._cond:
+            t = self._issued
+            self._issued += 1
+            return t
+
+    def acquire(self, ticket: int) -> None:
+        with self._cond:
+            while self._serving != ticket:
+                self._cond.wait()
+
+    def release(self, ticket: int) -> None:
+        with self._cond:
+            self._over.add(ticket)
+            while self._serving in self._over:
+                self._over.remove(self._serving)
+                self._serving += 1
+            self._cond.notify_all()
+
+
+def _passed_keys(state_dict: Any, keys: Any) -> dict[Any, Any]:
+    """The top-level entries of ``state_dict`` not to copy (in its order), checked."""
+    if isinstance(keys, (str, bytes)):
+        raise TypeError(
+            f"keys_not_requiring_copy must be a collection of keys, not a {type(keys).__name__} "
+            f"(for one key: ({keys!r},))"
+        )
+    try:
+        wanted = set(keys)
+    except TypeError as e:
+        raise TypeError(f"keys_not_requiring_copy must be a collection of hashable keys: {e}") from None
+    if not wanted:
+        return {}
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"keys_not_requiring_copy needs a dict state_dict, got {type(state_dict).__name__}")
+    return {k: v for k, v in state_dict.items() if k in wanted}
+
+
+def _check_name(what: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise InvalidOptionTypeError(f"{what} must be a str, got {value!r} of type {type(value).__name__}")
+    if not value or "\0" in value:
+        raise InvalidOptionError(f"{what} must be a non-empty str without NUL, got {value!r}")
+    return value
 
 
 class DefaultStager(CheckpointStager):
@@ -72,13 +164,38 @@ class DefaultStager(CheckpointStager):
     another buffer set, or waits for one to be dropped. Host buffers are reused as in
     the seed once a result is dropped. Accepts PyTorch's ``StagingOptions`` as well as
     our config.
+
+    Where a stage runs: by default in the stager's own worker thread (named
+    ``config.thread_name``, also at OS level). With ``staging_executor=`` (a
+    ``concurrent.futures.ThreadPoolExecutor`` the caller owns, which several stagers
+    may share), the stage runs in one of the executor's threads instead, and
+    ``stage()`` returns the executor's Future. The stages of one stager still run one
+    at a time and in submission order (a FIFO lock per stager: the engine is not
+    re-entrant), so with N stagers an executor of N threads runs them side by side;
+    stages of one stager waiting their turn occupy an executor thread each. The copies
+    run where they run best either way (the engine's copy threads and streams).
+    ``close()`` waits for this stager's stages and leaves the executor running. Such a
+    Future can be cancelled only before the executor started it. An executor with
+    synchronous staging (``use_async_staging=False``) is refused (ValueError).
+
+    Each stage runs in the caller's ``contextvars`` context (a copy taken at
+    ``stage()``), and logs to the ``async_stager.stage`` logger: an INFO record at its
+    start and one at its end with its latency, bytes and cache hits, as metrics named
+    ``<metric_prefix>.stage_seconds``, ``.bytes`` and ``.cache_hits`` (in the message,
+    and in the record's ``metrics`` attribute); DEBUG records for detail.
     """
 
     # DCP's AsyncStager protocol: async_save calls synchronize_staging() right after
     # starting the upload when this is True.
     _synchronize_after_execute: bool = True
 
-    def __init__(self, config: Any = None, **engine_options: Any) -> None:
+    def __init__(
+        self,
+        config: Any = None,
+        *,
+        staging_executor: concurrent.futures.ThreadPoolExecutor | None = None,
+        **engine_options: Any,
+    ) -> None:
         if config is None:
             config = CheckpointStagerConfig()
         self._config = config
@@ -88,6 +205,21 @@ class DefaultStager(CheckpointStager):
                 f"use_async_staging must be True or False, got {use_async!r} "
                 f"of type {type(use_async).__name__}"
             )
+        if staging_executor is not None:
+            if not isinstance(staging_executor, concurrent.futures.ThreadPoolExecutor):
+                raise InvalidOptionTypeError(
+                    "staging_executor must be a concurrent.futures.ThreadPoolExecutor, got "
+                    f"{type(staging_executor).__name__}"
+                )
+            if not use_async:
+                raise InvalidOptionError(
+                    "staging_executor needs use_async_staging=True: synchronous staging "
+                    "runs in the caller's thread"
+                )
+        thread_name = _check_name("thread_name", getattr(config, "thread_name", DEFAULT_THREAD_NAME))
+        self._metric_prefix = _check_name(
+            "metric_prefix", getattr(config, "metric_prefix", DEFAULT_METRIC_PREFIX)
+        )
         backend = engine_options.pop("backend", None)
         pinner = engine_options.pop("pinner", None)
         # Passed through as given: resolve_options checks their types.
@@ -101,19 +233,45 @@ class DefaultStager(CheckpointStager):
         )
         self._async = use_async
         self._engine = Engine(options, backend=backend, pinner=pinner)
-        self._worker = Worker("async-stager-dcp", nice=options.worker_nice)
+        # Starts no thread before the first stage (never, with an executor).
+        self._worker = Worker(thread_name, nice=options.worker_nice)
+        self._executor = staging_executor
+        self._turns = _FifoLock()
+        #: The process that first submitted to the executor (0: none yet).
+        self._pid = 0
         #: Stages submitted and not yet seen done, in submission order.
         self._futures: list[Future[STATE_DICT]] = []
         #: The error of the latest finished (not cancelled) stage, None if it succeeded.
         self._last_error: BaseException | None = None
+        #: The latest stage's result (see get_staged_state_dict) and its number.
+        self._latest: STATE_DICT | None = None
+        self._seq = 0
+        self._latest_lock = threading.Lock()
         self._closed = False
 
     @property
     def should_synchronize_after_execute(self) -> bool:
         return self._synchronize_after_execute
 
-    def stage(self, state_dict: STATE_DICT, **kwargs: Any) -> STATE_DICT | Future[STATE_DICT]:
+    def _forked_error(self) -> ClosedError | None:
+        if self._worker.forked:
+            return ClosedError(str(self._worker.forked_error()))
+        if self._pid and self._pid != os.getpid():
+            return ClosedError(
+                f"this stager staged in process {self._pid}, and this is process "
+                f"{os.getpid()}, forked from it: a stager cannot stage across os.fork(); "
+                "create a new stager in the child"
+            )
+        return None
+
+    def stage(
+        self, state_dict: STATE_DICT, keys_not_requiring_copy: Iterable[Any] = ()
+    ) -> STATE_DICT | Future[STATE_DICT]:
         """Stage ``state_dict``: the staged copy, or (async config) a Future of it.
+
+        ``keys_not_requiring_copy``: top-level keys whose values are not copied: the
+        staged dict holds those very objects (``staged[k] is state_dict[k]``); keys
+        absent from ``state_dict`` are ignored. Any other keyword is a TypeError.
 
         The snapshot point is this call. With a Future, do not modify the sources until
         it is done (or ``synchronize_staging()`` returned). Cancelling the Future before
@@ -122,20 +280,40 @@ class DefaultStager(CheckpointStager):
         """
         if self._closed:
             raise ClosedError("the DefaultStager is closed")
-        if self._worker.forked:
-            raise ClosedError(str(self._worker.forked_error()))
+        forked = self._forked_error()
+        if forked is not None:
+            raise forked
+        passed = _passed_keys(state_dict, keys_not_requiring_copy)
+        source: Any = state_dict
+        if passed:
+            # Staged without those values (None in their place), put back after.
+            source = copy.copy(state_dict)
+            for k in passed:
+                source[k] = None
         # First: a finished stage's result held here would keep its buffer set busy.
         self._collect()
+        t0 = time.perf_counter()
         captures = self._engine.capture()
+        with self._latest_lock:
+            # The stager lets go of the previous result now: held by nobody else, its
+            # buffer set is free for this stage.
+            self._seq += 1
+            seq = self._seq
+            self._latest = None
         cancel = threading.Event()
-        try:
-            fut: Future[STATE_DICT] = self._worker.submit(
-                functools.partial(self._stage_blocking, state_dict, captures, cancel), cancel=cancel
-            )
-        except WorkerForked as e:
-            raise ClosedError(str(e)) from None
-        except WorkerStopped:
-            raise ClosedError("the DefaultStager is closed") from None
+        job = functools.partial(
+            contextvars.copy_context().run, self._stage_blocking, seq, source, passed, captures, cancel, t0
+        )
+        fut: Future[STATE_DICT]
+        if self._executor is not None:
+            fut = self._submit_to_executor(self._executor, job)
+        else:
+            try:
+                fut = self._worker.submit(job, cancel=cancel)
+            except WorkerForked as e:
+                raise ClosedError(str(e)) from None
+            except WorkerStopped:
+                raise ClosedError("the DefaultStager is closed") from None
         if self._async:
             self._futures.append(fut)
             return fut
@@ -143,23 +321,105 @@ class DefaultStager(CheckpointStager):
         # has nothing to wait for (as PyTorch's).
         return fut.result()
 
+    def _submit_to_executor(
+        self, executor: concurrent.futures.ThreadPoolExecutor, job: Callable[[], STATE_DICT]
+    ) -> Future[STATE_DICT]:
+        ticket = self._turns.ticket()
+        try:
+            fut = executor.submit(self._in_turn, ticket, [job])
+        except RuntimeError as e:
+            self._turns.release(ticket)
+            raise ClosedError(f"the staging executor refused the stage: {e}") from e
+        if not self._pid:
+            self._pid = os.getpid()
+        # A Future cancelled before the executor ran it gives its turn up.
+        fut.add_done_callback(functools.partial(_release_if_cancelled, self._turns, ticket))
+        return fut
+
+    def _in_turn(self, ticket: int, box: list[Callable[[], STATE_DICT]]) -> STATE_DICT:
+        self._turns.acquire(ticket)
+        try:
+            # Popped, not named: no frame of this call keeps the job (the sources).
+            return box.pop()()
+        except BaseException as e:
+            # As the worker does: the error lives on in the Future; its frames must
+            # not keep a half-built result (its buffer set) or the sources alive.
+            clear_locals(e)
+            raise
+        finally:
+            self._turns.release(ticket)
+
     def _stage_blocking(
-        self, state_dict: STATE_DICT, captures: dict[Any, Any], cancel: threading.Event
+        self,
+        seq: int,
+        state_dict: STATE_DICT,
+        passed: dict[Any, Any],
+        captures: dict[Any, Any],
+        cancel: threading.Event,
+        t0: float,
     ) -> STATE_DICT:
+        prefix = self._metric_prefix
+        _log.info("stage %d started (%.6f s after the call)", seq, time.perf_counter() - t0)
         try:
             staged: Staged = self._engine.run(state_dict, captures, cancel=cancel)
-        except Cancelled:
-            # Only the interpreter's exit cancels a running stage (see _worker).
-            raise ClosedError("the stage was stopped: the interpreter is exiting") from None
-        # The worker waits for the copies (blocking this thread only).
-        for c in staged.completions:
-            c.synchronize()
+            # The stage waits for the copies (blocking this thread only).
+            for c in staged.completions:
+                c.synchronize()
+        except BaseException as e:
+            _log.info("stage %d failed after %.6f s: %r", seq, time.perf_counter() - t0, e)
+            if isinstance(e, Cancelled):
+                # Only the interpreter's exit cancels a running stage (see _worker).
+                raise ClosedError("the stage was stopped: the interpreter is exiting") from None
+            raise
         self._engine.settle(staged)
         result: STATE_DICT = staged.result
         # The result goes to the Future only: a Staged record that kept it reachable
         # would hold its buffer set.
         staged.result = None
+        for k, v in passed.items():
+            result[k] = v
+        seconds = time.perf_counter() - t0
+        metrics = {
+            f"{prefix}.stage_seconds": seconds,
+            f"{prefix}.bytes": staged.nbytes,
+            f"{prefix}.cache_hits": staged.hits,
+        }
+        _log.info(
+            "stage %d done in %.6f s: %d bytes, %d cache hits (%s)",
+            seq,
+            seconds,
+            staged.nbytes,
+            staged.hits,
+            " ".join(f"{k}={v}" for k, v in metrics.items()),
+            extra={"metrics": metrics},
+        )
+        _log.debug(
+            "stage %d: %d tensors, %d storages, %d cache misses, fast path %s, buffer set %d, "
+            "%d keys passed through, %d host bytes, %.6f s walking",
+            seq,
+            staged.tensors,
+            staged.storages,
+            staged.misses,
+            staged.fast_path,
+            staged.bufset.index,
+            len(passed),
+            self._engine.host_bytes,
+            staged.worker_seconds,
+        )
+        with self._latest_lock:
+            if seq == self._seq and not self._closed:
+                self._latest = result
         return result
+
+    def get_staged_state_dict(self) -> STATE_DICT | None:
+        """The latest stage's staged dict, once it is done: None before the first
+        stage, while a stage is in flight, after a failed (or cancelled) one, and once
+        closed.
+
+        The stager lets go of it when the next ``stage()`` is called, but holding it
+        (as any staged result) keeps its buffer set in use: the next stage then writes
+        into a second buffer set (or waits for one)."""
+        return self._latest
 
     def _collect(self) -> None:
         """Forget finished stages; the latest finished one that was not cancelled
@@ -183,8 +443,9 @@ class DefaultStager(CheckpointStager):
         (never CancelledError). In a process forked from the one that staged, the
         parent's stages cannot finish here: ClosedError.
         """
-        if self._worker.forked:
-            raise ClosedError(str(self._worker.forked_error()))
+        forked = self._forked_error()
+        if forked is not None:
+            raise forked
         concurrent.futures.wait(list(self._futures))
         self._collect()
         if self._last_error is not None:
@@ -195,18 +456,27 @@ class DefaultStager(CheckpointStager):
         """Host memory (bytes) held in arenas."""
         return self._engine.host_bytes
 
+    def pinned_num_bytes(self) -> int:
+        """Pinned host memory (bytes) held in arenas: 0 unless ``use_pinned_memory``."""
+        return self._engine.host_bytes if self._engine.options.pin_memory else 0
+
     def close(self) -> None:
         """Wait for the stages submitted (their errors are left to their Futures, and
         cancelled ones are skipped), then release the worker, the copy threads and
-        every arena. Idempotent; releases everything even if a stage failed or was
-        cancelled, or the wait was interrupted. In a forked child, the parent's stages
-        are not waited for (they cannot finish there)."""
+        every arena (a ``staging_executor`` is left running). Idempotent; releases
+        everything even if a stage failed or was cancelled, or the wait was
+        interrupted. In a forked child, the parent's stages are not waited for (they
+        cannot finish there)."""
         if self._closed:
             return
         self._closed = True
-        self._futures = []
+        pending, self._futures = self._futures, []
         self._last_error = None
+        with self._latest_lock:
+            self._latest = None
         try:
+            if self._executor is not None and self._forked_error() is None:
+                concurrent.futures.wait(pending)
             # Runs the stages queued before (skipping cancelled ones), then ends the
             # thread; in a forked child there is none, and nothing to wait for.
             self._worker.stop()
@@ -220,3 +490,8 @@ class DefaultStager(CheckpointStager):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _release_if_cancelled(turns: _FifoLock, ticket: int, fut: Future[Any]) -> None:
+    if fut.cancelled():
+        turns.release(ticket)

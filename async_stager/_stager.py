@@ -15,7 +15,9 @@ for host memory once: this is the point).
 
 from __future__ import annotations
 
+import contextvars
 import functools
+import logging
 import threading
 import time
 import weakref
@@ -43,6 +45,11 @@ from ._worker import Worker, WorkerForked, WorkerStopped
 __all__ = ["Stager"]
 
 T = TypeVar("T")
+
+_log = logging.getLogger("async_stager.stage")
+
+#: Prefix of the metric names in the stage records (``extra={"metrics": ...}``).
+METRIC_PREFIX = "async_stager"
 
 #: Bandwidth (bytes/second) assumed for a device before one copy was measured.
 _DEFAULT_BANDWIDTH = 20e9
@@ -330,7 +337,13 @@ class Stager:
             raise ClosedError("the stager is closed")
         captures = self._engine.capture()
         job = _Job(self._engine, self._abandoned)
-        fn = functools.partial(self._engine.run, sd, captures, lease=lease, cancel=job.cancel, copy=copy)
+        run = functools.partial(
+            _logged_run, self._engine, sd, captures, lease=lease, cancel=job.cancel, copy=copy
+        )
+        # The job runs in the caller's contextvars context (a copy taken now), as
+        # asyncio.to_thread does: context variables set by the caller are visible to
+        # the walk (a __reduce_ex__, a __torch_function__) and to logging filters.
+        fn = functools.partial(contextvars.copy_context().run, run)
         try:
             # The job's cancel event is also set at interpreter exit (the worker stops
             # a running walk at its next check instead of finishing it).
@@ -348,7 +361,13 @@ class Stager:
     async def _complete(self, job: _Job) -> Staged:
         try:
             staged: Staged = await wait_future(job.future)
-        except BaseException:
+        except BaseException as e:
+            _log.info(
+                "stage failed after %.6f s: %s",
+                time.perf_counter() - job.t0,
+                "cancelled" if not isinstance(e, Exception) else repr(e),
+            )
+            del e
             job.abandon()
             fut = job.future
             if fut is not None and fut.done() and not fut.cancelled() and fut.exception() is not None:
@@ -397,6 +416,7 @@ class Stager:
             polls=polls,
         )
         self._stats = stats
+        _log_stage_end(stats)
         if self._on_stage is not None:
             try:
                 self._on_stage(stats)
@@ -482,6 +502,30 @@ class Stager:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.aclose()
+
+
+def _logged_run(engine: Engine, sd: Any, captures: dict[Any, Any], **kwargs: Any) -> Staged:
+    """The worker's job: the engine's walk-and-enqueue, with its start logged."""
+    _log.info("stage started")
+    return engine.run(sd, captures, **kwargs)
+
+
+def _log_stage_end(stats: StageStats) -> None:
+    metrics = {
+        f"{METRIC_PREFIX}.stage_seconds": stats.seconds,
+        f"{METRIC_PREFIX}.bytes": stats.bytes,
+        f"{METRIC_PREFIX}.cache_hits": stats.cache_hits,
+    }
+    _log.info(
+        "stage done in %.6f s: %d bytes, %d cache hits (%s)",
+        stats.seconds,
+        stats.bytes,
+        stats.cache_hits,
+        " ".join(f"{k}={v}" for k, v in metrics.items()),
+        extra={"metrics": metrics},
+    )
+    if _log.isEnabledFor(logging.DEBUG):
+        _log.debug("stage details: %r", stats)
 
 
 class _Snapshot(Generic[T]):
