@@ -207,8 +207,13 @@ class Stager:
         The stager stays usable. Raises ClosedError if the stager is closed, and
         StagingError subclasses naming the path for bad input.
         """
-        job = self._submit(sd, lease=False, copy=True)
-        coro = self._result(job)
+        return self._start(sd, lease=False)
+
+    def _start(self, sd: Any, *, lease: bool) -> Coroutine[Any, Any, Any]:
+        """Submit the stage now (the snapshot point) and return the coroutine that
+        finishes it: the result (``lease=False``) or a Lease."""
+        job = self._submit(sd, lease=lease, copy=True)
+        coro = self._leased(job) if lease else self._result(job)
         # A coroutine never awaited (or whose task was cancelled before it started)
         # must stop the job like a cancelled one: abandon it when the coroutine dies.
         weakref.finalize(coro, job.abandon)
@@ -232,10 +237,7 @@ class Stager:
 
         Cancellation: as for ``stage()``; a cancelled call leaves no lease behind.
         """
-        job = self._submit(sd, lease=True, copy=True)
-        coro = self._leased(job)
-        weakref.finalize(coro, job.abandon)
-        return coro
+        return self._start(sd, lease=True)
 
     async def _leased(self, job: _Job) -> Any:
         staged = await self._complete(job)
