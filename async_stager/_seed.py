@@ -185,8 +185,10 @@ class DefaultStager(CheckpointStager):
     and in the record's ``metrics`` attribute); DEBUG records for detail.
     """
 
-    # DCP's AsyncStager protocol: async_save calls synchronize_staging() right after
-    # starting the upload when this is True.
+    # DCP's AsyncStager protocol: async_save calls synchronize_staging() after starting
+    # the upload when this is True, but only when stage() returned the staged dict
+    # (synchronous staging). With a Future it returns at once: the caller must wait on
+    # the response's staging_completion before changing the sources (docs/migration.md).
     _synchronize_after_execute: bool = True
 
     def __init__(

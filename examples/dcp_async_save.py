@@ -1,11 +1,16 @@
 """DCP ``async_save`` with async_stager's ``DefaultStager`` as a drop-in stager.
 
 ``torch.distributed.checkpoint.async_save(sd, async_stager=DefaultStager(...))``: DCP
-calls ``stager.stage(sd)`` (a Future: the walk and copies run in the stager's worker),
-then uploads the staged copy in its own thread. The stager is created once and reused,
-so the host buffers are allocated on the first checkpoint only; close it after the last
-one (DCP does not close a stager it was given). A checkpoint's staged buffers are reused
-by the next ``stage()``: wait for a checkpoint's upload before starting the next one.
+calls ``stager.stage(sd)``, which returns a Future (the walk and copies run in the
+stager's worker), starts the upload in its own thread (it waits for the staged copy,
+then saves it) and returns at once an ``AsyncSaveResponse``: it does not wait for the
+stage, nor call ``synchronize_staging()`` (torch 2.13). The parameters may be modified
+in place (``optimizer.step()``) only once ``response.staging_completion`` is done: here
+the stage overlaps the next forward and backward, and is waited for before the step.
+The stager is created once and reused, so the host buffers are allocated on the first
+checkpoint only; close it after the last one (DCP does not close a stager it was
+given). Wait for a checkpoint's upload (``response.upload_completion``) before starting
+the next one.
 
 Run: ``python examples/dcp_async_save.py --steps 3 --out /tmp/dcp``
 (single process: ``no_dist=True``; in a distributed job drop it and call this on every
@@ -31,11 +36,17 @@ from async_stager import CheckpointStagerConfig, DefaultStager
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
 
-def upload_future(response: Any) -> Future[Any]:
-    """async_save returns an AsyncSaveResponse (torch >= 2.9, with a Future-returning
-    stager) or a plain Future of the upload."""
-    fut: Future[Any] = getattr(response, "upload_completion", response)
-    return fut
+def save_futures(response: Any, stager: DefaultStager) -> tuple[Future[Any], Future[Any]]:
+    """(staged, uploaded) of an ``async_save``: an ``AsyncSaveResponse`` for a
+    Future-returning stager; a plain Future of the upload otherwise (a synchronous
+    stager has staged before async_save returns; ``synchronize_staging()`` waits for
+    every stage submitted in any case)."""
+    if hasattr(response, "staging_completion"):
+        return response.staging_completion, response.upload_completion
+    stager.synchronize_staging()
+    staged: Future[Any] = Future()
+    staged.set_result(None)
+    return staged, response
 
 
 def main() -> None:
@@ -52,22 +63,25 @@ def main() -> None:
     # The seed's flags; None/defaults take what the machine supports (no CUDA: no
     # pinning, synchronous copies), shared memory and async staging are on.
     stager = DefaultStager(CheckpointStagerConfig())
+    staged: Future[Any] | None = None
     upload: Future[Any] | None = None
     try:
         for step in range(1, args.steps + 1):
-            model(x).square().mean().backward()
-            if upload is not None:
-                upload.result()  # the previous checkpoint is written; its buffers are free
-            stager.synchronize_staging()  # staging has read the parameters: may step now
+            model(x).square().mean().backward()  # overlaps the previous checkpoint's stage
+            if staged is not None:
+                # The stage has read the parameters: they may change now. Not waiting
+                # here can tear the checkpoint (async_save did not wait for the stage).
+                staged.result()
             optimizer.step()
             optimizer.zero_grad()
+            if upload is not None:
+                upload.result()  # one upload at a time: the previous one is written
             sd = {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step}
             t0 = time.perf_counter()
-            upload = upload_future(
-                dcp.async_save(
-                    sd, checkpoint_id=str(args.out / f"step{step}"), async_stager=stager, no_dist=True
-                )
+            response = dcp.async_save(
+                sd, checkpoint_id=str(args.out / f"step{step}"), async_stager=stager, no_dist=True
             )
+            staged, upload = save_futures(response, stager)
             print(f"step {step}: async_save returned in {1e3 * (time.perf_counter() - t0):.1f} ms")
         assert upload is not None
         upload.result()
