@@ -208,10 +208,9 @@ def _make_shared_fd(nbytes: int) -> int:
 class Block:
     """Bytes [offset, offset+nbytes) of ``arena``; ``tensor`` is its exact-size uint8 view.
 
-    A zero-byte block needs no memory: its ``arena`` is ``_EMPTY_ARENA``, which has no
-    mapping (and is in no pool)."""
+    A zero-byte block needs no memory: its ``arena`` is None (it is in no pool)."""
 
-    arena: Arena
+    arena: Arena | None
     offset: int
     nbytes: int
     tensor: torch.Tensor
@@ -260,7 +259,7 @@ class HostPool:
             pending = [i for i, n in enumerate(sizes) if n > 0]
             for i, n in enumerate(sizes):
                 if n == 0:
-                    out[i] = Block(_EMPTY_ARENA, 0, 0, torch.empty(0, dtype=torch.uint8))  # type: ignore[arg-type]
+                    out[i] = Block(None, 0, 0, torch.empty(0, dtype=torch.uint8))
             for arena in self.arenas:
                 if not pending:
                     break
@@ -312,7 +311,7 @@ class HostPool:
         with self._lock:
             by_arena: dict[Arena, list[tuple[int, int]]] = {}
             for b in blocks:
-                if b.nbytes == 0 or b.arena not in self._free:
+                if b.nbytes == 0 or b.arena is None or b.arena not in self._free:
                     continue
                 by_arena.setdefault(b.arena, []).append((b.offset, align(b.nbytes)))
                 self._used[b.arena] -= align(b.nbytes)
@@ -365,13 +364,3 @@ def _raise_first(errors: list[BaseException]) -> None:
         if isinstance(e, PinningError):
             raise e
         raise PinningError(f"unpinning host memory failed: {e!r}") from e
-
-
-class _EmptyArena:
-    """The arena of zero-byte blocks: no mapping, and in no pool (``HostPool.free``
-    skips zero-byte blocks). It has no fields, as nothing reads the arena of a zero-byte
-    block: it exists only because ``Block.arena`` is typed ``Arena`` (it is to become
-    ``Arena | None`` once ``_plan._make_run`` checks for None)."""
-
-
-_EMPTY_ARENA = _EmptyArena()

@@ -61,6 +61,12 @@ class StorageCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def take_invalidated(self) -> bool:
+        """Whether a lookup freed a block since the last call (the plans writing into
+        it are then stale); clears the flag."""
+        invalidated, self.invalidated = self.invalidated, False
+        return invalidated
+
     def lookup(self, storage: torch.UntypedStorage, device: torch.device) -> Block | None:
         """The block of ``storage`` if it is cached and still the same memory."""
         e = self._entries.get(storage._cdata)
@@ -160,12 +166,18 @@ class Plan:
     units: list[Unit]
     # Fingerprint of the leaves: one list per FINGERPRINT attribute.
     fingerprint: list[list[Any]]
-    # For whole-storage units: (leaf index, storage ptr, storage nbytes) of the rep and
-    # (leaf index, size, stride, offset, conj/neg bits) of every member, one by one.
+    # For whole-storage units: (leaf index, storage ptr, storage nbytes) of the rep
+    # (the members' sizes, strides and offsets are in the fingerprint).
     whole_checks: list[tuple[int, int, int]]
-    member_meta: list[tuple[int, tuple[int, ...], tuple[int, ...], int, int]]
     nbytes: int
     storages: int
+    #: Leaves that share a data pointer (aliases, the same tensor twice, empty
+    #: tensors): their indices and, for each, the first of them that is the same tensor
+    #: object; None when every leaf's data pointer is its own. Hazard: the host of a
+    #: leaf repeated in the state dict is one object, so the result repeats a tensor
+    #: exactly where the plan's leaves did; a fingerprint of per-leaf values cannot see
+    #: that, and leaves with a data pointer no other leaf has cannot be repeats.
+    repeats: tuple[list[int], list[int]] | None = None
 
 
 class BufferSet:
@@ -227,6 +239,14 @@ class BufferSet:
         if plan is not None:
             self.plans.move_to_end(signature)
         return plan
+
+    def forget_plans(self) -> None:
+        """Drop every plan of this set (their blocks may be handed out again)."""
+        self.plans.clear()
+
+    def forget_plan(self, signature: Any) -> None:
+        """Drop the plan for ``signature``, if any (it no longer holds)."""
+        self.plans.pop(signature, None)
 
     def remember(self, plan: Plan) -> None:
         self.plans[plan.signature] = plan

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ._arena import CudaPinner, Pinner
+from ._arena import Arena, CudaPinner, Pinner
 from ._cache import BufferSet, Plan, signature_of
 from ._device import (
     Backend,
@@ -39,7 +39,7 @@ from ._device import (
     order_after,
 )
 from ._errors import BuffersHeldError, ClosedError, CopyError, StagingError
-from ._interp import _gc_paused, _gil_interval
+from ._interp import gc_paused, gil_interval
 from ._lease import Lease
 from ._options import StagerOptions
 from ._plan import make_plan, plan_holds, sources
@@ -181,7 +181,7 @@ class Engine:
     ) -> Staged:
         """Stage ``sd`` into a free buffer set; returns once the copies are enqueued
         (on the CPU: done). Raises StagingError subclasses, or Cancelled."""
-        with _gil_interval(self.options.yield_interval), self._device_context(captures):
+        with gil_interval(self.options.yield_interval), self._device_context(captures):
             try:
                 return self._run(sd, captures, lease, cancel, copy, allow_fast=True)
             except _PlanStale:
@@ -225,7 +225,7 @@ class Engine:
                 result = walk = None
                 collect = Walk((), validate=True, tick=tick)
                 collect.run(sd)
-                with _gc_paused(), _no_torch_function():
+                with gc_paused(), _no_torch_function():
                     plan, hits, misses = make_plan(
                         self._copier, self.options, bufset, sig, collect.leaves, tick, prefault=not copy
                     )
@@ -246,7 +246,7 @@ class Engine:
                     holds = plan_holds(plan, leaves, tick, planned=collect.leaves, pool=bufset.pool)
                 if not holds:
                     result = walk = None
-                    bufset.plans.pop(sig, None)
+                    bufset.forget_plan(sig)
                     bufset.watch()
                     raise StagingError(
                         "the state dict changed while it was being staged: "
@@ -265,7 +265,7 @@ class Engine:
                 except RuntimeError as e:
                     if fast:
                         result = walk = None
-                        bufset.plans.pop(sig, None)
+                        bufset.forget_plan(sig)
                         bufset.watch()
                         raise _PlanStale() from None
                     err = self._copy_error(sd, plan, leaves, bufset, e)
@@ -526,6 +526,24 @@ class Engine:
 
         return apply
 
+    def observe_bandwidth(self, devices: Sequence[torch.device], nbytes: int, seconds: float) -> None:
+        """A stage's ``nbytes`` bytes of copies on ``devices`` completed ``seconds``
+        after they were enqueued: fold that into each device's bandwidth estimate (an
+        exponential moving average; the first observation sets it)."""
+        if seconds <= 0 or not nbytes:
+            return
+        seen = nbytes / max(seconds, 1e-6)
+        for d in devices:
+            old = self.bandwidth.get(d)
+            self.bandwidth[d] = seen if old is None else 0.7 * old + 0.3 * seen
+
+    def shared_arenas(self) -> list[Arena]:
+        """Every open shared-memory arena of every buffer set (for ``export_shared``),
+        read under the engine's lock."""
+        with self._cond:
+            sets = list(self._sets)
+        return [a for s in sets for a in list(s.pool.arenas) if a.shared and a.fd >= 0]
+
     @property
     def host_bytes(self) -> int:
         """Host memory (bytes) mapped by every buffer set."""
@@ -547,7 +565,7 @@ class Engine:
                     continue
                 s.wait_inflight()
                 if s.cache.sweep():
-                    s.plans.clear()
+                    s.forget_plans()
                 released += s.pool.trim()
                 s.watch()
         return released

@@ -24,7 +24,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 
-__all__ = ["EXIT_JOIN_SECONDS", "_gc_paused", "_gil_interval", "at_exit"]
+__all__ = ["EXIT_JOIN_SECONDS", "gc_paused", "gil_interval", "at_exit"]
 
 #: At interpreter exit, how long a hook waits for one staging thread. A job cancelled
 #: there stops at its next check (every 256 leaves, every copy piece); one that cannot be
@@ -35,7 +35,7 @@ EXIT_JOIN_SECONDS = 30.0
 # -- the GIL switch interval ---------------------------------------------------------------
 
 _switch_lock = threading.Lock()
-#: yield_interval of every job inside ``_gil_interval`` now (one entry per job).
+#: yield_interval of every job inside ``gil_interval`` now (one entry per job).
 _switch_users: list[float] = []
 #: The interval to put back when the last job ends ("the user's value").
 _switch_saved = 0.0
@@ -63,7 +63,7 @@ def _switch_apply() -> None:
 
 
 @contextlib.contextmanager
-def _gil_interval(seconds: float) -> Iterator[None]:
+def gil_interval(seconds: float) -> Iterator[None]:
     """Lower the interpreter's GIL switch interval while a job runs.
 
     Hazard: the walk holds the GIL in pure Python. A thread that wants the GIL (the
@@ -106,7 +106,7 @@ _gc_was_enabled = False
 
 
 @contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     """Pause the cyclic GC while a plan is made: it allocates a few objects per tensor,
     and with tens of thousands of tensors the collections it triggers, each scanning
     the caller's whole heap, were half the cold-path time (measured 0.47 s -> 0.23 s at

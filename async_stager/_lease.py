@@ -79,6 +79,11 @@ class Lease(Generic[T]):
         result: T = self._state_dict
         return result
 
+    def bind(self, state_dict: Any) -> None:
+        """Internal: attach the staged copy this lease protects. Called once by the
+        stager, when the stage completes, before the lease is handed to the caller."""
+        self._state_dict = state_dict
+
     @property
     def released(self) -> bool:
         return self._token.released

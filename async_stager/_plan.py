@@ -20,7 +20,6 @@ from __future__ import annotations
 import bisect
 import collections
 import operator
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -67,15 +66,14 @@ def make_plan(
     if bufset.cache.sweep():
         # Blocks went back to the arena and may be handed out again: no other plan
         # of this set may keep writing into them.
-        bufset.plans.clear()
+        bufset.forget_plans()
     missing: list[_Group] = []
     for g in groups.values():
         g.block = bufset.cache.lookup(g.storage, g.device)
         if g.block is None:
             missing.append(g)
-    if bufset.cache.invalidated:
-        bufset.cache.invalidated = False
-        bufset.plans.clear()
+    if bufset.cache.take_invalidated():
+        bufset.forget_plans()
     # Taken after the sweep and the lookups (arenas they emptied are gone, and memory
     # still viewed there is never handed out again), before any allocation (a new
     # arena is fresh memory).
@@ -89,7 +87,7 @@ def make_plan(
             g.block = b
             bufset.cache.insert(g.storage, g.device, b)
     if reads and _keep_apart(bufset, list(groups.values()), reads, prefault=prefault):
-        bufset.plans.clear()
+        bufset.forget_plans()
     tick()
     host_u: list[Any] = [None] * len(uniq)
     units: list[Unit] = []
@@ -145,11 +143,10 @@ def make_plan(
         units=units,
         fingerprint=fingerprint(leaves),
         whole_checks=whole_checks,
-        member_meta=[],
         nbytes=nbytes,
         storages=len(groups),
     )
-    _note_repeats(plan, leaf_u)
+    plan.repeats = _repeats(plan.fingerprint[0], leaf_u)
     return plan, len(groups) - len(missing), len(missing)
 
 
@@ -231,6 +228,7 @@ class _Group:
 
 def _make_run(copier: Copier, run: list[Unit], start: int, end: int, leaves: list[torch.Tensor]) -> Run:
     arena = run[0].block.arena
+    assert arena is not None  # runs hold nonzero-byte blocks only
     span = arena.tensor[start:end]
     scratch = copier.scratch(end - start)
     by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[Unit]]] = {}
@@ -321,7 +319,7 @@ def _fingerprint_holds(
         st = leaves[i].untyped_storage()
         if st.data_ptr() != ptr or st.nbytes() != nbytes:
             return False
-    repeats = _REPEATS.get(plan)
+    repeats = plan.repeats
     if repeats is not None:
         idx, same = repeats
         got = operator.itemgetter(*idx)(leaves) if len(idx) > 1 else (leaves[idx[0]],)
@@ -330,23 +328,15 @@ def _fingerprint_holds(
     return True
 
 
-#: Per plan with leaves that share a data pointer (aliases, the same tensor twice,
-#: empty tensors): their indices and, for each, the first of them that is the same
-#: tensor object. Hazard: the host of a leaf repeated in the state dict is one object,
-#: so the result repeats a tensor exactly where the plan's leaves did; a fingerprint of
-#: per-leaf values cannot see that, and leaves with a data pointer no other leaf has
-#: cannot be repeats (kept aside so a plan needs no new field).
-_REPEATS: weakref.WeakKeyDictionary[Plan, tuple[list[int], list[int]]] = weakref.WeakKeyDictionary()
-
-
-def _note_repeats(plan: Plan, leaf_u: list[int]) -> None:
-    ptrs = plan.fingerprint[0]
+def _repeats(ptrs: list[Any], leaf_u: list[int]) -> tuple[list[int], list[int]] | None:
+    """``Plan.repeats`` of leaves with data pointers ``ptrs`` and unique-tensor
+    indices ``leaf_u``."""
     if len(set(ptrs)) == len(ptrs):
-        return
+        return None
     count = collections.Counter(ptrs)
     idx = [i for i, p in enumerate(ptrs) if count[p] > 1]
     first: dict[int, int] = {}
-    _REPEATS[plan] = (idx, [first.setdefault(leaf_u[i], i) for i in idx])
+    return idx, [first.setdefault(leaf_u[i], i) for i in idx]
 
 
 def _first_of_same(idx: list[int], tensors: Sequence[torch.Tensor]) -> list[int]:

@@ -40,9 +40,10 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from ._arena import Arena
 from ._engine import Cancelled, Engine, Staged
 from ._errors import ClosedError, InvalidOptionError, InvalidOptionTypeError, UnsupportedError
-from ._options import resolve_options
+from ._options import StagerOptions, resolve_options
 from ._worker import Worker, WorkerForked, WorkerStopped, clear_locals
 
 __all__ = ["CheckpointStager", "CheckpointStagerConfig", "DefaultStager"]
@@ -461,6 +462,17 @@ class DefaultStager(CheckpointStager):
     def pinned_num_bytes(self) -> int:
         """Pinned host memory (bytes) held in arenas: 0 unless ``use_pinned_memory``."""
         return self._engine.host_bytes if self._engine.options.pin_memory else 0
+
+    @property
+    def options(self) -> StagerOptions:
+        """The resolved engine options (what the config asked for, machine defaults
+        filled in)."""
+        return self._engine.options
+
+    def shared_arenas(self) -> list[Arena]:
+        """Internal (for ``export_shared``): the open shared-memory arenas of every
+        buffer set. Not part of the public API."""
+        return self._engine.shared_arenas()
 
     def close(self) -> None:
         """Wait for the stages submitted (their errors are left to their Futures, and

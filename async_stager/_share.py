@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from ._errors import ClosedError, HostAllocationError, StagingError, UnsupportedError
+from ._options import StagerOptions
 
 __all__ = ["AttachedStateDict", "SharedArena", "SharedHandle", "attach_shared", "export_shared"]
 
@@ -102,25 +103,21 @@ class SharedHandle:
     nbytes: int
 
 
-def _engine_of(stager: Any) -> Any:
-    engine = getattr(stager, "_engine", None)
-    if engine is None or not hasattr(engine, "options"):
+def _shared_arenas(stager: Any) -> list[Any]:
+    """The stager's live shared arenas, sorted by base address."""
+    arenas_of = getattr(stager, "shared_arenas", None)
+    options = getattr(stager, "options", None)
+    if not callable(arenas_of) or not isinstance(options, StagerOptions):
         raise UnsupportedError(
             f"export_shared needs the Stager or DefaultStager that staged the result, got {type(stager).__name__}"
         )
-    return engine
-
-
-def _shared_arenas(stager: Any) -> list[Any]:
-    """The stager's live shared arenas, sorted by base address."""
-    engine = _engine_of(stager)
-    if not engine.options.share_memory:
+    if not options.share_memory:
         raise UnsupportedError(
             "export_shared needs a stager made with share_memory=True (Stager(share_memory=True), "
             "or DefaultStager's use_shared_memory=True): its buffers are private memory that "
             "another process cannot map"
         )
-    arenas = [a for s in list(engine._sets) for a in list(s.pool.arenas) if a.shared and a.fd >= 0]
+    arenas: list[Any] = list(arenas_of())
     arenas.sort(key=lambda a: a.base)
     return arenas
 

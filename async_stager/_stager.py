@@ -25,7 +25,7 @@ from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
-from ._arena import Pinner
+from ._arena import Arena, Pinner
 from ._device import Backend
 from ._engine import Engine, Staged
 from ._errors import ClosedError
@@ -243,7 +243,8 @@ class Stager:
         staged = await self._complete(job)
         lease = staged.lease
         assert lease is not None
-        lease._state_dict, staged.result = staged.result, None
+        result, staged.result = staged.result, None
+        lease.bind(result)
         return lease
 
     def snapshot(self, sd: T) -> _Snapshot[T]:
@@ -398,11 +399,8 @@ class Stager:
             raise
         now = time.perf_counter()
         wait_seconds = now - t_wait
-        if staged.completions and wait_seconds > 0 and staged.nbytes:
-            seen = staged.nbytes / max(wait_seconds, 1e-6)
-            for d in staged.devices:
-                old = self._engine.bandwidth.get(d)
-                self._engine.bandwidth[d] = seen if old is None else 0.7 * old + 0.3 * seen
+        if staged.completions:
+            self._engine.observe_bandwidth(staged.devices, staged.nbytes, wait_seconds)
         stats = StageStats(
             tensors=staged.tensors,
             storages=staged.storages,
@@ -431,6 +429,11 @@ class Stager:
         return staged
 
     # -- state ------------------------------------------------------------------------
+
+    def shared_arenas(self) -> list[Arena]:
+        """Internal (for ``export_shared``): the open shared-memory arenas of every
+        buffer set. Not part of the public API."""
+        return self._engine.shared_arenas()
 
     @property
     def stats(self) -> StageStats | None:

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.planner import SavePlanner
     from torch.distributed.checkpoint.storage import StorageWriter
 
+    from ._lease import Lease
     from ._stager import Stager
 
 __all__ = ["save", "save_staged"]
@@ -98,11 +99,10 @@ def save(
     """
     # The staging job is submitted now, leased (what ``snapshot`` does on entering),
     # and the caller's CUDA device read now: the coroutine may run in another thread.
-    job = stager._submit(state_dict, lease=True, copy=True)
+    leasing = stager.lease(state_dict)
     started = [False]
     coro = _save(
-        stager,
-        job,
+        leasing,
         started,
         cuda_device=_current_cuda_device(),
         checkpoint_id=checkpoint_id,
@@ -111,20 +111,26 @@ def save(
         process_group=process_group,
         no_dist=no_dist,
     )
-    weakref.finalize(coro, _abandon_unstarted, job, started)
+    weakref.finalize(coro, _abandon_unstarted, leasing, started)
     return coro
 
 
-def _abandon_unstarted(job: Any, started: list[bool]) -> None:
+def _abandon_unstarted(leasing: Coroutine[Any, Any, Any], started: list[bool]) -> None:
     if not started[0]:
-        job.abandon()  # releases the lease once the job is done
+        # Never awaited: closing it (no "never awaited" warning) lets it be collected,
+        # which abandons its job (the lease is released once the job is done).
+        leasing.close()
 
 
 async def _save(
-    stager: Stager, job: Any, started: list[bool], *, cuda_device: int | None, **kwargs: Any
+    leasing: Coroutine[Any, Any, Lease[dict[str, Any]]],
+    started: list[bool],
+    *,
+    cuda_device: int | None,
+    **kwargs: Any,
 ) -> Metadata:
     started[0] = True
-    lease = await stager._leased(job)  # on cancellation: no lease left behind
+    lease = await leasing  # on cancellation: no lease left behind
     # Released after the write, whatever happens (the write's cancellation is deferred).
     with lease as staged:
         return await _save_staged(staged, cuda_device=cuda_device, **kwargs)

@@ -48,6 +48,7 @@ def test_free_space_is_reused_and_empty_arenas_kept_until_trim() -> None:
         assert c[0].arena is a[0].arena and pinner.total_registrations == 1
         pool.free(c)
         # ...until trim() gives it back.
+        assert a[0].arena is not None
         assert pool.trim() == a[0].arena.nbytes
         assert pool.arenas == [] and pinner.registered == {}
     finally:

@@ -328,7 +328,7 @@ def user_interval() -> Iterator[float]:
 
 
 class Holder:
-    """A thread inside ``_gil_interval(seconds)`` from ``enter()`` to ``leave()``."""
+    """A thread inside ``gil_interval(seconds)`` from ``enter()`` to ``leave()``."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
@@ -337,7 +337,7 @@ class Holder:
         self._thread = threading.Thread(target=self._run)
 
     def _run(self) -> None:
-        with _interp._gil_interval(self.seconds):
+        with _interp.gil_interval(self.seconds):
             self._entered.set()
             self._leave.wait(10)
 
