@@ -23,7 +23,7 @@ import os
 import threading
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -218,13 +218,10 @@ class Block:
     #: ``untyped_storage()`` returns for every tensor viewing the block (torch keeps
     #: one object per storage while it is referenced): a user holding it then shows in
     #: its reference count (see ``BufferSet.held``).
-    storage: torch.UntypedStorage | None = None
-    #: The block storage's StorageImpl address (stable while ``tensor`` lives).
-    cdata: int = 0
+    storage: torch.UntypedStorage = field(init=False)
 
     def __post_init__(self) -> None:
         self.storage = self.tensor.untyped_storage()
-        self.cdata = self.storage._cdata
 
 
 class HostPool:

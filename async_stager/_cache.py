@@ -230,7 +230,8 @@ class BufferSet:
         blocks = self.cache.blocks()
         self._watch_objects = [h for p in self.plans.values() for h in p.hosts]
         self._watch_objects += [b.storage for b in blocks]
-        self._watch_storages = [b.cdata for b in blocks]
+        # StorageImpl addresses: stable while the blocks (and their storages) live.
+        self._watch_storages = [b.storage._cdata for b in blocks]
         self._watch_refs = list(map(sys.getrefcount, self._watch_objects))
         self._watch_uses = list(map(_use_count, self._watch_storages))
 

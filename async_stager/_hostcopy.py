@@ -244,9 +244,9 @@ def pieces(sched: Schedule, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.T
             out.append((list(dsts[lo:hi]), list(srcs[lo:hi])))
             continue
         d, s = dsts[lo], srcs[lo]
-        # Same shape, or copy_ must see the pair whole: a leaf reshaped between stages
-        # keeps its fingerprint (pointer, dtype, dim, numel), and only copy_'s shape
-        # check tells the engine that its plan no longer fits.
+        # Same shape, or copy_ must see the pair whole: a pair whose shapes differ
+        # (which the plan's fingerprint should already have refused) still reaches
+        # copy_'s own shape check instead of being flattened into the wrong layout.
         if not s.is_contiguous() or s.dtype != d.dtype or s.shape != d.shape:
             out.append(([d], [s]))
             continue

@@ -243,7 +243,6 @@ class FakeCopier(ScratchCopier):
         super().__init__(device)
         self._backend = backend
         self._ops: list[Callable[[], None]] = []
-        self._held: list[torch.Tensor] = []
 
     def capture(self) -> Any:
         self._backend.captures += 1
@@ -252,7 +251,6 @@ class FakeCopier(ScratchCopier):
     def begin(self, capture: Any) -> None:
         captures = capture if isinstance(capture, tuple) else () if capture is None else (capture,)
         self._ops = [c.synchronize for c in captures if hasattr(c, "synchronize")]
-        self._held = []
         self._backend.begun.append(capture)
 
     def copy_now(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
@@ -280,18 +278,16 @@ class FakeCopier(ScratchCopier):
         self._ops.append(lambda: torch._foreach_copy_([w.view() for w in where], s))
 
     def protect(self, srcs: Sequence[torch.Tensor]) -> None:
-        self._held = list(srcs)
-        self._backend.protected.append(len(self._held))
+        # The pending copies already keep their sources alive until they fire (as
+        # record_stream does on CUDA); only the count is recorded, for tests.
+        self._backend.protected.append(len(srcs))
 
     def end(self) -> FakeEvent:
         self.release_scratch()
         ev = FakeEvent(
             self._ops, delay=self._backend.delay, polls=self._backend.polls, manual=self._backend.manual
         )
-        # The pending copies keep their sources alive until they fire (as the real
-        # copier's record_stream does); nothing is kept beyond that.
         self._ops = []
-        self._held = []
         self._backend.events.append(ev)
         return ev
 
