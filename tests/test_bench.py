@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from async_stager import __main__ as cli
-from async_stager import _bench
-from async_stager._bench_report import (
+from async_stager._cli import main as cli
+from async_stager._cli import bench as _bench
+from async_stager._cli.report import (
     BenchReport,
     BoundResult,
     LagStats,
@@ -27,7 +27,7 @@ from async_stager._bench_report import (
     lag_stats,
     write_plot,
 )
-from async_stager._bench_workloads import WORKLOADS, count_tensors
+from async_stager._cli.workloads import WORKLOADS, count_tensors
 
 pytestmark = pytest.mark.timeout(60)
 

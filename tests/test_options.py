@@ -28,8 +28,8 @@ from async_stager import (
     StagingError,
     UnsupportedError,
 )
-from async_stager import __main__ as cli
-from async_stager._bench_workloads import WORKLOADS, count_tensors
+from async_stager._cli import main as cli
+from async_stager._cli.workloads import WORKLOADS, count_tensors
 
 pytestmark = pytest.mark.timeout(60)
 

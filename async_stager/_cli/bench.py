@@ -1,10 +1,10 @@
 """``python -m async_stager bench``: async_stager versus PyTorch DCP, side by side.
 
-For each workload (see ``_bench_workloads``) the same state dict, on the same machine in
+For each workload (see ``workloads``) the same state dict, on the same machine in
 the same run, is staged by each contender once cold (host memory allocated then) and
 then ``runs`` times cached, the contenders and the one-buffer bound taking turns (the
 order rotates every run) so a noisy machine slows all of them alike; the medians are
-reported. Loop lag is measured while each contender stages (see ``_bench_measure``).
+reported. Loop lag is measured while each contender stages (see ``measure``).
 
 Contenders: ``async_stager`` (``Stager()``: on the CPU it copies with all cores but one,
 leaving one to the event loop), ``async_stager[threads=N]`` (``copy_threads`` = torch's
@@ -14,8 +14,6 @@ thread count, raw throughput; only where that differs), and ``dcp`` (DCP's
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import gc
 import math
 import os
@@ -28,47 +26,39 @@ from typing import Any, TextIO
 
 import torch
 
-from ._bench_measure import (
-    Bound,
+from .._options import loop_friendly_threads, usable_cores
+from .measure import (
     Contender,
     DcpContender,
+    DefaultStagerContender,
+    OneBufferCopy,
     OursContender,
-    SeedContender,
     dcp_available,
     idle_lag,
     open_fds,
     synchronize,
     timed_stage,
 )
-from ._bench_report import (
+from .report import (
     BenchError,
     BenchReport,
     BoundResult,
     StagerResult,
     WorkloadResult,
-    format_table,
     lag_stats,
     median,
-    require_matplotlib,
-    to_json,
-    write_plot,
 )
-from ._bench_workloads import WORKLOADS, count_tensors
-from ._options import loop_friendly_threads, usable_cores
+from .workloads import WORKLOADS, count_tensors
 
 __all__ = [
     "BenchOptions",
     "Progress",
-    "add_arguments",
     "check_fits",
-    "options_from_args",
     "run_bench",
-    "run_cli",
-    "scale_argument",
 ]
 
 OURS = "async_stager"
-SEED = "async_stager.DefaultStager"
+OURS_DEFAULT_STAGER = "async_stager.DefaultStager"
 DCP = "dcp"
 
 #: Largest ``scale`` (the transformer would be about 275 TiB): beyond any machine, it
@@ -237,7 +227,12 @@ def _contender_makers(opts: BenchOptions, device: torch.device) -> list[tuple[st
         makers.append(
             (name, lambda: OursContender(name, copy_threads=threads, share_memory=opts.share_memory))
         )
-    makers.append((SEED, lambda: SeedContender(SEED, share_memory=opts.share_memory)))
+    makers.append(
+        (
+            OURS_DEFAULT_STAGER,
+            lambda: DefaultStagerContender(OURS_DEFAULT_STAGER, share_memory=opts.share_memory),
+        )
+    )
     if opts.dcp:
         why = dcp_available()
         if why is not None:
@@ -275,7 +270,7 @@ async def _bench_workload(
     sd = workload.build(opts.scale, device)
     synchronize(device)
     tensors, nbytes = count_tensors(sd)
-    bound = Bound(nbytes, device)
+    bound = OneBufferCopy(nbytes, device)
     progress.step(name, f"built ({tensors:,} tensors, {nbytes / 2**20:,.1f} MiB)")
     total = opts.warmup + _runs(opts, name)
     # The first stage of the run pays the most for fresh pages: the contenders take
@@ -451,235 +446,3 @@ async def run_bench(opts: BenchOptions, stream: TextIO | None = None) -> BenchRe
         workloads=tuple(results),
         seconds=time.perf_counter() - t0,
     )
-
-
-class _Checked(argparse.Action):
-    """A flag whose text ``convert(flag, text, namespace)`` turns into its value; a
-    ValueError from it is a usage error (the message, exit status 2), raised while the
-    command line is parsed, before anything runs."""
-
-    def __init__(
-        self, option_strings: Sequence[str], dest: str, *, convert: Callable[..., Any], **kwargs: Any
-    ) -> None:
-        super().__init__(option_strings, dest, **kwargs)
-        self.convert = convert
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: str | Sequence[Any] | None,
-        option_string: str | None = None,
-    ) -> None:
-        flag = max(self.option_strings, key=len) if self.option_strings else self.dest
-        try:
-            value = self.convert(flag, str(values), namespace)
-        except ValueError as exc:
-            parser.error(str(exc))
-        setattr(namespace, self.dest, value)
-
-
-def _int_at_least(minimum: int) -> Callable[[str, str, argparse.Namespace], int]:
-    def convert(flag: str, text: str, namespace: argparse.Namespace) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise ValueError(f"{flag} must be an integer >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise ValueError(f"{flag} must be >= {minimum}, got {text!r}")
-        return value
-
-    return convert
-
-
-def _scale(flag: str, text: str, namespace: argparse.Namespace) -> float:
-    allowed = f"{flag} must be a finite number > 0 and <= {MAX_SCALE:g}"
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"{allowed}, got {text!r}") from None
-    if not math.isfinite(value) or not (0 < value <= MAX_SCALE):
-        raise ValueError(f"{allowed}, got {text!r}")
-    return value
-
-
-def scale_argument(parser: argparse.ArgumentParser, default: float, help: str) -> None:
-    """``--scale X``: a finite number in (0, MAX_SCALE], checked while parsing."""
-    parser.add_argument("--scale", action=_Checked, convert=_scale, default=default, metavar="X", help=help)
-
-
-def _workloads(flag: str, text: str, namespace: argparse.Namespace) -> str:
-    names = [w.strip() for w in text.split(",") if w.strip()]
-    choose = f"choose from {', '.join(WORKLOADS)}"
-    if not names:
-        raise ValueError(f"{flag} names no workload ({text!r}); {choose}")
-    unknown = [w for w in names if w not in WORKLOADS]
-    if unknown:
-        what = "workload" if len(unknown) == 1 else "workloads"
-        raise ValueError(f"{flag}: unknown {what} {', '.join(map(repr, unknown))}; {choose}")
-    twice = sorted({w for w in names if names.count(w) > 1})
-    if twice:
-        raise ValueError(f"{flag} names {', '.join(map(repr, twice))} more than once")
-    return ",".join(names)
-
-
-def _output_file(other: str | None, *, stdout: bool) -> Callable[[str, str, argparse.Namespace], str]:
-    """An output file flag: ``-`` (when ``stdout``) or a file that can be written now,
-    and not the file ``other`` (the other output flag's dest) names."""
-
-    def convert(flag: str, text: str, namespace: argparse.Namespace) -> str:
-        if text == "-":
-            if stdout:
-                return text
-            raise ValueError(f"{flag} cannot write to stdout ('-'); give a file name")
-        problem = _unwritable(text)
-        if problem is not None:
-            raise ValueError(f"{flag} {text!r}: {problem}")
-        taken = getattr(namespace, other, None) if other else None
-        if taken and taken != "-" and os.path.realpath(taken) == os.path.realpath(text):
-            raise ValueError(f"{flag} {text!r}: the same file as --{other}")
-        if not stdout:
-            _check_plot_format(flag, text)
-        return text
-
-    return convert
-
-
-def _unwritable(path: str) -> str | None:
-    """Why ``path`` cannot be written (created or replaced) now; None if it can."""
-    if not path:
-        return "an empty file name"
-    if os.path.isdir(path):
-        return "is a folder; give a file name"
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        return f"the folder {folder!r} does not exist"
-    if os.path.exists(path):
-        if not os.access(path, os.W_OK):
-            return "the file is not writable"
-    elif not os.access(folder, os.W_OK | os.X_OK):
-        return f"cannot create a file in the folder {folder!r} (permission denied)"
-    return None
-
-
-def _check_plot_format(flag: str, path: str) -> None:
-    """A chart file name matplotlib can write (its extension picks the format; none:
-    PNG). Without matplotlib there is nothing to check here: ``run_cli`` says how to
-    get it."""
-    ext = os.path.splitext(path)[1][1:].lower()
-    if not ext:
-        return
-    try:
-        from matplotlib.backend_bases import FigureCanvasBase
-    except ImportError:
-        return
-    formats = FigureCanvasBase.get_supported_filetypes()
-    if ext not in formats:
-        raise ValueError(
-            f"{flag} {path!r}: cannot write a chart as .{ext}; use one of: {', '.join(sorted(formats))}"
-        )
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``bench`` subcommand's flags. Each is checked while the command line is
-    parsed (a bad one is a usage error, exit status 2, before anything runs): integers
-    in range, a finite positive scale, known workloads, writable output files."""
-    parser.add_argument(
-        "--workloads",
-        action=_Checked,
-        convert=_workloads,
-        default=",".join(WORKLOADS),
-        metavar="A,B",
-        help=f"comma-separated, from: {', '.join(WORKLOADS)} (default: all)",
-    )
-    parser.add_argument(
-        "--runs",
-        action=_Checked,
-        convert=_int_at_least(1),
-        default=BenchOptions.runs,
-        metavar="N",
-        help="reported cached rounds (default 7; twice as many for large1g); medians over them",
-    )
-    parser.add_argument(
-        "--warmup",
-        action=_Checked,
-        convert=_int_at_least(0),
-        default=BenchOptions.warmup,
-        metavar="N",
-        help="unreported cached rounds first",
-    )
-    scale_argument(parser, 1.0, "multiply every workload's bytes (default 1)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument(
-        "--all-threads",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="add a row with copy_threads = torch's thread count (default: on the CPU when it differs)",
-    )
-    parser.add_argument("--no-dcp", dest="dcp", action="store_false", help="skip PyTorch DCP's DefaultStager")
-    parser.add_argument("--share-memory", action="store_true", help="both stagers stage into shared memory")
-    parser.add_argument(
-        "--json",
-        action=_Checked,
-        convert=_output_file("plot", stdout=True),
-        metavar="FILE",
-        help="write the results as JSON ('-' for stdout)",
-    )
-    parser.add_argument(
-        "--plot",
-        action=_Checked,
-        convert=_output_file("json", stdout=False),
-        metavar="FILE.png",
-        help="write a chart (needs matplotlib: async_stager[plot])",
-    )
-    parser.add_argument(
-        "--wide",
-        action="store_true",
-        help="one table with every column (about 190 characters wide; default: two tables "
-        "per workload that fit 80 columns)",
-    )
-    parser.add_argument("--quiet", action="store_true", help="no progress lines")
-
-
-def options_from_args(ns: argparse.Namespace) -> BenchOptions:
-    return BenchOptions(
-        workloads=tuple(w.strip() for w in ns.workloads.split(",") if w.strip()),
-        runs=ns.runs,
-        warmup=ns.warmup,
-        scale=ns.scale,
-        device=ns.device,
-        all_threads=ns.all_threads,
-        dcp=ns.dcp,
-        share_memory=ns.share_memory,
-    )
-
-
-def run_cli(ns: argparse.Namespace, out: TextIO) -> int:
-    """Run ``bench`` as parsed: the table on ``out`` (unless JSON goes there), JSON and
-    chart files as asked. Raises BenchError for what cannot run (checked up front)."""
-    opts = options_from_args(ns)
-    if ns.plot:
-        require_matplotlib()  # fail now, not after a minute of measuring
-    # The output files were checked while parsing (a usage error); a Namespace made
-    # another way gets the same check here, still before anything runs.
-    for flag, path in (("--json", ns.json), ("--plot", ns.plot)):
-        problem = _unwritable(path) if path and path != "-" else None
-        if problem is not None:
-            raise BenchError(f"{flag} {path!r}: {problem}")
-    report = asyncio.run(run_bench(opts, None if ns.quiet else sys.stderr))
-    if ns.json == "-":
-        out.write(to_json(report) + "\n")
-    else:
-        out.write(format_table(report, wide=getattr(ns, "wide", False)) + "\n")
-        if ns.json:
-            try:
-                with open(ns.json, "w", encoding="utf-8") as f:
-                    f.write(to_json(report) + "\n")
-            except OSError as exc:  # it went away during the run
-                raise BenchError(f"--json {ns.json!r}: {exc.strerror or exc}") from exc
-    if ns.plot:
-        try:
-            write_plot(report, ns.plot)
-        except OSError as exc:
-            raise BenchError(f"--plot {ns.plot!r}: {exc.strerror or exc}") from exc
-    return 0

@@ -14,7 +14,7 @@ data loading) would see while a checkpoint is staged.
   device to pinned host, ``non_blocking`` and a synchronize), the best any stager can do.
   It is timed like a contender (the copy in a worker thread while the ticker runs),
   so the ticker's own cost (each wake-up takes a core from the copy for a moment)
-  weighs on both sides of the ratio; ``Bound.run`` times it on the calling thread
+  weighs on both sides of the ratio; ``OneBufferCopy.run`` times it on the calling thread
   with nothing else running, reported as well.
 """
 
@@ -28,15 +28,15 @@ from typing import Any, Protocol
 
 import torch
 
-from ._seed import CheckpointStagerConfig, DefaultStager
-from ._stager import Stager
+from .._seed import CheckpointStagerConfig, DefaultStager
+from .._stager import Stager
 
 __all__ = [
-    "Bound",
+    "OneBufferCopy",
     "Contender",
     "DcpContender",
     "OursContender",
-    "SeedContender",
+    "DefaultStagerContender",
     "idle_lag",
     "open_fds",
     "timed_stage",
@@ -91,7 +91,7 @@ class OursContender:
         await self._stager.aclose()
 
 
-class SeedContender:
+class DefaultStagerContender:
     """async_stager's ``DefaultStager`` (the seed's API) in async mode; its Future is
     awaited through ``asyncio.wrap_future``, exactly as DCP's is."""
 
@@ -189,7 +189,7 @@ async def idle_lag(seconds: float = 0.3, period: float = 0.001) -> list[float]:
     return samples
 
 
-class Bound:
+class OneBufferCopy:
     """One contiguous buffer of ``nbytes`` on ``device`` and its host destination
     (pinned on CUDA). Both are touched (and one copy done) at construction, so no run
     pays page faults. It is also a Contender (``stage`` ignores the state dict), so it

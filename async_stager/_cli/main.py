@@ -1,0 +1,118 @@
+"""The command line: ``python -m async_stager`` (or ``async-stager``).
+
+- ``bench``: async_stager versus PyTorch DCP's DefaultStager and the one-buffer copy
+  bound, on synthetic state dicts (see docs/benchmarks.md).
+- ``demo``: stage a small transformer state dict twice and print what each stage did
+  (the first allocates host memory; the second reuses it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Any, TextIO
+
+import torch
+
+from . import bench as _bench
+from .args import add_arguments, options_from_args, scale_argument, unwritable
+from .report import BenchError, format_table, require_matplotlib, to_json, write_plot
+from .workloads import build_transformer, count_tensors
+
+__all__ = ["main"]
+
+
+async def _demo(scale: float, device: torch.device) -> None:
+    from .._stager import Stager
+
+    sd = build_transformer(scale, device)
+    tensors, nbytes = count_tensors(sd)
+    print(f"state dict on {device}: {tensors} tensors, {nbytes / 2**20:.1f} MiB")
+    async with Stager() as stager:
+        print(f"options: {stager.options}")
+        for label in ("first stage (allocates host memory)", "second stage (reuses it)"):
+            staged: Any = await stager.stage(sd)
+            st = stager.stats
+            assert st is not None
+            print(
+                f"{label}: {st.seconds * 1e3:.1f} ms, {st.bytes_per_second / 1e9:.2f} GB/s, "
+                f"{st.tensors} tensors in {st.storages} storages, cache hits/misses "
+                f"{st.cache_hits}/{st.cache_misses}, fast path {st.fast_path}, "
+                f"host memory {st.host_bytes / 2**20:.1f} MiB"
+            )
+        w = staged["model"]["embed.weight"]
+        same = torch.equal(w, sd["model"]["embed.weight"].cpu())
+        print(f"staged embed.weight: {tuple(w.shape)} on {w.device}, equal to the source: {same}")
+
+
+def run_cli(ns: argparse.Namespace, out: TextIO) -> int:
+    """Run ``bench`` as parsed: the table on ``out`` (unless JSON goes there), JSON and
+    chart files as asked. Raises BenchError for what cannot run (checked up front)."""
+    opts = options_from_args(ns)
+    if ns.plot:
+        require_matplotlib()  # fail now, not after a minute of measuring
+    # The output files were checked while parsing (a usage error); a Namespace made
+    # another way gets the same check here, still before anything runs.
+    for flag, path in (("--json", ns.json), ("--plot", ns.plot)):
+        problem = unwritable(path) if path and path != "-" else None
+        if problem is not None:
+            raise BenchError(f"{flag} {path!r}: {problem}")
+    report = asyncio.run(_bench.run_bench(opts, None if ns.quiet else sys.stderr))
+    if ns.json == "-":
+        out.write(to_json(report) + "\n")
+    else:
+        out.write(format_table(report, wide=getattr(ns, "wide", False)) + "\n")
+        if ns.json:
+            try:
+                with open(ns.json, "w", encoding="utf-8") as f:
+                    f.write(to_json(report) + "\n")
+            except OSError as exc:  # it went away during the run
+                raise BenchError(f"--json {ns.json!r}: {exc.strerror or exc}") from exc
+    if ns.plot:
+        try:
+            write_plot(report, ns.plot)
+        except OSError as exc:
+            raise BenchError(f"--plot {ns.plot!r}: {exc.strerror or exc}") from exc
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="async-stager", description=__doc__.splitlines()[0] if __doc__ else None
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark against PyTorch DCP's DefaultStager",
+        description="Stage synthetic state dicts with async_stager and with PyTorch DCP's DefaultStager, "
+        "side by side, and report times, throughput, loop lag, host memory and file descriptors.",
+    )
+    add_arguments(bench)
+    demo = sub.add_parser("demo", help="stage a small model and print what happened")
+    scale_argument(
+        demo, 0.25, "model size (1: the transformer workload with AdamW state, see docs/benchmarks.md)"
+    )
+    demo.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status (2 for a usage problem: a bad flag
+    is reported before anything runs)."""
+    try:
+        ns = _parser().parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2), printed
+        if exc.code is None:
+            return 0
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        if ns.command == "bench":
+            return run_cli(ns, sys.stdout)
+        device = _bench.BenchOptions(device=ns.device).resolved_device()
+        _bench.check_fits(["transformer"], ns.scale, device)
+        asyncio.run(_demo(ns.scale, device))
+        return 0
+    except BenchError as exc:
+        print(f"async-stager: error: {exc}", file=sys.stderr)
+        return 2
