@@ -5,7 +5,7 @@ DefaultStager (``_seed.py``). ``capture`` runs on the caller's thread at the cal
 ``run`` runs on the stager's worker thread; ``settle`` may run anywhere.
 
 Fast path: the state dict is walked once with the host tensors of the plan that
-matches its signature; if every leaf's fingerprint (see ``_cache.FINGERPRINT``)
+matches its signature; if every leaf's fingerprint (see ``_layout.FINGERPRINT``)
 equals the plan's, the plan's copy program runs as is. Otherwise the slow path
 validates every leaf, groups leaves by source storage, looks each storage up in the
 storage cache (allocating exact-size blocks for misses), makes a new plan and walks
@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import logging
-import operator
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,7 +26,7 @@ from typing import Any
 import torch
 
 from ._arena import Arena, CudaPinner, Pinner
-from ._cache import BufferSet, Plan, signature_of
+from ._buffer_sets import BufferSet, BufferSets
 from ._device import (
     Backend,
     Completion,
@@ -36,22 +34,20 @@ from ._device import (
     RealBackend,
     ScratchCopier,
     graph_capture_error,
-    order_after,
 )
-from ._errors import BuffersHeldError, ClosedError, CopyError, StagingError
+from ._enqueue import diagnose_copy_error, enqueue, no_torch_function
+from ._errors import ClosedError, StagingError
 from ._interp import gc_paused, gil_interval
+from ._layout import signature_of
 from ._lease import Lease
 from ._options import StagerOptions
-from ._plan import make_plan, plan_holds, sources
-from ._tree import Interrupt, Walk, path_of_leaf
+from ._plan import make_plan, plan_holds
+from ._tree import Interrupt, Walk
 
 __all__ = ["Cancelled", "Engine", "Staged"]
 
 
 _log = logging.getLogger("async_stager")
-
-#: Seconds a stage waits for a buffer set before it logs a warning.
-_WARN_AFTER = 5.0
 
 
 class Cancelled(Interrupt):
@@ -102,16 +98,18 @@ class Engine:
         if pinner is None and options.pin_memory:
             pinner = CudaPinner()
         self._pinner = pinner if options.pin_memory else None
-        self._sets: list[BufferSet] = []
-        self._cond = threading.Condition()
+        self.sets = BufferSets(
+            max_sets=options.max_buffer_sets,
+            shared=options.share_memory,
+            pinner=self._pinner,
+            wait_timeout=options.buffer_wait_timeout,
+        )
         self._copiers: dict[torch.device, Copier] = {}
         self._copiers_lock = threading.Lock()
         #: The latest completion enqueued per device, by any stage (also one that
         #: failed or was cancelled after enqueueing part of its copies): what fence()
         #: must order after.
         self.latest: dict[torch.device, Completion] = {}
-        self._recent: BufferSet | None = None
-        self.closed = False
         #: Measured bytes/second of device-to-host copies, per device (for polling).
         self.bandwidth: dict[torch.device, float] = {}
 
@@ -203,9 +201,11 @@ class Engine:
         allow_fast: bool,
     ) -> Staged:
         t0 = time.perf_counter()
-        tick = _Ticker(cancel, self)
+        tick = CancelCheck(cancel, self)
         sig = signature_of(sd)
-        bufset, held = self._select(sig, lease, cancel)
+        bufset, held = self.sets.select(sig, lease, tick.check_cancelled)
+        track = functools.partial(self.sets.track, bufset)
+        succeeded = False
         try:
             bufset.wait_inflight()
             plan = bufset.plan_for(sig) if allow_fast else None
@@ -218,14 +218,14 @@ class Engine:
                 walk = Walk(plan.hosts, validate=False, tick=tick)
                 result = walk.run(sd)
                 leaves = walk.leaves
-                with _no_torch_function():
+                with no_torch_function():
                     fast = plan_holds(plan, leaves, tick)
             if not fast:
                 # Drop what the failed fast attempt built before the set is re-watched.
                 result = walk = None
                 collect = Walk((), validate=True, tick=tick)
                 collect.run(sd)
-                with gc_paused(), _no_torch_function():
+                with gc_paused(), no_torch_function():
                     plan, hits, misses = make_plan(
                         self._copier, self.options, bufset, sig, collect.leaves, tick, prefault=not copy
                     )
@@ -242,7 +242,7 @@ class Engine:
                 # changed the state dict between the walks (a (1,)-tensor swapped in
                 # for a (4,)-tensor would even broadcast silently), and then the stage
                 # is refused.
-                with _no_torch_function():
+                with no_torch_function():
                     holds = plan_holds(plan, leaves, tick, planned=collect.leaves, pool=bufset.pool)
                 if not holds:
                     result = walk = None
@@ -255,24 +255,25 @@ class Engine:
             else:
                 assert plan is not None
                 hits = plan.storages
-            tick.check()
+            tick()
             completions: list[Completion] = []
             devices: list[torch.device] = []
             if copy:
                 try:
-                    with _no_torch_function():
-                        completions, devices = self._enqueue(bufset, plan, leaves, captures, tick)
+                    with no_torch_function():
+                        completions, devices = enqueue(
+                            self._copier, plan, leaves, captures, tick, self.latest, track
+                        )
                 except RuntimeError as e:
                     if fast:
                         result = walk = None
                         bufset.forget_plan(sig)
                         bufset.watch()
                         raise _PlanStale() from None
-                    err = self._copy_error(sd, plan, leaves, bufset, e)
+                    err = diagnose_copy_error(self._copier, sd, plan, leaves, captures, e, self.latest, track)
                     raise err from err.__cause__
-            with self._cond:
-                bufset.inflight.extend(completions)
-            self._recent = bufset
+            track(completions)
+            succeeded = True
             return Staged(
                 result=result,
                 bufset=bufset,
@@ -292,216 +293,13 @@ class Engine:
                 held.release()
             raise
         finally:
-            with self._cond:
-                bufset.busy = False
-                self._cond.notify_all()
-
-    def _select(
-        self, sig: Any, lease: bool, cancel: threading.Event | None
-    ) -> tuple[BufferSet, Lease[Any] | None]:
-        """A buffer set no result of which is reachable or leased (``BufferSet.held``)
-        and that no stage is writing; a new one while fewer than ``max_buffer_sets``
-        exist; otherwise waits (cancellably) for one to be dropped or released.
-
-        The wait polls (nothing signals that a result became unreachable), from 1 ms
-        up to 50 ms, with one garbage collection first (a result in a reference cycle
-        is unreachable but not yet freed). It logs a warning after a few seconds and
-        raises BuffersHeldError after ``options.buffer_wait_timeout`` seconds, so a
-        stage whose own caller holds every set cannot hang silently.
-        """
-        timeout = self.options.buffer_wait_timeout
-        t0 = time.monotonic()
-        delay = 0.001
-        collected = warned = False
-        while True:
-            with self._cond:
-                if self.closed:
-                    raise ClosedError("the stager is closed")
-                if cancel is not None and cancel.is_set():
-                    raise Cancelled()
-                pick = self._pick(sig)
-                if pick is not None:
-                    pick.busy = True
-                    if not lease:
-                        return pick, None
-                    pick.leases += 1
-                    return pick, Lease(functools.partial(self._give_back, pick))
-                held = self._describe_held()
-            waited = time.monotonic() - t0
-            if timeout is not None and waited >= timeout:
-                raise BuffersHeldError(
-                    f"no buffer set became free within {timeout:g} s: all {len(self._sets)} "
-                    f"(max_buffer_sets={self.options.max_buffer_sets}) are held ({held}). "
-                    "Drop staged results you no longer need (del staged), release leases, "
-                    "or raise max_buffer_sets or buffer_wait_timeout"
-                )
-            if not warned and waited >= min(_WARN_AFTER, (timeout or _WARN_AFTER) / 2):
-                warned = True
-                _log.warning(
-                    "stage has waited %.1f s for a buffer set: all %d are held (%s); it "
-                    "goes on when a staged result is dropped or a lease released",
-                    waited,
-                    len(self._sets),
-                    held,
-                )
-            if not collected:
-                collected = True
-                gc.collect()
-                continue
-            with self._cond:
-                # Releases and finished stages notify; unreachable results do not.
-                self._cond.wait(delay)
-            delay = min(delay * 2, 0.05)
-
-    def _pick(self, sig: Any) -> BufferSet | None:
-        """Under the lock: the free set to write into (one with a plan for ``sig``
-        first, then the most recent), or a new one, or None."""
-        cands = [s for s in self._sets if not s.leases and not s.busy]
-        cands.sort(key=lambda s: (sig not in s.plans, s is not self._recent))
-        for s in cands:
-            if not s.held():
-                return s
-        if len(self._sets) < self.options.max_buffer_sets:
-            s = BufferSet(len(self._sets), shared=self.options.share_memory, pinner=self._pinner)
-            self._sets.append(s)
-            return s
-        return None
-
-    def _describe_held(self) -> str:
-        parts = []
-        for s in self._sets:
-            if s.busy:
-                parts.append(f"set {s.index}: being written")
-            elif s.leases:
-                parts.append(f"set {s.index}: {s.leases} lease(s)")
-            else:
-                parts.append(f"set {s.index}: a staged result is still reachable")
-        return "; ".join(parts)
-
-    def _enqueue(
-        self,
-        bufset: BufferSet,
-        plan: Plan,
-        leaves: list[torch.Tensor],
-        captures: dict[torch.device, Any],
-        tick: Callable[[], None],
-    ) -> tuple[list[Completion], list[torch.device]]:
-        """Enqueue every program's copies; returns the completions and, pairwise, the
-        device each belongs to (CPU programs finish inside and have none).
-
-        Ordering: each device's copies wait (on the device) for its capture; the CPU
-        program's host copies wait (in this thread) for every capture, since a pinned
-        CPU leaf may still be filled by a ``non_blocking`` copy queued before the call.
-        So the CPU program goes last: the device copies are already enqueued while it
-        waits."""
-        completions: list[Completion] = []
-        devices: list[torch.device] = []
-        # Kept for _copy_error, which orders its copies the same way.
-        self._stage_captures: dict[torch.device, Any] | None = captures
-        programs = sorted(plan.programs, key=lambda p: p.device.type == "cpu")
-        with torch.no_grad():
-            for prog in programs:
-                copier = self._copier(prog.device)
-                srcs_all: list[torch.Tensor] = []
-                try:
-                    # Hazard: from begin() to end() the copier may hold a stream context
-                    # on this thread; end() must run whatever happens.
-                    copier.begin(order_after(prog.device, captures))
-                    for run in prog.runs:
-                        for views, units in run.groups:
-                            srcs = sources(units, leaves)
-                            srcs_all.extend(srcs)
-                            _copy_chunked(copier, views, srcs, tick)
-                        copier.copy([run.span], [run.scratch])
-                    if prog.direct:
-                        if prog.direct_whole:
-                            srcs = sources(prog.direct, leaves)
-                        elif len(prog.direct_reps) == 1:
-                            srcs = [leaves[prog.direct_reps[0]]]
-                        else:
-                            srcs = list(operator.itemgetter(*prog.direct_reps)(leaves))
-                        srcs_all.extend(srcs)
-                        if prog.direct_layout is not None:
-                            copier.copy_planned(prog.direct_dsts, srcs, prog.direct_layout, tick)
-                        else:
-                            _copy_chunked(copier, prog.direct_dsts, srcs, tick)
-                    copier.protect(srcs_all)
-                except BaseException:
-                    # Failed or cancelled (a tick) part way: copies enqueued before
-                    # that may still read the sources and land in this set's buffers.
-                    # Protect the sources and track the copies as in flight, so no
-                    # later stage (or close) reuses the buffers before they finish.
-                    try:
-                        copier.protect(srcs_all)
-                    finally:
-                        done = copier.end()
-                    if done is not None:
-                        completions.append(done)
-                        devices.append(prog.device)
-                        self.latest[prog.device] = done
-                    with self._cond:
-                        bufset.inflight.extend(completions)
-                    raise
-                done = copier.end()
-                if done is not None:
-                    completions.append(done)
-                    devices.append(prog.device)
-                    self.latest[prog.device] = done
-        self._stage_captures = None
-        return completions, devices
-
-    def _copy_error(
-        self, sd: Any, plan: Plan, leaves: list[torch.Tensor], bufset: BufferSet, cause: BaseException
-    ) -> StagingError:
-        """Find which unit's copy fails, for an error that names its path: each unit is
-        copied again on its own, through its device's copier (the failed batch may have
-        mixed many tensors). The copies are those of a stage: ordered after the stage's
-        captures, their sources protected from the allocator, their completions in
-        flight in the set and the latest of their device (for ``fence``)."""
-        captures = getattr(self, "_stage_captures", None) or {}
-        self._stage_captures = None
-        with torch.no_grad(), _no_torch_function():
-            for unit in plan.units:
-                copier = self._copier(unit.device)
-                srcs: list[torch.Tensor] = []
-                try:
-                    copier.begin(order_after(unit.device, captures))
-                    srcs = sources([unit], leaves)
-                    copier.copy([unit.dst], srcs)
-                except RuntimeError as e:
-                    err = CopyError(f"copying this tensor failed: {e}", path=path_of_leaf(sd, unit.rep))
-                    err.__cause__ = e
-                    return err
-                finally:
-                    try:
-                        copier.protect(srcs)
-                    finally:
-                        done = copier.end()
-                        if done is not None:
-                            self.latest[unit.device] = done
-                            with self._cond:
-                                bufset.inflight.append(done)
-        err = CopyError(f"a batched copy failed ({cause}), but no single copy did")
-        err.__cause__ = cause
-        return err
+            self.sets.done_writing(bufset, succeeded=succeeded)
 
     # -- any thread -------------------------------------------------------------------
 
     def settle(self, staged: Staged) -> None:
         """The stage's completions have been observed: the set has nothing in flight."""
-        with self._cond:
-            for c in staged.completions:
-                try:
-                    staged.bufset.inflight.remove(c)
-                except ValueError:
-                    pass
-
-    def _give_back(self, bufset: BufferSet) -> None:
-        """One lease on ``bufset`` ends; called only by ``Lease.release`` (once)."""
-        with self._cond:
-            if bufset.leases > 0:
-                bufset.leases -= 1
-            self._cond.notify_all()
+        self.sets.settle(staged.bufset, staged.completions)
 
     def fence(self) -> Callable[[], None]:
         """Caller's thread, at the call: read the caller's current stream of every
@@ -538,52 +336,37 @@ class Engine:
             self.bandwidth[d] = seen if old is None else 0.7 * old + 0.3 * seen
 
     def shared_arenas(self) -> list[Arena]:
-        """Every open shared-memory arena of every buffer set (for ``export_shared``),
-        read under the engine's lock."""
-        with self._cond:
-            sets = list(self._sets)
-        return [a for s in sets for a in list(s.pool.arenas) if a.shared and a.fd >= 0]
+        """Every open shared-memory arena of every buffer set (for ``export_shared``)."""
+        return self.sets.shared_arenas()
 
     @property
     def host_bytes(self) -> int:
         """Host memory (bytes) mapped by every buffer set."""
-        return sum(s.pool.host_bytes for s in list(self._sets))
+        return self.sets.host_bytes
 
     @property
     def buffer_sets(self) -> int:
-        return len(self._sets)
+        return len(self.sets)
+
+    @property
+    def closed(self) -> bool:
+        return self.sets.closed
+
+    def begin_close(self) -> None:
+        """Any thread: stop taking stages (a running walk stops at its next tick, a
+        stage waiting for a buffer set raises ClosedError); ``close`` then releases."""
+        self.sets.mark_closed()
 
     def trim(self) -> int:
-        """Return host memory no result uses (worker thread, between stages): in each
-        buffer set that is neither leased, busy nor holding a reachable result, drop
-        the cache entries of dead sources and release every arena left without a
-        block. Returns the bytes released. Held sets are left as they are."""
-        released = 0
-        with self._cond:
-            for s in self._sets:
-                if s.busy or s.held():
-                    continue
-                s.wait_inflight()
-                if s.cache.sweep():
-                    s.forget_plans()
-                released += s.pool.trim()
-                s.watch()
-        return released
+        """Return host memory no result uses (worker thread, between stages): see
+        ``BufferSets.trim``. Returns the bytes released; held sets are left as they
+        are."""
+        return self.sets.trim()
 
     def close(self) -> None:
         """Wait for copies in flight, release every arena and stream; idempotent."""
-        with self._cond:
-            self.closed = True
-            self._cond.notify_all()
-            sets, self._sets = self._sets, []
-            self._recent = None
-        errors: list[BaseException] = []
         with self._device_context({}):
-            for s in sets:
-                try:
-                    s.close()
-                except Exception as e:  # noqa: BLE001 - keep releasing the rest
-                    errors.append(e)
+            errors = self.sets.close()
         self.latest.clear()
         for c in list(self._copiers.values()):
             try:
@@ -595,9 +378,11 @@ class Engine:
             raise StagingError(f"closing released everything but reported: {errors[0]!r}") from errors[0]
 
 
-class _Ticker:
-    """Called every few hundred leaves by the walk: aborts a cancelled or closed job
-    before its copies start."""
+class CancelCheck:
+    """A job's cancellation check, called every few hundred leaves by the walk and
+    between copy chunks (the ``tick`` they take): raises Cancelled for a cancelled job
+    and ClosedError once the stager is closed, so such a job stops before its copies
+    start (or between chunks)."""
 
     __slots__ = ("cancel", "engine")
 
@@ -606,34 +391,12 @@ class _Ticker:
         self.engine = engine
 
     def __call__(self) -> None:
-        self.check()
-
-    def check(self) -> None:
-        if self.cancel is not None and self.cancel.is_set():
-            raise Cancelled()
+        self.check_cancelled()
         if self.engine.closed:
             raise ClosedError("the stager was closed during the stage")
 
-
-def _no_torch_function() -> Any:
-    """Tensor subclasses' ``__torch_function__`` overrides off (this thread) while the
-    engine inspects and copies their data: staging copies the bytes as they are, and an
-    override that raises or redirects must not break or bend that."""
-    return torch._C.DisableTorchFunctionSubclass()
-
-
-#: Tensors per batched copy call. torch parses a tensor list holding the GIL (about
-#: 0.1 us a tensor, both lists): 20k tensors in one call held it for ~4 ms.
-_COPY_CHUNK = 1024
-
-
-def _copy_chunked(
-    copier: Copier, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], tick: Callable[[], None]
-) -> None:
-    n = len(dsts)
-    if n <= _COPY_CHUNK:
-        copier.copy(dsts, srcs)
-        return
-    for lo in range(0, n, _COPY_CHUNK):
-        copier.copy(dsts[lo : lo + _COPY_CHUNK], srcs[lo : lo + _COPY_CHUNK])
-        tick()
+    def check_cancelled(self) -> None:
+        """Raises Cancelled if the job was cancelled (the closed stager is checked by
+        whoever calls this under its own lock)."""
+        if self.cancel is not None and self.cancel.is_set():
+            raise Cancelled()

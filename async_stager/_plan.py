@@ -26,8 +26,9 @@ from typing import Any
 import torch
 
 from ._arena import Block, HostPool, align
-from ._cache import FINGERPRINT, BufferSet, DeviceProgram, Plan, Run, Unit, fingerprint
+from ._buffer_sets import BufferSet
 from ._device import Copier
+from ._layout import FINGERPRINT, DeviceProgram, Plan, Run, Unit, fingerprint
 from ._options import StagerOptions
 from ._tree import wrap_like
 

@@ -490,7 +490,7 @@ class Stager:
         if self._close_future is None:
             self._closed = True
             # Stops a walk at its next tick; queued jobs then fail with ClosedError.
-            self._engine.closed = True
+            self._engine.begin_close()
             # The last job's future holds the last result: let its host memory go.
             self._last_job = None
             try:

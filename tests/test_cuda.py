@@ -305,7 +305,7 @@ async def test_many_small_tensors_are_batched(anyio_backend: Any) -> None:
         staged = await stager.stage(sd)
         for k in ("n0", "n9999", "n19999"):
             assert torch.equal(staged[k], sd[k].cpu())
-        prog = stager._engine._sets[0].plans[next(iter(stager._engine._sets[0].plans))].programs
+        prog = stager._engine.sets.all()[0].plans[next(iter(stager._engine.sets.all()[0].plans))].programs
         assert any(p.runs for p in prog)
 
 
@@ -351,7 +351,7 @@ def test_default_stager_on_cuda() -> None:
 
 
 def staged_set_plans(stager: Stager) -> list[Any]:
-    return [p for s in stager._engine._sets for p in s.plans.values()]
+    return [p for s in stager._engine.sets.all() for p in s.plans.values()]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

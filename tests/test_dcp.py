@@ -70,7 +70,7 @@ def load(path: Path, like: Any) -> Any:
 
 
 def leases(stager: Stager) -> int:
-    return sum(s.leases for s in stager._engine._sets)
+    return sum(s.leases for s in stager._engine.sets.all())
 
 
 async def test_save_then_load_bit_exact(anyio_backend: Any, tmp_path: Path) -> None:

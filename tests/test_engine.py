@@ -343,7 +343,7 @@ def test_dead_sources_release_host_memory() -> None:
             del sd
         # Host memory stays about one state dict, not 30 (pytorch #170163).
         assert e.host_bytes <= 2 * 64 * 4096 + (1 << 20)
-        cache = e._sets[0].cache
+        cache = e.sets.all()[0].cache
         assert len(cache) <= 64
     finally:
         e.close()
@@ -360,7 +360,7 @@ def test_shared_memory_30k_tensors_few_fds() -> None:
         # One memfd per arena (and the duplicate Python's mmap keeps of it).
         assert open_fds() - before <= 4
         assert torch.equal(staged["t29999"], torch.full((4,), 29999.0))
-        assert e._sets[0].pool.arenas[0].fd >= 0
+        assert e.sets.all()[0].pool.arenas[0].fd >= 0
     finally:
         e.close()
     del staged  # the last view of the arena: it is unmapped, its descriptors closed

@@ -270,7 +270,7 @@ def test_engine_copies_big_cpu_programs_in_pieces(copy_threads: int, pooled: boo
     try:
         staged = stage_sync(eng, sd)
         assert_same(staged.result, sd)
-        (prog,) = eng._recent.plans[next(iter(eng._recent.plans))].programs  # type: ignore[union-attr]
+        (prog,) = eng.sets.recent.plans[next(iter(eng.sets.recent.plans))].programs  # type: ignore[union-attr]
         assert isinstance(prog.direct_layout, Schedule) == pooled
         del staged, prog  # a reachable result is never overwritten: drop it
         # Cached stage with new values: the fast path, through the same pieces.

@@ -104,7 +104,7 @@ async def storm(n: int, seed: int, *, concurrency: int = 1) -> dict[str, int]:
             async with stager.snapshot(sd) as snap:
                 assert_same(snap, sd)
                 assert_same(await stager.stage(sd), sd)  # the other buffer set
-        for s in engine._sets:
+        for s in engine.sets.all():
             assert s.leases == 0, "a lease leaked"
             assert not s.busy
             assert s.inflight == [], "copies left in flight"
@@ -149,7 +149,7 @@ async def test_cancel_at_every_phase(anyio_backend: Any, no_thread_leak: None) -
                 out = await stager.stage(sd)
                 assert_same(out, sd)
             assert_same(await stager.stage(sd), sd)
-        for s in stager._engine._sets:
+        for s in stager._engine.sets.all():
             assert s.leases == 0
 
 

@@ -57,9 +57,9 @@ def sd_of(n: int = 16, size: int = 1000, value: float = 0.0) -> dict[str, Any]:
 def assert_clean(engine: Any) -> None:
     """No buffer set is leased, selected or holding copies in flight; the engine's
     lock is free."""
-    assert engine._cond.acquire(timeout=1.0), "engine lock stuck"
-    engine._cond.release()
-    for s in engine._sets:
+    assert engine.sets.cond.acquire(timeout=1.0), "engine lock stuck"
+    engine.sets.cond.release()
+    for s in engine.sets.all():
         assert s.leases == 0 and not s.busy and not s.inflight, (s.index, s.leases, s.busy, s.inflight)
 
 
@@ -84,14 +84,14 @@ def test_mmap_failure_is_host_allocation_error(monkeypatch: pytest.MonkeyPatch, 
     engine = make_engine(backend=FakeBackend(), pinner=pinner, share_memory=shared)
     try:
         stage_sync(engine, sd_of(4))  # an arena exists; the next stage needs another
-        before_fds, before_arenas = fds(), sum(len(s.pool.arenas) for s in engine._sets)
+        before_fds, before_arenas = fds(), sum(len(s.pool.arenas) for s in engine.sets.all())
         with monkeypatch.context() as m:
             m.setattr(_arena, "mmap", _mmap_module_failing())
             with pytest.raises(HostAllocationError) as ei:
                 stage_sync(engine, sd_of(4, size=400_000))
         assert "No space left" in str(ei.value) and isinstance(ei.value.__cause__, OSError)
         assert fds() == before_fds
-        assert sum(len(s.pool.arenas) for s in engine._sets) == before_arenas
+        assert sum(len(s.pool.arenas) for s in engine.sets.all()) == before_arenas
         assert len(pinner.registered) == before_arenas
         assert_clean(engine)
         sd = sd_of(4, size=400_000, value=3.0)
@@ -111,7 +111,7 @@ def test_shm_full_is_host_allocation_error(monkeypatch: pytest.MonkeyPatch) -> N
             with pytest.raises(HostAllocationError, match="No space left"):
                 stage_sync(engine, sd_of())
         assert fds() == before and memfds() == before_memfd  # the memfd was closed
-        assert all(not s.pool.arenas for s in engine._sets)
+        assert all(not s.pool.arenas for s in engine.sets.all())
         with monkeypatch.context() as m:
             m.setattr(os, "memfd_create", _enospc)  # e.g. EMFILE, out of descriptors
             with pytest.raises(HostAllocationError):
@@ -137,7 +137,7 @@ async def test_pinning_failure_then_recovery(anyio_backend: Any, no_thread_leak:
         with pytest.raises(PinningError):
             await stager.stage(sd_of())
         assert pinner.registered == {} and fds() == before
-        assert all(not s.pool.arenas for s in stager._engine._sets)
+        assert all(not s.pool.arenas for s in stager._engine.sets.all())
         assert_clean(stager._engine)
         pinner.fail = False
         sd = sd_of(value=2.0)
@@ -227,7 +227,7 @@ def test_partial_copies_of_a_failed_stage_are_waited_for() -> None:
     try:
         with pytest.raises(CopyError):
             engine.run(sd_of(8), engine.capture())
-        assert engine._sets[0].inflight, "partial copies were forgotten"
+        assert engine.sets.all()[0].inflight, "partial copies were forgotten"
         backend.fail_copy_at = None
         backend.manual = False
         backend.complete_all()
@@ -363,7 +363,7 @@ async def test_close_during_a_stage(anyio_backend: Any, when: float, no_thread_l
     (res,) = outcome
     if not isinstance(res, ClosedError):
         assert_same(res, sd)  # it finished before the close: it must be whole
-    assert stager._engine._sets == [] and pinner.registered == {}
+    assert stager._engine.sets.all() == [] and pinner.registered == {}
     assert_clean(stager._engine)
     with pytest.raises(ClosedError):
         await stager.stage(sd)
@@ -400,4 +400,4 @@ def test_default_stager_close_during_stage(no_thread_leak: None) -> None:
     assert fut.done()
     if fut.exception() is None:
         assert_same(fut.result(), _big())
-    assert ds._engine._sets == []
+    assert ds._engine.sets.all() == []

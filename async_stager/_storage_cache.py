@@ -1,0 +1,88 @@
+"""Source storage -> host block: the storage cache of one buffer set.
+
+Keyed by the source storage's identity (its StorageImpl address, kept unique by a weak
+reference that pins the impl, not the data) and re-validated on each hit by data
+pointer, size and device. An entry whose storage died is dropped at the next slow-path
+stage and its block goes back to the arena (never a stale hit, and memory does not grow
+across checkpoints of fresh tensors). Identity decides whether a *plan* can be reused;
+the arena (``_arena.HostPool``) decides whether *memory* can.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ._arena import Block, HostPool
+
+__all__ = ["CacheEntry", "StorageCache"]
+
+
+@dataclass(eq=False)
+class CacheEntry:
+    weak: StorageWeakRef
+    ptr: int
+    nbytes: int
+    device: torch.device
+    block: Block
+
+
+class StorageCache:
+    """Maps live source storages to their host blocks in one HostPool."""
+
+    def __init__(self, pool: HostPool) -> None:
+        self.pool = pool
+        self._entries: dict[int, CacheEntry] = {}
+        #: Set when a lookup freed a block; the plan maker then drops the set's plans.
+        self.invalidated = False
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def take_invalidated(self) -> bool:
+        """Whether a lookup freed a block since the last call (the plans writing into
+        it are then stale); clears the flag."""
+        invalidated, self.invalidated = self.invalidated, False
+        return invalidated
+
+    def lookup(self, storage: torch.UntypedStorage, device: torch.device) -> Block | None:
+        """The block of ``storage`` if it is cached and still the same memory."""
+        e = self._entries.get(storage._cdata)
+        if e is None:
+            return None
+        if (
+            e.weak.expired()
+            or e.ptr != storage.data_ptr()
+            or e.nbytes != storage.nbytes()
+            or e.device != device
+        ):
+            # Same impl, other memory (moved, resized, reallocated): never a stale hit.
+            del self._entries[storage._cdata]
+            self.pool.free([e.block])
+            # The block may be handed out again: plans that write into it are stale.
+            self.invalidated = True
+            return None
+        return e.block
+
+    def insert(self, storage: torch.UntypedStorage, device: torch.device, block: Block) -> None:
+        self._entries[storage._cdata] = CacheEntry(
+            StorageWeakRef(storage), storage.data_ptr(), storage.nbytes(), device, block
+        )
+
+    def sweep(self) -> int:
+        """Drop entries whose source storage died; free their blocks. Returns how many."""
+        dead = [k for k, e in self._entries.items() if e.weak.expired()]
+        if dead:
+            blocks = [self._entries.pop(k).block for k in dead]
+            self.pool.free(blocks)
+        return len(dead)
+
+    def blocks(self) -> list[Block]:
+        """Every cached block that has memory."""
+        return [e.block for e in self._entries.values() if e.block.nbytes]
+
+    def clear(self) -> None:
+        self.pool.free([e.block for e in self._entries.values()])
+        self._entries.clear()
