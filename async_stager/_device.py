@@ -1,10 +1,13 @@
-"""Copy streams and events behind one small seam: a Copier per source device.
+"""The device seam: a Backend makes one Copier per source device; a Completion marks
+the end of enqueued copies.
 
-The engine speaks only to this interface; the real implementations are CpuCopier
-(copies run in the calling worker thread, GIL released by torch) and CudaCopier (a
-dedicated copy stream per device, non-blocking copies, a completion event). The fake in
-``async_stager.testing`` implements the same interface on the CPU, with completion that
-the test controls, which is how CPU tests reach the asynchronous logic.
+The engine speaks only to this interface. The real implementations are in
+``_copiers`` (CpuCopier: copies in the worker thread and its helpers, GIL released by
+torch; CudaCopier: a dedicated copy stream per device, non-blocking copies, a completion
+event). The fakes in ``async_stager.testing`` implement the same interface on the CPU,
+with completion that the test controls, which is how CPU tests reach the asynchronous
+logic. This module also holds the CUDA queries the seam needs (which devices have a
+context, graph capture).
 
 Hazards:
 - CUDA ordering: at the call, a *capture* event is recorded on the caller's current
@@ -34,29 +37,27 @@ from __future__ import annotations
 
 import contextlib
 import os
-import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ._errors import UnsupportedError
-from ._hostcopy import MIN_POOL_BYTES, CopyPool, Schedule, omp_threads, pieces, schedule
+
+if TYPE_CHECKING:
+    pass
 
 __all__ = [
     "Backend",
     "Completion",
     "Copier",
-    "CpuCopier",
-    "CudaCopier",
-    "CudaEvent",
-    "RealBackend",
-    "ScratchCopier",
     "caller_cuda_device",
+    "capturing",
     "cuda_context_devices",
     "graph_capture_error",
     "order_after",
+    "pinning_device",
 ]
 
 
@@ -72,7 +73,7 @@ class Completion(Protocol):
         ...
 
 
-# -- CUDA helpers -----------------------------------------------------------------------
+# -- CUDA queries -----------------------------------------------------------------------
 
 
 def cuda_context_devices() -> list[int]:
@@ -103,7 +104,7 @@ def caller_cuda_device() -> int | None:
     return devices[0] if devices else None
 
 
-def _pinning_device() -> torch.device | None:
+def pinning_device() -> torch.device | None:
     """Where a worker that must pin host memory runs when no device has a context yet
     (a CPU-only state dict before CUDA is initialised): pinning needs a context, and
     the thread's default device is GPU 0 for every rank. Taken: the first device with a
@@ -142,42 +143,13 @@ def graph_capture_error(what: str, device: Any) -> UnsupportedError:
     )
 
 
-def _capturing(index: int) -> bool:
+def capturing(index: int) -> bool:
     """True if the calling thread's current stream on device ``index`` is capturing a
     CUDA graph (any capture mode). Creates no context."""
     if torch.cuda.current_device() == index:
         return bool(torch.cuda.is_current_stream_capturing())
     with torch.cuda.device(index):
         return bool(torch.cuda.is_current_stream_capturing())
-
-
-class CudaEvent:
-    """A CUDA event recorded on ``stream`` now: a Completion, and a capture.
-
-    ``blocking=True``: a host wait (``synchronize``) sleeps instead of spinning a core.
-    ``query`` and ``synchronize`` run with the event's device current: CUDA runtime calls
-    from a thread without a current context (the event loop's, a worker's) would
-    otherwise create one on that thread's device, GPU 0 by default.
-    """
-
-    __slots__ = ("event", "index")
-
-    def __init__(self, stream: torch.cuda.Stream) -> None:
-        self.index: int = stream.device_index
-        self.event = torch.cuda.Event(blocking=True)
-        self.event.record(stream)
-
-    def query(self) -> bool:
-        with torch.cuda.device(self.index):
-            return bool(self.event.query())
-
-    def synchronize(self) -> None:
-        with torch.cuda.device(self.index):
-            self.event.synchronize()
-
-    def wait(self, stream: torch.cuda.Stream) -> None:
-        """Make ``stream``'s future work wait for this event (no host block)."""
-        stream.wait_event(self.event)
 
 
 def order_after(device: torch.device, captures: Mapping[torch.device, Any]) -> Any:
@@ -193,7 +165,7 @@ def order_after(device: torch.device, captures: Mapping[torch.device, Any]) -> A
     return None
 
 
-# -- copiers ----------------------------------------------------------------------------
+# -- the seam ---------------------------------------------------------------------------
 
 
 class Copier(ABC):
@@ -265,302 +237,6 @@ class Copier(ABC):
         """Drop streams and anything held."""
 
 
-class CpuCopier(Copier):
-    """Copies run in the calling thread; torch releases the GIL for each batch.
-
-    ``threads``: threads copying (None: torch's intra-op thread count). The async
-    Stager leaves one core to the event loop (``loop_friendly_threads``): with every
-    core copying, the loop's timers fire late; docs/benchmarks.md has the loop lag and
-    the bandwidth of both choices. A program of at least ``MIN_POOL_BYTES`` is copied by
-    the calling thread and ``threads - 1`` helpers claiming pieces (``_hostcopy``);
-    smaller ones by ``_foreach_copy_`` with that many torch threads.
-
-    ``begin`` waits (blocking, in the worker) for the accelerator captures it is given:
-    a CPU leaf may be a pinned tensor that a ``non_blocking`` device-to-host copy
-    queued on the caller's stream before the call is still filling.
-    """
-
-    def __init__(self, device: torch.device, *, threads: int | None = None) -> None:
-        super().__init__(device)
-        self.threads = threads
-        n = threads if threads is not None else torch.get_num_threads()
-        self._pool = CopyPool(n - 1) if n > 1 else None
-
-    def begin(self, capture: Any) -> None:
-        if capture is None:
-            return
-        for c in capture if isinstance(capture, tuple) else (capture,):
-            c.synchronize()
-
-    def copy(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-        if not dsts:
-            return
-        with omp_threads(self.threads):
-            torch._foreach_copy_(dsts, srcs)  # type: ignore[arg-type]
-
-    def prepare(self, dsts: Sequence[torch.Tensor]) -> Any:
-        if self._pool is None or self._pool.helpers == 0:
-            return None
-        sched = schedule(dsts)
-        n_pieces = sum(max(1, parts) for _, _, parts in sched.items)
-        return sched if sched.nbytes >= MIN_POOL_BYTES and n_pieces > 1 else None
-
-    def copy_planned(
-        self,
-        dsts: Sequence[torch.Tensor],
-        srcs: Sequence[torch.Tensor],
-        layout: Any,
-        tick: Callable[[], None],
-    ) -> None:
-        assert self._pool is not None and isinstance(layout, Schedule)
-        self._pool.run(pieces(layout, dsts, srcs), tick)
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    return int(t.untyped_storage()._cdata)
-
-
-class ScratchCopier(Copier):
-    """A copier that gathers small storages on its device (``batch_small``), and owns
-    the device scratch memory that takes.
-
-    A plan keeps its scratch tensors (``scratch``) and their views for good, but their
-    storage holds memory only while a run is being copied: it is materialized at the
-    run's first gather and freed right after the run's one copy to the host is
-    enqueued (in stream order: the allocator hands a block freed on the copy stream
-    only to later work on that stream, or back to the driver after a synchronize).
-    So a copier holds at most one run's scratch at a time, whatever the number of
-    plans and buffer sets, and nothing between stages: the allocator may give it to
-    training. ``scratch_budget`` (set from ``scratch_bytes`` by the engine) bounds what
-    is materialized at once. A scratch that is over budget or runs out of device
-    memory (``torch.OutOfMemoryError``) is not used: that run's storages are copied
-    directly to the host instead (the ungathered path), and ``scratch_fallbacks``
-    counts it.
-
-    Subclasses implement ``copy_now`` (an enqueue) and may override how scratch memory
-    is had and returned (``_alloc_scratch``, ``_grow_scratch``, ``_free_scratch``).
-    """
-
-    batch_small = True
-    #: Bytes of scratch this copier materializes at once, across every plan (None: no
-    #: bound).
-    scratch_budget: int | None = None
-
-    def __init__(self, device: torch.device) -> None:
-        super().__init__(device)
-        # Every scratch this copier made, by storage (views share it); weak, so a plan
-        # that is dropped takes its scratch with it.
-        self._bases: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-        # Scratch holding memory now.
-        self._live: dict[int, torch.Tensor] = {}
-        # Gathers of this stage's runs whose scratch could not be had: copied directly
-        # at the run's host copy.
-        self._direct: dict[int, list[tuple[list[torch.Tensor], list[torch.Tensor]]]] = {}
-        #: Runs copied directly because their scratch could not be had.
-        self.scratch_fallbacks = 0
-
-    @property
-    def scratch_live_bytes(self) -> int:
-        """Device bytes of scratch holding memory now."""
-        return sum(b.numel() for b in self._live.values())
-
-    # -- the seam ----------------------------------------------------------------------
-
-    @abstractmethod
-    def copy_now(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-        """Enqueue ``dsts[i].copy_(srcs[i])`` (no scratch routing)."""
-
-    def copy(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-        if not dsts:
-            return
-        key = _storage_key(dsts[0])
-        if key in self._bases:
-            # A gather into a run's scratch.
-            if key not in self._direct and self._materialize(key):
-                self.copy_now(dsts, srcs)
-            else:
-                self._direct.setdefault(key, []).append((list(dsts), list(srcs)))
-            return
-        if len(srcs) == 1:
-            key = _storage_key(srcs[0])
-            if key in self._bases:
-                # The run's one copy from its scratch to the host.
-                self._finish_run(key, dsts[0])
-                return
-        self.copy_now(dsts, srcs)
-
-    def scratch(self, nbytes: int) -> torch.Tensor:
-        # Plan time, in the worker, outside any stage's enqueueing: scratch still
-        # holding memory belongs to no run in progress.
-        self.release_scratch()
-        base: torch.Tensor | None = None
-        if self.scratch_budget is None or nbytes <= self.scratch_budget:
-            try:
-                base = self._alloc_scratch(nbytes)
-            except torch.OutOfMemoryError:
-                base = None
-        if base is None:
-            # Views of it still describe the layout; the run goes direct.
-            self.scratch_fallbacks += 1
-            base = torch.empty(nbytes, dtype=torch.uint8, device="meta")
-        else:
-            self._live[_storage_key(base)] = base
-        self._bases[_storage_key(base)] = base
-        return base
-
-    def prepare(self, dsts: Sequence[torch.Tensor]) -> Any:
-        # The plan's runs have made their views: their memory can go until a stage
-        # copies them (a reserve() may be the only use for a while).
-        self.release_scratch()
-        return None
-
-    def end(self) -> Completion | None:
-        # A stage cut short (an error, a cancellation) may leave a run's scratch held.
-        self.release_scratch()
-        return None
-
-    def close(self) -> None:
-        self.release_scratch()
-
-    def release_scratch(self) -> None:
-        """Free every scratch holding memory (stream-ordered: safe with copies in
-        flight) and forget this stage's direct runs."""
-        self._direct.clear()
-        live, self._live = self._live, {}
-        for base in live.values():
-            self._free_scratch(base)
-
-    # -- memory ------------------------------------------------------------------------
-
-    def _alloc_scratch(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-
-    def _grow_scratch(self, base: torch.Tensor) -> None:
-        storage = base.untyped_storage()
-        if storage.nbytes() < base.numel():
-            storage.resize_(base.numel())
-
-    def _free_scratch(self, base: torch.Tensor) -> None:
-        base.untyped_storage().resize_(0)
-
-    # -- runs --------------------------------------------------------------------------
-
-    def _materialize(self, key: int) -> bool:
-        if key in self._live:
-            return True
-        base = self._bases.get(key)
-        if base is None or base.is_meta:
-            return False
-        if self.scratch_budget is not None and self.scratch_live_bytes + base.numel() > self.scratch_budget:
-            self.scratch_fallbacks += 1
-            return False
-        try:
-            self._grow_scratch(base)
-        except torch.OutOfMemoryError:
-            self.scratch_fallbacks += 1
-            return False
-        self._live[key] = base
-        return True
-
-    def _finish_run(self, key: int, span: torch.Tensor) -> None:
-        direct = self._direct.pop(key, None)
-        if direct is not None:
-            base = self._bases[key]
-            for views, srcs in direct:
-                self.copy_now([_host_piece(span, base, v) for v in views], srcs)
-            return
-        live = self._live.pop(key, None)
-        if live is None:
-            return  # nothing was gathered into it
-        self.copy_now([span], [live])
-        self._free_scratch(live)
-
-
-def _host_piece(span: torch.Tensor, base: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
-    """The part of a run's host ``span`` that ``view`` (a view of the run's scratch
-    ``base``) is copied into by the run's host copy: same bytes, dtype and shape."""
-    start = view.storage_offset() * view.element_size() - base.storage_offset() * base.element_size()
-    piece = span[start : start + view.numel() * view.element_size()]
-    if view.dtype != piece.dtype:
-        piece = piece.view(view.dtype)
-    return piece.view(view.shape)
-
-
-class CudaCopier(ScratchCopier):
-    """A dedicated copy stream on one CUDA device; completion is a CUDA event.
-
-    ``non_blocking`` False: ``end`` waits for the copies and returns None."""
-
-    def __init__(self, device: torch.device, *, non_blocking: bool) -> None:
-        super().__init__(device)
-        self.non_blocking = non_blocking
-        with torch.cuda.device(device):
-            self.stream = torch.cuda.Stream(device=device)
-        self._ctx: contextlib.ExitStack | None = None
-
-    def capture(self) -> Any:
-        return CudaEvent(torch.cuda.current_stream(self.stream.device_index))
-
-    def begin(self, capture: Any) -> None:
-        ctx = contextlib.ExitStack()
-        ctx.enter_context(torch.cuda.device(self.device))
-        ctx.enter_context(torch.cuda.stream(self.stream))
-        self._ctx = ctx
-        if capture is not None:
-            capture.wait(self.stream)
-        else:
-            # No capture for this device (it had no context at the call, so no source
-            # of the call lived there): order after its default stream.
-            self.stream.wait_stream(torch.cuda.default_stream(self.device))
-
-    def copy_now(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-        if dsts:
-            torch._foreach_copy_(list(dsts), list(srcs), non_blocking=self.non_blocking)
-
-    def protect(self, srcs: Sequence[torch.Tensor]) -> None:
-        for s in srcs:
-            if s.device.type == "cuda":
-                s.record_stream(self.stream)
-
-    def end(self) -> Completion | None:
-        done = CudaEvent(self.stream)
-        ctx, self._ctx = self._ctx, None
-        if ctx is not None:
-            ctx.close()
-        self.release_scratch()
-        if not self.non_blocking:
-            done.synchronize()
-            return None
-        return done
-
-    def fence_point(self) -> Any:
-        return torch.cuda.current_stream(self.stream.device_index)
-
-    def fence(self, completion: Completion, point: Any) -> None:
-        stream = point if point is not None else torch.cuda.current_stream(self.stream.device_index)
-        completion.wait(stream)  # type: ignore[attr-defined]
-
-    # Scratch is allocated and re-materialized with the copy stream current, so its
-    # blocks belong to that stream and are reused only in its order.
-
-    def _alloc_scratch(self, nbytes: int) -> torch.Tensor:
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-
-    def _grow_scratch(self, base: torch.Tensor) -> None:
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            super()._grow_scratch(base)
-
-    def close(self) -> None:
-        self.release_scratch()
-        # A blocking event, not stream.synchronize(): the wait sleeps.
-        CudaEvent(self.stream).synchronize()
-
-
 class Backend(ABC):
     """Makes the Copier for each source device, and answers the engine's questions
     about devices: which to capture on at a call (``known_devices``), how to make one
@@ -591,41 +267,3 @@ class Backend(ABC):
         """True if the calling thread's current stream on ``device`` is capturing a
         CUDA graph (checked at every call before anything is recorded there)."""
         return False
-
-
-class RealBackend(Backend):
-    """CPU copies in the worker; CUDA copies on a dedicated stream per device."""
-
-    def __init__(self, *, non_blocking: bool, copy_threads: int | None = None) -> None:
-        self.non_blocking = non_blocking
-        self.copy_threads = copy_threads
-
-    def copier(self, device: torch.device) -> Copier:
-        if device.type == "cpu":
-            return CpuCopier(device, threads=self.copy_threads)
-        if device.type == "cuda":
-            if device.index is None:
-                device = torch.device("cuda", torch.cuda.current_device())
-            return CudaCopier(device, non_blocking=self.non_blocking)
-        # Other accelerators: copies in the worker thread, synchronous (correct, and
-        # the data has landed when they return).
-        return _SyncDeviceCopier(device)
-
-    def known_devices(self) -> Sequence[torch.device]:
-        # Every device with a context, not only the current one: the first stage from
-        # another device must have its snapshot point at the call too.
-        return tuple(torch.device("cuda", d) for d in cuda_context_devices())
-
-    def host_device(self) -> torch.device | None:
-        return _pinning_device()
-
-    def capturing(self, device: torch.device) -> bool:
-        if device.type != "cuda":
-            return False
-        return _capturing(device.index if device.index is not None else torch.cuda.current_device())
-
-
-class _SyncDeviceCopier(Copier):
-    def copy(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-        if dsts:
-            torch._foreach_copy_(list(dsts), list(srcs), non_blocking=False)

@@ -27,14 +27,8 @@ import torch
 
 from ._arena import Arena, CudaPinner, Pinner
 from ._buffer_sets import BufferSet, BufferSets
-from ._device import (
-    Backend,
-    Completion,
-    Copier,
-    RealBackend,
-    ScratchCopier,
-    graph_capture_error,
-)
+from ._copiers import RealBackend, ScratchCopier
+from ._device import Backend, Completion, Copier, graph_capture_error
 from ._enqueue import diagnose_copy_error, enqueue, no_torch_function
 from ._errors import ClosedError, StagingError
 from ._interp import gc_paused, gil_interval

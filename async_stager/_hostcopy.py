@@ -7,16 +7,14 @@ loader), the thread it displaces is late for that barrier and every other copy t
 waits, and many tensors copy markedly slower than one ``copy_`` of the same bytes
 while an asyncio loop ticks. Here the stage's worker and ``threads - 1`` helper
 threads each copy single-threaded, claiming pieces of about ``PIECE_BYTES`` from one
-list until it is empty (see ``_Job`` for how many at a time), so a displaced thread
+list until it is empty (see ``CopyJob`` for how many at a time), so a displaced thread
 delays only its own piece. docs/benchmarks.md has the numbers (``large1g`` against
 the one-buffer bound).
 
 Hazards:
 - OpenMP: each thread's team size must be 1, or every piece copy would start its own
-  team (threads x threads on the cores). It is set per thread through the OpenMP
-  runtime torch loaded (``omp_set_num_threads`` changes only the calling thread);
-  ``torch.set_num_threads`` would also change a process-wide default that threads
-  started later inherit. Without a reachable runtime, no helpers are used.
+  team (threads x threads on the cores). It is set per thread (``_openmp``). Without
+  a reachable OpenMP runtime, no helpers are used.
 - The GIL: a thread holds it only to claim pieces and enter torch (which releases it
   for the copy); the views are built by the worker before the helpers start.
 - Priority: helpers take the priority of the thread that creates them (the worker's
@@ -36,27 +34,23 @@ Hazards:
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 import os
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from . import _interp
+from ._openmp import helpers_supported, omp_threads, runtime
 
 __all__ = [
     "MIN_POOL_BYTES",
     "PIECE_BYTES",
     "CopyPool",
     "Schedule",
-    "helpers_supported",
-    "omp_threads",
     "pieces",
     "schedule",
     "set_thread_priority",
@@ -73,122 +67,6 @@ MIN_POOL_BYTES = 2 * PIECE_BYTES
 #: At most this many tensors per ``_foreach_copy_`` call (torch parses the lists with
 #: the GIL held, a cost per tensor).
 GROUP_MAX = 1024
-
-
-class _OpenMP:
-    """``omp_get_max_threads``/``omp_set_num_threads`` of the runtime torch loaded."""
-
-    def __init__(self, lib: Any) -> None:
-        self._get = lib.omp_get_max_threads
-        self._get.restype = ctypes.c_int
-        self._get.argtypes = []
-        self._set = lib.omp_set_num_threads
-        self._set.restype = None
-        self._set.argtypes = [ctypes.c_int]
-
-    def get(self) -> int:
-        return int(self._get())
-
-    def set(self, n: int) -> None:
-        self._set(n)
-
-
-def _controls_torch(omp: _OpenMP) -> bool:
-    """True when ``omp`` sets the team size torch sees (checked on a scratch thread)."""
-    seen: list[int] = []
-
-    def probe() -> None:
-        torch.get_num_threads()  # torch's lazy per-thread setup first
-        omp.set(1)
-        seen.append(torch.get_num_threads())
-        omp.set(2)
-        seen.append(torch.get_num_threads())
-
-    t = threading.Thread(target=probe, name="async-stager-omp-probe", daemon=True)
-    t.start()
-    t.join()
-    return seen == [1, 2]
-
-
-def _find_openmp() -> _OpenMP | None:
-    """The OpenMP entry points torch itself calls, or None.
-
-    Looked up first through torch's own library (a lookup through a library's handle
-    searches its dependencies, so it finds the runtime torch was linked with even when
-    another extension loaded a second copy), then through any loaded OpenMP library;
-    each candidate must be seen to change ``torch.get_num_threads()`` on a scratch
-    thread.
-    """
-    if "OpenMP" not in torch.__config__.parallel_info().rsplit("ATen parallel backend:", 1)[-1]:
-        return None
-    paths: list[str] = []
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                fields = line.split(maxsplit=5)
-                if len(fields) < 6:
-                    continue
-                path = fields[5].strip()
-                name = os.path.basename(path)
-                if name.startswith("libtorch_cpu"):
-                    paths.insert(0, path)
-                elif name.startswith(("libgomp", "libiomp", "libomp")):
-                    paths.append(path)
-    except OSError:
-        pass
-    seen: set[str] = set()
-    for path in paths:
-        if path in seen:
-            continue
-        seen.add(path)
-        try:
-            # Opening an already-loaded path returns that library, not a second copy.
-            omp = _OpenMP(ctypes.CDLL(path))
-        except (OSError, AttributeError):
-            continue
-        if _controls_torch(omp):
-            return omp
-    return None
-
-
-@functools.cache
-def _openmp() -> _OpenMP | None:
-    # Once per process (two first callers at once may both look: harmless).
-    return _find_openmp()
-
-
-def helpers_supported() -> bool:
-    """True when copy threads can be made single-threaded one by one (see module doc)."""
-    return _openmp() is not None
-
-
-@contextlib.contextmanager
-def omp_threads(n: int | None) -> Iterator[None]:
-    """torch's intra-op threads for copies made by this thread inside the block
-    (None: unchanged). Per thread when the OpenMP runtime is reachable; otherwise
-    through ``torch.set_num_threads`` (process-wide default, put back right after)."""
-    if n is None:
-        yield
-        return
-    # torch sets a thread's team size lazily, on its first parallel op, from its own
-    # process-wide default: trigger that first, or it would undo ours.
-    before = torch.get_num_threads()
-    if n == before:
-        yield
-        return
-    omp = _openmp()
-    if omp is not None:
-        omp.set(n)
-        try:
-            yield
-        finally:
-            omp.set(before)
-        return
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @dataclass(frozen=True)
@@ -258,7 +136,7 @@ def pieces(sched: Schedule, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.T
     return out
 
 
-class _Job:
+class CopyJob:
     """One ``run``: the pieces, the next unclaimed index, the first error.
 
     Claims are guided (as OpenMP's ``schedule(guided)``): a thread takes the remaining
@@ -348,7 +226,7 @@ def thread_priority() -> int | None:
     return None
 
 
-def _helper(inbox: queue.SimpleQueue[_Job | None], priority: int | None) -> None:
+def _helper(inbox: queue.SimpleQueue[CopyJob | None], priority: int | None) -> None:
     # A module function holding only its inbox: the thread must not keep the pool
     # (and through it the stager) alive.
     try:
@@ -358,12 +236,12 @@ def _helper(inbox: queue.SimpleQueue[_Job | None], priority: int | None) -> None
             _live_helpers.discard(threading.current_thread())
 
 
-def _serve(inbox: queue.SimpleQueue[_Job | None], priority: int | None) -> None:
+def _serve(inbox: queue.SimpleQueue[CopyJob | None], priority: int | None) -> None:
     try:
         if priority is not None:
             set_thread_priority(priority)
         torch.get_num_threads()  # torch's lazy per-thread setup first (see omp_threads)
-        omp = _openmp()
+        omp = runtime()
         if omp is not None:
             omp.set(1)
     except Exception:  # noqa: BLE001 - a helper that copies slower still copies
@@ -379,7 +257,7 @@ def _serve(inbox: queue.SimpleQueue[_Job | None], priority: int | None) -> None:
         del job
 
 
-def _stop_helpers(inboxes: list[queue.SimpleQueue[_Job | None]]) -> None:
+def _stop_helpers(inboxes: list[queue.SimpleQueue[CopyJob | None]]) -> None:
     for q in inboxes:
         q.put(None)
 
@@ -426,7 +304,7 @@ class CopyPool:
     def __init__(self, helpers: int) -> None:
         self.helpers = helpers if helpers_supported() else 0
         self._threads: list[threading.Thread] = []
-        self._inboxes: list[queue.SimpleQueue[_Job | None]] = []
+        self._inboxes: list[queue.SimpleQueue[CopyJob | None]] = []
         self._lock = threading.Lock()
         self._closed = False
         # Helpers end when the pool is closed or collected (a stager dropped unclosed).
@@ -447,7 +325,7 @@ class CopyPool:
         self._threads[:] = [t for t, _ in live]
         self._inboxes[:] = [q for _, q in live]
         while len(self._threads) < self.helpers:
-            q: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+            q: queue.SimpleQueue[CopyJob | None] = queue.SimpleQueue()
             t = threading.Thread(
                 target=_helper,
                 args=(q, prio),
@@ -476,7 +354,7 @@ class CopyPool:
             helpers = 0 if self._closed else min(self.helpers, len(work) - 1)
             if helpers > 0:
                 self._start()
-            job = _Job(work, helpers)
+            job = CopyJob(work, helpers)
             for q in self._inboxes[:helpers]:
                 q.put(job)
             try:

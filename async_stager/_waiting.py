@@ -18,21 +18,18 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import anyio.lowlevel
 import sniffio
 
+from ._device import Completion
 from ._errors import UnsupportedError
 
-__all__ = ["Backoff", "Pollable", "poll_completion", "wait_future", "wait_future_uninterrupted"]
+__all__ = ["Backoff", "poll_completion", "wait_future", "wait_future_uninterrupted"]
 
 T = TypeVar("T")
-
-
-class Pollable(Protocol):
-    def query(self) -> bool: ...
 
 
 def _threadsafe(fn: Callable[[], Any]) -> Callable[[], None]:
@@ -156,7 +153,7 @@ class Backoff:
 
 
 async def poll_completion(
-    event: Pollable,
+    event: Completion,
     *,
     expected_seconds: float | None = None,
     backoff: Backoff = Backoff(),

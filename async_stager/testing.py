@@ -41,7 +41,8 @@ from typing import Any
 import torch
 
 from ._arena import Pinner
-from ._device import Backend, Completion, Copier, CpuCopier, ScratchCopier
+from ._copiers import CpuCopier, ScratchCopier
+from ._device import Backend, Completion, Copier
 from ._errors import PinningError
 
 __all__ = [

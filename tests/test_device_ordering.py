@@ -18,7 +18,8 @@ from helpers import assert_same, make_engine, stage_sync
 
 import async_stager.dcp as adcp
 from async_stager import CopyError, Stager, UnsupportedError
-from async_stager._device import CudaEvent, RealBackend, ScratchCopier, caller_cuda_device, order_after
+from async_stager._copiers import CudaEvent, RealBackend, ScratchCopier
+from async_stager._device import caller_cuda_device, order_after
 from async_stager.testing import FakeBackend, FakeCapture, FakeEvent, FakePinner, FakeStream
 
 pytestmark = pytest.mark.timeout(60)

@@ -14,17 +14,16 @@ import pytest
 import torch
 from helpers import assert_same, make_engine, stage_sync
 
-from async_stager import _hostcopy
+from async_stager import _hostcopy, _openmp
 from async_stager._hostcopy import (
     GROUP_MAX,
     MIN_POOL_BYTES,
     CopyPool,
     Schedule,
-    helpers_supported,
-    omp_threads,
     pieces,
     schedule,
 )
+from async_stager._openmp import helpers_supported, omp_threads
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -291,7 +290,7 @@ def test_module_constants() -> None:
 
 def test_claims_are_guided() -> None:
     # Big claims first (few GIL round trips), single pieces at the end (even finish).
-    job = _hostcopy._Job([([], [])] * 100, helpers=1)
+    job = _hostcopy.CopyJob([([], [])] * 100, helpers=1)
     sizes = []
     while True:
         lo, hi = job._claim()
@@ -336,7 +335,7 @@ def test_a_helper_copies_like_the_worker() -> None:
         dsts = [torch.zeros(3000) for _ in srcs]
         work = pieces(schedule(dsts, 4096), dsts, srcs)
     _Recording.threads.clear()
-    job = _hostcopy._Job(work, helpers=0)
+    job = _hostcopy.CopyJob(work, helpers=0)
     t = threading.Thread(target=job.drain, name="async-stager-copy-test")
     t.start()
     t.join()
@@ -387,7 +386,7 @@ def test_reshaped_leaf_is_not_flattened_into_the_old_plan() -> None:
 
 @needs_helpers
 def test_one_big_tensor_is_copied_in_pieces() -> None:
-    from async_stager._device import CpuCopier
+    from async_stager._copiers import CpuCopier
 
     copier = CpuCopier(torch.device("cpu"), threads=2)
     try:
@@ -400,5 +399,5 @@ def test_one_big_tensor_is_copied_in_pieces() -> None:
 
 @needs_helpers
 def test_the_openmp_runtime_found_is_torchs() -> None:
-    omp = _hostcopy._openmp()
-    assert omp is not None and _hostcopy._controls_torch(omp)
+    omp = _openmp.runtime()
+    assert omp is not None and _openmp._controls_torch(omp)

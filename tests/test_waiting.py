@@ -27,6 +27,9 @@ class CountingEvent:
         self.times.append(time.perf_counter())
         return len(self.times) >= self.n
 
+    def synchronize(self) -> None:  # a Completion; polling never blocks on it
+        raise AssertionError("poll_completion must not block on the event")
+
 
 def test_backoff_follows_prediction_and_bounds() -> None:
     b = Backoff(min_delay=0.001, max_delay=0.01)
