@@ -76,7 +76,7 @@ async def test_poll_with_prediction_wakes_near_it(anyio_backend: Any) -> None:
     control = time.perf_counter() - t0
     done_at = time.perf_counter() + 0.03
 
-    class Timed:
+    class Timed(CountingEvent):
         def __init__(self) -> None:
             self.polls = 0
 
