@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ._arena import CudaPinner, Pinner
 from ._device import Backend, Completion, Copier, capturing, cuda_context_devices, pinning_device
 from ._hostcopy import MIN_POOL_BYTES, CopyPool, Schedule, pieces, schedule
 from ._openmp import omp_threads
@@ -353,9 +354,16 @@ class CudaCopier(ScratchCopier):
 class RealBackend(Backend):
     """CPU copies in the worker; CUDA copies on a dedicated stream per device."""
 
-    def __init__(self, *, non_blocking: bool, copy_threads: int | None = None) -> None:
+    def __init__(self, *, non_blocking: bool = False, copy_threads: int | None = None) -> None:
         self.non_blocking = non_blocking
         self.copy_threads = copy_threads
+
+    @property
+    def asynchronous(self) -> bool:
+        return bool(torch.cuda.is_available())
+
+    def pinner(self) -> Pinner | None:
+        return CudaPinner() if torch.cuda.is_available() else None
 
     def copier(self, device: torch.device) -> Copier:
         if device.type == "cpu":

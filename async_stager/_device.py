@@ -39,14 +39,12 @@ import contextlib
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
+from ._arena import Pinner
 from ._errors import UnsupportedError
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "Backend",
@@ -241,8 +239,9 @@ class Backend(ABC):
     """Makes the Copier for each source device, and answers the engine's questions
     about devices: which to capture on at a call (``known_devices``), how to make one
     current (``device_guard``), where a pinning worker runs (``host_device``) and
-    whether a stream is capturing a CUDA graph (``capturing``). Pinning itself is the
-    ``Pinner``'s (``_arena``)."""
+    whether a stream is capturing a CUDA graph (``capturing``); and declares what it can
+    do: non-blocking copies (``asynchronous``) and pinning (``pinner``: the ``Pinner``
+    of ``_arena`` it pins with)."""
 
     @abstractmethod
     def copier(self, device: torch.device) -> Copier: ...
@@ -267,3 +266,17 @@ class Backend(ABC):
         """True if the calling thread's current stream on ``device`` is capturing a
         CUDA graph (checked at every call before anything is recorded there)."""
         return False
+
+    # -- capabilities (read once, when a stager's options are resolved) ----------------
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether device copies can be enqueued without waiting for them (what a
+        ``non_blocking`` stager needs; its default)."""
+        return False
+
+    def pinner(self) -> Pinner | None:
+        """The Pinner that registers host arenas for fast device copies, or None when
+        this backend cannot pin (``pin_memory`` then defaults to False, and True is
+        refused)."""
+        return None

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ._arena import Arena, CudaPinner, Pinner
+from ._arena import Arena, Pinner
 from ._buffer_sets import BufferSet, BufferSets
 from ._copiers import RealBackend, ScratchCopier
 from ._device import Backend, Completion, Copier, graph_capture_error
@@ -34,11 +34,11 @@ from ._errors import ClosedError, StagingError
 from ._interp import gc_paused, gil_interval
 from ._layout import signature_of
 from ._lease import Lease
-from ._options import StagerOptions
+from ._options import StagerOptions, resolve_options
 from ._plan import make_plan, plan_holds
 from ._tree import Interrupt, Walk
 
-__all__ = ["Cancelled", "Engine", "Staged"]
+__all__ = ["Cancelled", "Engine", "Staged", "build_engine"]
 
 
 _log = logging.getLogger("async_stager")
@@ -73,25 +73,27 @@ class Staged:
     devices: list[torch.device]
 
 
+def build_engine(*, backend: Backend | None = None, pinner: Pinner | None = None, **given: object) -> Engine:
+    """The engine of a stager, from its options as given (StagerOptions fields, ``None``
+    for what the machine supports; see ``resolve_options``) and the device seam:
+    ``backend`` (default: the real one, configured from the resolved options) and
+    ``pinner`` (default: the backend's). Used by both stagers and the tests; checks
+    every option before anything is made."""
+    options, pinner = resolve_options(backend if backend is not None else RealBackend(), pinner, **given)
+    if backend is None:
+        backend = RealBackend(non_blocking=options.non_blocking, copy_threads=options.copy_threads)
+    return Engine(options, backend=backend, pinner=pinner)
+
+
 class Engine:
     """Host buffers, caches, plans and copiers of one stager."""
 
-    def __init__(
-        self,
-        options: StagerOptions,
-        *,
-        backend: Backend | None = None,
-        pinner: Pinner | None = None,
-    ) -> None:
+    def __init__(self, options: StagerOptions, *, backend: Backend, pinner: Pinner | None) -> None:
+        """Made by ``build_engine`` (options resolved against ``backend``, ``pinner``
+        the one it pins with, None when not pinning)."""
         self.options = options
-        self.backend = (
-            backend
-            if backend is not None
-            else RealBackend(non_blocking=options.non_blocking, copy_threads=options.copy_threads)
-        )
-        if pinner is None and options.pin_memory:
-            pinner = CudaPinner()
-        self._pinner = pinner if options.pin_memory else None
+        self.backend = backend
+        self._pinner = pinner
         self.sets = BufferSets(
             max_sets=options.max_buffer_sets,
             shared=options.share_memory,

@@ -27,11 +27,15 @@ import operator
 import os
 import reprlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ._errors import InvalidOptionError, InvalidOptionTypeError, UnsupportedError
+
+if TYPE_CHECKING:
+    from ._arena import Pinner
+    from ._device import Backend
 
 __all__ = [
     "InvalidOptionError",
@@ -143,9 +147,11 @@ def cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StagerOptions:
     """How a stager stages; built by :func:`resolve_options`, never changed afterwards.
+    The one source of every option's default (``Stager`` and ``DefaultStager`` take
+    theirs from here); keyword-only.
 
     - ``pin_memory``: host arenas are registered with CUDA (one registration per arena),
       so device-to-host copies run at full bandwidth and can be asynchronous.
@@ -190,8 +196,8 @@ class StagerOptions:
     """
 
     pin_memory: bool
-    share_memory: bool
     non_blocking: bool
+    share_memory: bool = False
     max_buffer_sets: int = 2
     small_tensor_bytes: int = DEFAULT_SMALL_TENSOR_BYTES
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES
@@ -234,7 +240,7 @@ class StagerOptions:
                 object.__setattr__(self, name, value)
 
 
-#: The options ``resolve_options`` (and so ``DefaultStager``) takes, besides the seam.
+#: The options ``resolve_options`` (and so ``DefaultStager``) takes.
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(StagerOptions))
 
 
@@ -248,59 +254,40 @@ def _check_names(given: dict[str, object]) -> None:
 
 
 def resolve_options(
-    *,
-    pin_memory: bool | None = None,
-    share_memory: bool = False,
-    non_blocking: bool | None = None,
-    max_buffer_sets: int = 2,
-    small_tensor_bytes: int = DEFAULT_SMALL_TENSOR_BYTES,
-    scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
-    yield_interval: float = 0.0002,
-    worker_nice: int = 5,
-    copy_threads: int | None = None,
-    buffer_wait_timeout: float | None = DEFAULT_BUFFER_WAIT_TIMEOUT,
-    seam: bool = False,
-    pinner_given: bool = False,
-    **unknown: object,
-) -> StagerOptions:
-    """Resolve ``None`` to what the machine supports; reject what it cannot do.
+    backend: Backend, pinner: Pinner | None = None, /, **given: object
+) -> tuple[StagerOptions, Pinner | None]:
+    """The options of a stager on ``backend``, and the pinner it pins with (None: not
+    pinning). The one place ``None`` is resolved and a machine limit reported.
 
-    ``seam``: a device backend or pinner was passed in (a fake, in tests). It stands in
-    for the accelerator, so its features count as available, and pinning defaults to
-    whether a pinner came (``pinner_given``).
-
-    Every option is checked (see StagerOptions) before anything is resolved: a bad one
-    is an InvalidOptionError naming it, an unknown name an InvalidOptionTypeError.
+    ``given`` are StagerOptions fields (unknown names are an InvalidOptionTypeError);
+    what is not given takes StagerOptions' default, so the defaults live only there.
+    ``pin_memory`` and ``non_blocking`` may be None: what the backend can do
+    (``Backend.pinner()``, ``Backend.asynchronous``). ``pinner``, when given, replaces
+    the backend's own (a fake, in tests). Every option is checked (see StagerOptions)
+    before a machine limit is reported: asking for pinning or non-blocking copies the
+    backend cannot do is an UnsupportedError.
     """
-    _check_names(unknown)
+    _check_names(given)
     # Types first: a truthy non-bool ("yes", 1) must not pass for True below.
-    pin_memory = check_bool("pin_memory", pin_memory, none_means="what this machine supports")
-    non_blocking = check_bool("non_blocking", non_blocking, none_means="what this machine supports")
-    check_bool("share_memory", share_memory)
-    has_cuda = True if seam else cuda_available()
-    if pin_memory is None and seam:
-        pin_memory = pinner_given
-    if pin_memory is None:
-        pin_memory = has_cuda
-    if non_blocking is None:
-        non_blocking = has_cuda
-    # Everything else is checked before a machine limit is reported.
-    opts = StagerOptions(
-        pin_memory=pin_memory,
-        share_memory=share_memory,
-        non_blocking=non_blocking,
-        max_buffer_sets=max_buffer_sets,
-        small_tensor_bytes=small_tensor_bytes,
-        scratch_bytes=scratch_bytes,
-        yield_interval=yield_interval,
-        worker_nice=worker_nice,
-        copy_threads=copy_threads,
-        buffer_wait_timeout=buffer_wait_timeout,
+    pin_memory = check_bool(
+        "pin_memory", given.pop("pin_memory", None), none_means="what this machine supports"
     )
-    if opts.pin_memory and not has_cuda:
+    non_blocking = check_bool(
+        "non_blocking", given.pop("non_blocking", None), none_means="what this machine supports"
+    )
+    check_bool("share_memory", given.get("share_memory", False))
+    if pinner is None:
+        pinner = backend.pinner()
+    if pin_memory is None:
+        pin_memory = pinner is not None
+    if non_blocking is None:
+        non_blocking = backend.asynchronous
+    # Everything else is checked before a machine limit is reported.
+    opts = StagerOptions(pin_memory=pin_memory, non_blocking=non_blocking, **given)  # type: ignore[arg-type]
+    if opts.pin_memory and pinner is None:
         raise UnsupportedError("pin_memory=True needs CUDA, and no CUDA device is available")
-    if opts.non_blocking and not has_cuda:
+    if opts.non_blocking and not backend.asynchronous:
         raise UnsupportedError("non_blocking=True needs CUDA, and no CUDA device is available")
     if opts.share_memory and not hasattr(os, "memfd_create") and not os.path.isdir("/dev/shm"):
         raise UnsupportedError("share_memory=True needs memfd_create or /dev/shm")
-    return opts
+    return opts, pinner if opts.pin_memory else None

@@ -41,9 +41,9 @@ from types import TracebackType
 from typing import Any
 
 from ._arena import Arena
-from ._engine import Cancelled, Engine, Staged
+from ._engine import Cancelled, Staged, build_engine
 from ._errors import ClosedError, InvalidOptionError, InvalidOptionTypeError, UnsupportedError
-from ._options import StagerOptions, resolve_options
+from ._options import StagerOptions
 from ._worker import Worker, WorkerForked, WorkerStopped, clear_locals
 
 __all__ = ["CheckpointStager", "CheckpointStagerConfig", "DefaultStager"]
@@ -226,16 +226,16 @@ class DefaultStager(CheckpointStager):
         backend = engine_options.pop("backend", None)
         pinner = engine_options.pop("pinner", None)
         # Passed through as given: resolve_options checks their types.
-        options = resolve_options(
+        self._engine = build_engine(
+            backend=backend,
+            pinner=pinner,
             pin_memory=getattr(config, "use_pinned_memory", None),
             share_memory=getattr(config, "use_shared_memory", True),
             non_blocking=getattr(config, "use_non_blocking_copy", None),
-            seam=backend is not None or pinner is not None,
-            pinner_given=pinner is not None,
             **engine_options,
         )
+        options = self._engine.options
         self._async = use_async
-        self._engine = Engine(options, backend=backend, pinner=pinner)
         # Starts no thread before the first stage (never, with an executor).
         self._worker = Worker(thread_name, nice=options.worker_nice)
         self._executor = staging_executor

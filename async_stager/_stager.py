@@ -27,17 +27,10 @@ from typing import Any, Generic, TypeVar
 
 from ._arena import Arena, Pinner
 from ._device import Backend
-from ._engine import Engine, Staged
+from ._engine import Engine, Staged, build_engine
 from ._errors import ClosedError
 from ._lease import Lease
-from ._options import (
-    DEFAULT_BUFFER_WAIT_TIMEOUT,
-    DEFAULT_SCRATCH_BYTES,
-    DEFAULT_SMALL_TENSOR_BYTES,
-    StagerOptions,
-    loop_friendly_threads,
-    resolve_options,
-)
+from ._options import StagerOptions, loop_friendly_threads
 from ._stats import StageStats
 from ._waiting import Backoff, poll_completion, wait_future, wait_future_uninterrupted
 from ._worker import Worker, WorkerForked, WorkerStopped
@@ -45,6 +38,9 @@ from ._worker import Worker, WorkerForked, WorkerStopped
 __all__ = ["Stager"]
 
 T = TypeVar("T")
+
+#: The one source of the options' defaults (class attributes of the dataclass).
+_D = StagerOptions
 
 _log = logging.getLogger("async_stager.stage")
 
@@ -147,21 +143,23 @@ class Stager:
         self,
         *,
         pin_memory: bool | None = None,
-        share_memory: bool = False,
+        share_memory: bool = _D.share_memory,
         non_blocking: bool | None = None,
-        max_buffer_sets: int = 2,
-        buffer_wait_timeout: float | None = DEFAULT_BUFFER_WAIT_TIMEOUT,
-        small_tensor_bytes: int = DEFAULT_SMALL_TENSOR_BYTES,
-        scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
-        yield_interval: float = 0.0002,
-        worker_nice: int = 5,
+        max_buffer_sets: int = _D.max_buffer_sets,
+        buffer_wait_timeout: float | None = _D.buffer_wait_timeout,
+        small_tensor_bytes: int = _D.small_tensor_bytes,
+        scratch_bytes: int = _D.scratch_bytes,
+        yield_interval: float = _D.yield_interval,
+        worker_nice: int = _D.worker_nice,
         copy_threads: int | None = None,
         backoff: Backoff | None = None,
         on_stage: Callable[[StageStats], None] | None = None,
         backend: Backend | None = None,
         pinner: Pinner | None = None,
     ) -> None:
-        self.options: StagerOptions = resolve_options(
+        self._engine = build_engine(
+            backend=backend,
+            pinner=pinner,
             pin_memory=pin_memory,
             share_memory=share_memory,
             non_blocking=non_blocking,
@@ -171,11 +169,10 @@ class Stager:
             scratch_bytes=scratch_bytes,
             yield_interval=yield_interval,
             worker_nice=worker_nice,
+            # Stager's own default: leave one core to the event loop (see docs).
             copy_threads=copy_threads if copy_threads is not None else loop_friendly_threads(),
-            seam=backend is not None or pinner is not None,
-            pinner_given=pinner is not None,
         )
-        self._engine = Engine(self.options, backend=backend, pinner=pinner)
+        self.options: StagerOptions = self._engine.options
         self._worker = Worker(nice=self.options.worker_nice)
         self._backoff = backoff if backoff is not None else Backoff()
         self._on_stage = on_stage

@@ -329,6 +329,8 @@ class FakeBackend(Backend):
     ``scratch_limit``: device bytes for gathering small storages (beyond it, allocating
     scratch raises ``torch.OutOfMemoryError``); None: unlimited.
     ``host_device``: what the worker runs on for pinning when no device is known.
+    ``pinner``: the backend's pinner (e.g. a FakePinner); None: it cannot pin, so
+    ``pin_memory`` defaults to False (a stager's ``pinner=`` overrides either way).
     """
 
     def __init__(
@@ -343,8 +345,10 @@ class FakeBackend(Backend):
         host_copies: bool = False,
         scratch_limit: int | None = None,
         host_device: torch.device | None = None,
+        pinner: Pinner | None = None,
     ) -> None:
         self.delay = delay
+        self.pinner_ = pinner
         self.polls = polls
         self.manual = manual
         self.fail_copy_at = fail_copy_at
@@ -390,6 +394,13 @@ class FakeBackend(Backend):
 
     def capturing(self, device: torch.device) -> bool:
         return self.stream(device).capturing
+
+    @property
+    def asynchronous(self) -> bool:
+        return True  # a fake accelerator: completion is the test's
+
+    def pinner(self) -> Pinner | None:
+        return self.pinner_
 
     # -- streams -------------------------------------------------------------------------
 

@@ -7,16 +7,11 @@ from typing import Any
 
 import torch
 
-from async_stager._engine import Engine, Staged
-from async_stager._options import resolve_options
+from async_stager._engine import Engine, Staged, build_engine
 
 
 def make_engine(**opts: Any) -> Engine:
-    backend = opts.pop("backend", None)
-    pinner = opts.pop("pinner", None)
-    seam = backend is not None or pinner is not None
-    options = resolve_options(seam=seam, pinner_given=pinner is not None, **opts)
-    return Engine(options, backend=backend, pinner=pinner)
+    return build_engine(**opts)
 
 
 def stage_sync(engine: Engine, sd: Any, **kw: Any) -> Staged:
