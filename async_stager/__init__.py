@@ -5,6 +5,8 @@ into reusable pinned and/or shared host memory without blocking an asyncio or tr
 event loop. ``DefaultStager`` keeps PyTorch DCP's staging API on the same engine.
 """
 
+from ._checkpoint_stager import CheckpointStager, CheckpointStagerConfig
+from ._default_stager import DefaultStager
 from ._errors import (
     BuffersHeldError,
     ClosedError,
@@ -21,7 +23,6 @@ from ._errors import (
 )
 from ._lease import Lease
 from ._options import StagerOptions
-from ._seed import CheckpointStager, CheckpointStagerConfig, DefaultStager
 from ._share import AttachedStateDict, SharedArena, SharedHandle, attach_shared, export_shared
 from ._stager import Stager
 from ._stats import StageStats

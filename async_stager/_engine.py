@@ -1,7 +1,7 @@
 """The staging engine: walk, reserve host blocks, enqueue copies. Synchronous.
 
 Both public APIs sit on this: the async Stager (``_stager.py``) and the seed's
-DefaultStager (``_seed.py``). ``capture`` runs on the caller's thread at the call;
+DefaultStager (``_default_stager.py``). ``capture`` runs on the caller's thread at the call;
 ``run`` runs on the stager's worker thread; ``settle`` may run anywhere.
 
 Fast path: the state dict is walked once with the host tensors of the plan that

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 from . import _interp
 from ._errors import StagingError
 
-__all__ = ["Worker", "WorkerForked", "WorkerStopped"]
+__all__ = ["FifoLock", "Worker", "WorkerForked", "WorkerStopped", "clear_locals"]
 
 T = TypeVar("T")
 _Item = tuple[Future[Any], Callable[..., Any], tuple[Any, ...], "threading.Event | None"]
@@ -265,3 +265,34 @@ def clear_locals(exc: BaseException) -> None:
         seen.add(id(e))
         traceback.clear_frames(e.__traceback__)
         stack.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+
+
+class FifoLock:
+    """Stages of one stager, one at a time, in submission order (on a shared executor,
+    whichever of its threads picks a stage up): a ticket per stage at submission,
+    released once the stage ran or its Future was cancelled before it started."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._issued = 0
+        self._serving = 0
+        self._over: set[int] = set()
+
+    def ticket(self) -> int:
+        with self._cond:
+            t = self._issued
+            self._issued += 1
+            return t
+
+    def acquire(self, ticket: int) -> None:
+        with self._cond:
+            while self._serving != ticket:
+                self._cond.wait()
+
+    def release(self, ticket: int) -> None:
+        with self._cond:
+            self._over.add(ticket)
+            while self._serving in self._over:
+                self._over.remove(self._serving)
+                self._serving += 1
+            self._cond.notify_all()

@@ -28,7 +28,8 @@ from typing import Any, Protocol
 
 import torch
 
-from .._seed import CheckpointStagerConfig, DefaultStager
+from .._checkpoint_stager import CheckpointStagerConfig
+from .._default_stager import DefaultStager
 from .._stager import Stager
 
 __all__ = [

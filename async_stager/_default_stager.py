@@ -1,4 +1,4 @@
-"""The seed's API (PyTorch DCP's experimental staging module) on async_stager's engine.
+"""PyTorch DCP's staging API (``DefaultStager``) on async_stager's engine.
 
 ``CheckpointStager`` (abstract), ``CheckpointStagerConfig`` (the four ``use_*`` flags)
 and ``DefaultStager`` keep the seed's calls and results: ``stage()`` returns the staged
@@ -25,7 +25,6 @@ docs/migration.md lists every difference.
 
 from __future__ import annotations
 
-import abc
 import concurrent.futures
 import contextvars
 import copy
@@ -36,99 +35,26 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 from ._arena import Arena
+from ._checkpoint_stager import (
+    DEFAULT_METRIC_PREFIX,
+    DEFAULT_THREAD_NAME,
+    STATE_DICT,
+    CheckpointStager,
+    CheckpointStagerConfig,
+    check_name,
+)
 from ._engine import Cancelled, Staged, build_engine
 from ._errors import ClosedError, InvalidOptionError, InvalidOptionTypeError, UnsupportedError
 from ._options import StagerOptions
-from ._worker import Worker, WorkerForked, WorkerStopped, clear_locals
+from ._worker import FifoLock, Worker, WorkerForked, WorkerStopped, clear_locals
 
-__all__ = ["CheckpointStager", "CheckpointStagerConfig", "DefaultStager"]
-
-STATE_DICT = dict[str, Any]
-
+__all__ = ["DefaultStager"]
 
 _log = logging.getLogger("async_stager.stage")
-
-DEFAULT_THREAD_NAME = "async-stager-dcp"
-DEFAULT_METRIC_PREFIX = "async_stager"
-
-
-class CheckpointStager(abc.ABC):
-    """Interface of a checkpoint stager: ``stage`` and ``close`` (as in the seed), and
-    ``pinned_num_bytes`` (0 unless a stager pins host memory)."""
-
-    @abc.abstractmethod
-    def stage(
-        self, state_dict: STATE_DICT, keys_not_requiring_copy: Iterable[Any] = ()
-    ) -> STATE_DICT | Future[STATE_DICT]:
-        """A staged copy of ``state_dict`` (the top-level ``keys_not_requiring_copy``
-        passed through as they are), or a Future of it."""
-
-    @abc.abstractmethod
-    def close(self) -> None:
-        """Release every resource of the stager."""
-
-    def pinned_num_bytes(self) -> int:
-        """Pinned (page-locked) host memory held, in bytes; 0 by default."""
-        return 0
-
-
-@dataclass(frozen=True)
-class CheckpointStagerConfig:
-    """The seed's four flags, and two of ours. ``None``: what the machine supports.
-
-    - ``use_pinned_memory``: pinned host arenas (needs CUDA).
-    - ``use_shared_memory``: shared-memory host arenas (memfd; one descriptor each).
-    - ``use_async_staging``: ``stage()`` returns a Future; staging runs in a worker.
-    - ``use_non_blocking_copy``: asynchronous device-to-host copies (needs CUDA).
-    - ``thread_name``: the name of the stager's worker thread, in Python and at OS
-      level (Linux keeps its first 15 bytes: ``top -H``, ``py-spy``,
-      ``/proc/self/task/<tid>/comm``).
-    - ``metric_prefix``: the prefix of the metric names in the stage log records
-      (``<prefix>.stage_seconds``, ``<prefix>.bytes``, ``<prefix>.cache_hits``).
-    """
-
-    use_pinned_memory: bool | None = None
-    use_shared_memory: bool = True
-    use_async_staging: bool = True
-    use_non_blocking_copy: bool | None = None
-    thread_name: str = DEFAULT_THREAD_NAME
-    metric_prefix: str = DEFAULT_METRIC_PREFIX
-
-
-class _FifoLock:
-    """Stages of one stager, one at a time, in submission order (on a shared executor,
-    whichever of its threads picks a stage up): a ticket per stage at submission,
-    released once the stage ran or its Future was cancelled before it started."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._issued = 0
-        self._serving = 0
-        self._over: set[int] = set()
-
-    def ticket(self) -> int:
-        with self._cond:
-            t = self._issued
-            self._issued += 1
-            return t
-
-    def acquire(self, ticket: int) -> None:
-        with self._cond:
-            while self._serving != ticket:
-                self._cond.wait()
-
-    def release(self, ticket: int) -> None:
-        with self._cond:
-            self._over.add(ticket)
-            while self._serving in self._over:
-                self._over.remove(self._serving)
-                self._serving += 1
-            self._cond.notify_all()
 
 
 def _passed_keys(state_dict: Any, keys: Any) -> dict[Any, Any]:
@@ -147,14 +73,6 @@ def _passed_keys(state_dict: Any, keys: Any) -> dict[Any, Any]:
     if not isinstance(state_dict, dict):
         raise TypeError(f"keys_not_requiring_copy needs a dict state_dict, got {type(state_dict).__name__}")
     return {k: v for k, v in state_dict.items() if k in wanted}
-
-
-def _check_name(what: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise InvalidOptionTypeError(f"{what} must be a str, got {value!r} of type {type(value).__name__}")
-    if not value or "\0" in value:
-        raise InvalidOptionError(f"{what} must be a non-empty str without NUL, got {value!r}")
-    return value
 
 
 class DefaultStager(CheckpointStager):
@@ -219,8 +137,8 @@ class DefaultStager(CheckpointStager):
                     "staging_executor needs use_async_staging=True: synchronous staging "
                     "runs in the caller's thread"
                 )
-        thread_name = _check_name("thread_name", getattr(config, "thread_name", DEFAULT_THREAD_NAME))
-        self._metric_prefix = _check_name(
+        thread_name = check_name("thread_name", getattr(config, "thread_name", DEFAULT_THREAD_NAME))
+        self._metric_prefix = check_name(
             "metric_prefix", getattr(config, "metric_prefix", DEFAULT_METRIC_PREFIX)
         )
         backend = engine_options.pop("backend", None)
@@ -239,7 +157,7 @@ class DefaultStager(CheckpointStager):
         # Starts no thread before the first stage (never, with an executor).
         self._worker = Worker(thread_name, nice=options.worker_nice)
         self._executor = staging_executor
-        self._turns = _FifoLock()
+        self._turns = FifoLock()
         #: The process that first submitted to the executor (0: none yet).
         self._pid = 0
         #: Stages submitted and not yet seen done, in submission order.
@@ -506,6 +424,6 @@ class DefaultStager(CheckpointStager):
         self.close()
 
 
-def _release_if_cancelled(turns: _FifoLock, ticket: int, fut: Future[Any]) -> None:
+def _release_if_cancelled(turns: FifoLock, ticket: int, fut: Future[Any]) -> None:
     if fut.cancelled():
         turns.release(ticket)
