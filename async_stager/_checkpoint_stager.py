@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._errors import InvalidOptionError, InvalidOptionTypeError
+from ._stats import METRIC_PREFIX
 
 __all__ = [
     "DEFAULT_METRIC_PREFIX",
@@ -28,7 +29,7 @@ __all__ = [
 STATE_DICT = dict[str, Any]
 
 DEFAULT_THREAD_NAME = "async-stager-dcp"
-DEFAULT_METRIC_PREFIX = "async_stager"
+DEFAULT_METRIC_PREFIX = METRIC_PREFIX
 
 
 class CheckpointStager(abc.ABC):

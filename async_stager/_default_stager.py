@@ -47,8 +47,9 @@ from ._checkpoint_stager import (
     CheckpointStagerConfig,
     check_name,
 )
-from ._engine import Cancelled, Staged, build_engine
+from ._engine import Cancelled, StageRecord, build_engine
 from ._errors import ClosedError, InvalidOptionError, InvalidOptionTypeError, UnsupportedError
+from ._jobs import log_stage_done
 from ._options import StagerOptions
 from ._worker import FifoLock, Worker, WorkerForked, WorkerStopped, clear_locals
 
@@ -279,10 +280,9 @@ class DefaultStager(CheckpointStager):
         cancel: threading.Event,
         t0: float,
     ) -> STATE_DICT:
-        prefix = self._metric_prefix
         _log.info("stage %d started (%.6f s after the call)", seq, time.perf_counter() - t0)
         try:
-            staged: Staged = self._engine.run(state_dict, captures, cancel=cancel)
+            staged: StageRecord = self._engine.run(state_dict, captures, cancel=cancel)
             # The stage waits for the copies (blocking this thread only).
             for c in staged.completions:
                 c.synchronize()
@@ -294,26 +294,13 @@ class DefaultStager(CheckpointStager):
             raise
         self._engine.settle(staged)
         result: STATE_DICT = staged.result
-        # The result goes to the Future only: a Staged record that kept it reachable
+        # The result goes to the Future only: a StageRecord that kept it reachable
         # would hold its buffer set.
         staged.result = None
         for k, v in passed.items():
             result[k] = v
         seconds = time.perf_counter() - t0
-        metrics = {
-            f"{prefix}.stage_seconds": seconds,
-            f"{prefix}.bytes": staged.nbytes,
-            f"{prefix}.cache_hits": staged.hits,
-        }
-        _log.info(
-            "stage %d done in %.6f s: %d bytes, %d cache hits (%s)",
-            seq,
-            seconds,
-            staged.nbytes,
-            staged.hits,
-            " ".join(f"{k}={v}" for k, v in metrics.items()),
-            extra={"metrics": metrics},
-        )
+        log_stage_done(f"stage {seq}", seconds, staged.nbytes, staged.hits, self._metric_prefix)
         _log.debug(
             "stage %d: %d tensors, %d storages, %d cache misses, fast path %s, buffer set %d, "
             "%d keys passed through, %d host bytes, %.6f s walking",

@@ -38,7 +38,7 @@ from ._options import StagerOptions, resolve_options
 from ._plan import make_plan, plan_holds
 from ._tree import Interrupt, Walk
 
-__all__ = ["Cancelled", "Engine", "Staged", "build_engine"]
+__all__ = ["Cancelled", "Engine", "StageRecord", "build_engine"]
 
 
 _log = logging.getLogger("async_stager")
@@ -53,7 +53,7 @@ class _PlanStale(Exception):
 
 
 @dataclass(eq=False)
-class Staged:
+class StageRecord:
     """The worker's half of a stage: the result and what is still in flight."""
 
     #: The staged structure; whoever hands it on sets this to None, so the stager
@@ -172,7 +172,7 @@ class Engine:
         lease: bool = False,
         cancel: threading.Event | None = None,
         copy: bool = True,
-    ) -> Staged:
+    ) -> StageRecord:
         """Stage ``sd`` into a free buffer set; returns once the copies are enqueued
         (on the CPU: done). Raises StagingError subclasses, or Cancelled."""
         with gil_interval(self.options.yield_interval), self._device_context(captures):
@@ -195,7 +195,7 @@ class Engine:
         copy: bool,
         *,
         allow_fast: bool,
-    ) -> Staged:
+    ) -> StageRecord:
         t0 = time.perf_counter()
         tick = CancelCheck(cancel, self)
         sig = signature_of(sd)
@@ -270,7 +270,7 @@ class Engine:
                     raise err from err.__cause__
             track(completions)
             succeeded = True
-            return Staged(
+            return StageRecord(
                 result=result,
                 bufset=bufset,
                 completions=completions,
@@ -293,7 +293,7 @@ class Engine:
 
     # -- any thread -------------------------------------------------------------------
 
-    def settle(self, staged: Staged) -> None:
+    def settle(self, staged: StageRecord) -> None:
         """The stage's completions have been observed: the set has nothing in flight."""
         self.sets.settle(staged.bufset, staged.completions)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextvars
 import functools
 import logging
-import threading
 import time
 import weakref
 from collections.abc import Callable, Coroutine
@@ -27,8 +26,9 @@ from typing import Any, Generic, TypeVar
 
 from ._arena import Arena, Pinner
 from ._device import Backend
-from ._engine import Engine, Staged, build_engine
+from ._engine import StageRecord, build_engine
 from ._errors import ClosedError
+from ._jobs import StageJob, drop, job_done, log_stage_end, logged_run
 from ._lease import Lease
 from ._options import StagerOptions, loop_friendly_threads
 from ._stats import StageStats
@@ -44,78 +44,9 @@ _D = StagerOptions
 
 _log = logging.getLogger("async_stager.stage")
 
-#: Prefix of the metric names in the stage records (``extra={"metrics": ...}``).
-METRIC_PREFIX = "async_stager"
 
 #: Bandwidth (bytes/second) assumed for a device before one copy was measured.
 _DEFAULT_BANDWIDTH = 20e9
-
-
-class _Job:
-    """One submitted stage. Whoever ends up owning its result must hand it on or drop
-    it (releasing its lease, if any): the awaiting coroutine, or, if that was cancelled
-    first, the job's done-callback.
-    An abandoned job is kept in ``pending`` (owned by the stager) until its future is
-    done, so the callback (which holds only a weak reference) still finds it."""
-
-    __slots__ = ("__weakref__", "cancel", "engine", "future", "lock", "pending", "state", "t0")
-
-    def __init__(self, engine: Engine, pending: set[_Job]) -> None:
-        self.engine = engine
-        self.pending = pending
-        self.cancel = threading.Event()
-        self.lock = threading.Lock()
-        self.state = "pending"  # -> "taken" | "abandoned" -> "released"
-        self.t0 = time.perf_counter()
-        self.future: Any = None
-
-    def take(self) -> None:
-        with self.lock:
-            self.state = "taken"
-
-    def abandon(self) -> None:
-        """The waiter went away (cancelled): stop the job, or undo its lease."""
-        self.cancel.set()
-        with self.lock:
-            if self.state != "pending":
-                return
-            fut = self.future
-            if fut is not None and not fut.done():
-                self.state = "abandoned"
-                self.pending.add(self)
-                return
-            # Done already: release here, and make sure done() (which may be running
-            # right now, callbacks run after the future is marked done) does not.
-            self.state = "released"
-        _drop_result(fut)
-
-    def done(self, fut: Any) -> None:
-        with self.lock:
-            if self.state != "abandoned":
-                return
-            self.state = "released"
-            self.pending.discard(self)
-        _drop_result(fut)
-
-
-def _job_done(ref: weakref.ref[_Job], fut: Any) -> None:
-    job = ref()
-    if job is not None:
-        job.done(fut)
-
-
-def _drop_result(fut: Any) -> None:
-    """Nobody will take this finished stage's result: let it go (its buffer set is
-    then free for reuse) and release its lease, if any."""
-    if fut.cancelled() or fut.exception() is not None:
-        return
-    _drop(fut.result())
-
-
-def _drop(staged: Staged) -> None:
-    staged.result = None
-    if staged.lease is not None:
-        staged.lease.release()
 
 
 class Stager:
@@ -177,10 +108,10 @@ class Stager:
         self._backoff = backoff if backoff is not None else Backoff()
         self._on_stage = on_stage
         self._stats: StageStats | None = None
-        self._last_job: _Job | None = None
+        self._last_job: StageJob | None = None
         self._closed = False
         self._close_future: Any = None
-        self._abandoned: set[_Job] = set()
+        self._abandoned: set[StageJob] = set()
 
     # -- staging ----------------------------------------------------------------------
 
@@ -216,9 +147,9 @@ class Stager:
         weakref.finalize(coro, job.abandon)
         return coro
 
-    async def _result(self, job: _Job) -> Any:
+    async def _result(self, job: StageJob) -> Any:
         staged = await self._complete(job)
-        # Handed to the caller only: the job's future keeps the Staged record, and a
+        # Handed to the caller only: the job's future keeps the StageRecord, and a
         # result reachable from it would hold its buffer set for ever.
         result, staged.result = staged.result, None
         return result
@@ -236,7 +167,7 @@ class Stager:
         """
         return self._start(sd, lease=True)
 
-    async def _leased(self, job: _Job) -> Any:
+    async def _leased(self, job: StageJob) -> Any:
         staged = await self._complete(job)
         lease = staged.lease
         assert lease is not None
@@ -332,13 +263,13 @@ class Stager:
 
     # -- internals --------------------------------------------------------------------
 
-    def _submit(self, sd: Any, *, lease: bool, copy: bool) -> _Job:
+    def _submit(self, sd: Any, *, lease: bool, copy: bool) -> StageJob:
         if self._closed:
             raise ClosedError("the stager is closed")
         captures = self._engine.capture()
-        job = _Job(self._engine, self._abandoned)
+        job = StageJob(self._engine, self._abandoned)
         run = functools.partial(
-            _logged_run, self._engine, sd, captures, lease=lease, cancel=job.cancel, copy=copy
+            logged_run, self._engine, sd, captures, lease=lease, cancel=job.cancel, copy=copy
         )
         # The job runs in the caller's contextvars context (a copy taken now), as
         # asyncio.to_thread does: context variables set by the caller are visible to
@@ -354,13 +285,13 @@ class Stager:
             raise ClosedError("the stager is closed") from None
         # A weak reference: the future must not keep its job (and engine) alive in a
         # reference cycle.
-        job.future.add_done_callback(functools.partial(_job_done, weakref.ref(job)))
+        job.future.add_done_callback(functools.partial(job_done, weakref.ref(job)))
         self._last_job = job
         return job
 
-    async def _complete(self, job: _Job) -> Staged:
+    async def _complete(self, job: StageJob) -> StageRecord:
         try:
-            staged: Staged = await wait_future(job.future)
+            staged: StageRecord = await wait_future(job.future)
         except BaseException as e:
             _log.info(
                 "stage failed after %.6f s: %s",
@@ -392,7 +323,7 @@ class Stager:
         except BaseException:
             # Cancelled while the copies were in flight: they finish in the background
             # and the set keeps them as in flight; the result and lease go now.
-            _drop(staged)
+            drop(staged)
             raise
         now = time.perf_counter()
         wait_seconds = now - t_wait
@@ -413,7 +344,7 @@ class Stager:
             polls=polls,
         )
         self._stats = stats
-        _log_stage_end(stats)
+        log_stage_end(stats)
         if self._on_stage is not None:
             try:
                 self._on_stage(stats)
@@ -421,7 +352,7 @@ class Stager:
                 # The caller gets the callback's error instead of the result, so
                 # nobody would ever release a lease taken for it: every later stage
                 # would then wait for that buffer set forever.
-                _drop(staged)
+                drop(staged)
                 raise
         return staged
 
@@ -504,30 +435,6 @@ class Stager:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.aclose()
-
-
-def _logged_run(engine: Engine, sd: Any, captures: dict[Any, Any], **kwargs: Any) -> Staged:
-    """The worker's job: the engine's walk-and-enqueue, with its start logged."""
-    _log.info("stage started")
-    return engine.run(sd, captures, **kwargs)
-
-
-def _log_stage_end(stats: StageStats) -> None:
-    metrics = {
-        f"{METRIC_PREFIX}.stage_seconds": stats.seconds,
-        f"{METRIC_PREFIX}.bytes": stats.bytes,
-        f"{METRIC_PREFIX}.cache_hits": stats.cache_hits,
-    }
-    _log.info(
-        "stage done in %.6f s: %d bytes, %d cache hits (%s)",
-        stats.seconds,
-        stats.bytes,
-        stats.cache_hits,
-        " ".join(f"{k}={v}" for k, v in metrics.items()),
-        extra={"metrics": metrics},
-    )
-    if _log.isEnabledFor(logging.DEBUG):
-        _log.debug("stage details: %r", stats)
 
 
 class _Snapshot(Generic[T]):

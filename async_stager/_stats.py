@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["StageStats"]
+__all__ = ["METRIC_PREFIX", "StageStats"]
+
+#: The default prefix of the metric names in the stage log records
+#: (``<prefix>.stage_seconds``, ``.bytes``, ``.cache_hits``).
+METRIC_PREFIX = "async_stager"
 
 
 @dataclass(frozen=True)

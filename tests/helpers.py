@@ -7,14 +7,14 @@ from typing import Any
 
 import torch
 
-from async_stager._engine import Engine, Staged, build_engine
+from async_stager._engine import Engine, StageRecord, build_engine
 
 
 def make_engine(**opts: Any) -> Engine:
     return build_engine(**opts)
 
 
-def stage_sync(engine: Engine, sd: Any, **kw: Any) -> Staged:
+def stage_sync(engine: Engine, sd: Any, **kw: Any) -> StageRecord:
     """Stage on the calling thread and wait for the copies."""
     staged = engine.run(sd, engine.capture(), **kw)
     for c in staged.completions:
