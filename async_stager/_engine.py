@@ -212,7 +212,7 @@ class Engine:
             hits = misses = 0
             if plan is not None:
                 walk = Walk(plan.hosts, validate=False, tick=tick)
-                result = walk.run(sd)
+                result = walk.rebuild(sd)
                 leaves = walk.leaves
                 with no_torch_function():
                     fast = plan_holds(plan, leaves, tick)
@@ -220,7 +220,7 @@ class Engine:
                 # Drop what the failed fast attempt built before the set is re-watched.
                 result = walk = None
                 collect = Walk((), validate=True, tick=tick)
-                collect.run(sd)
+                collect.rebuild(sd)
                 with gc_paused(), no_torch_function():
                     plan, hits, misses = make_plan(
                         self._copier, self.options, bufset, sig, collect.leaves, tick, prefault=not copy
@@ -230,7 +230,7 @@ class Engine:
                 bufset.remember(plan)
                 bufset.watch()
                 walk = Walk(plan.hosts, validate=False, tick=tick)
-                result = walk.run(sd)
+                result = walk.rebuild(sd)
                 leaves = walk.leaves
                 # Hazard: the copies read the second walk's leaves into the plan of the
                 # first. Their memory may differ (an object's __getstate__ may make new
