@@ -35,7 +35,8 @@ from ._interp import gc_paused, gil_interval
 from ._layout import signature_of
 from ._lease import Lease
 from ._options import StagerOptions, resolve_options
-from ._plan import make_plan, plan_holds
+from ._plan import make_plan
+from ._reuse import plan_holds
 from ._tree import Interrupt, Walk
 
 __all__ = ["Cancelled", "Engine", "StageRecord", "build_engine"]

@@ -17,22 +17,21 @@ read (``_keep_apart``).
 
 from __future__ import annotations
 
-import bisect
-import collections
 import operator
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from ._arena import Block, HostPool, align
+from ._arena import Block, align
 from ._buffer_sets import BufferSet
 from ._device import Copier
-from ._layout import FINGERPRINT, DeviceProgram, Plan, Run, Unit, fingerprint
+from ._layout import DeviceProgram, Plan, Run, Unit, fingerprint
 from ._options import StagerOptions
+from ._reuse import overlaps, reads_in_pool, repeats
 from ._tree import wrap_like
 
-__all__ = ["make_plan", "plan_holds", "sources"]
+__all__ = ["make_plan", "sources"]
 
 
 def make_plan(
@@ -45,6 +44,41 @@ def make_plan(
     *,
     prefault: bool,
 ) -> tuple[Plan, int, int]:
+    """The slow path: a new plan for ``leaves`` (in walk order) in ``bufset``; returns
+    it with the number of cache hits and misses (source storages).
+
+    Steps: unique tensors and their source storages (views and aliases share one host
+    storage); a host block per storage from the set's storage cache, allocating
+    exact-size blocks for misses and keeping every destination apart from this stage's
+    sources (``_reserve``); a host tensor per leaf with its source's sizes, strides,
+    offset, class and lazy bits, and a copy unit per storage (``_hosts_and_units``);
+    the copy program per device (``_programs``). ``prefault``: touch new host memory
+    now (``reserve()``, so the first real stage pays no page faults). ``tick`` is the
+    job's cancellation check, called every few hundred storages.
+    """
+    uniq, leaf_u = _unique(leaves)
+    groups = _by_storage(uniq, tick)
+    misses = _reserve(bufset, list(groups.values()), options, prefault=prefault)
+    tick()
+    host_u, units, whole_checks, nbytes = _hosts_and_units(groups, uniq, leaf_u, tick)
+    wrapped = [wrap_like(uniq[u], host_u[u]) for u in range(len(uniq))]
+    plan = Plan(
+        signature=sig,
+        hosts=[wrapped[u] for u in leaf_u],
+        programs=_programs(copier_for, options, units, uniq, leaves),
+        units=units,
+        fingerprint=fingerprint(leaves),
+        whole_checks=whole_checks,
+        nbytes=nbytes,
+        storages=len(groups),
+    )
+    plan.repeats = repeats(plan.fingerprint[0], leaf_u)
+    return plan, len(groups) - misses, misses
+
+
+def _unique(leaves: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+    """The distinct tensor objects of ``leaves`` (first occurrence order) and, per
+    leaf, the index of its tensor among them (a tensor repeated is one host)."""
     uniq: list[torch.Tensor] = []
     leaf_u: list[int] = []
     seen: dict[int, int] = {}
@@ -54,7 +88,11 @@ def make_plan(
             u = seen[id(t)] = len(uniq)
             uniq.append(t)
         leaf_u.append(u)
-    # Group by source storage: views and aliases share one host storage.
+    return uniq, leaf_u
+
+
+def _by_storage(uniq: list[torch.Tensor], tick: Callable[[], None]) -> dict[int, _Group]:
+    """The unique tensors grouped by source storage (keyed by StorageImpl address)."""
     groups: dict[int, _Group] = {}
     for u, t in enumerate(uniq):
         st = t.untyped_storage()
@@ -64,12 +102,19 @@ def make_plan(
         g.members.append(u)
         if not u % 256:
             tick()
+    return groups
+
+
+def _reserve(bufset: BufferSet, groups: list[_Group], options: StagerOptions, *, prefault: bool) -> int:
+    """A host block for every group (``_Group.block``): the cached one while it is
+    still the same memory, else a new exact-size block; returns the misses. Plans of
+    the set that may write into blocks handed back here are forgotten."""
     if bufset.cache.sweep():
         # Blocks went back to the arena and may be handed out again: no other plan
         # of this set may keep writing into them.
         bufset.forget_plans()
     missing: list[_Group] = []
-    for g in groups.values():
+    for g in groups:
         g.block = bufset.cache.lookup(g.storage, g.device)
         if g.block is None:
             missing.append(g)
@@ -78,7 +123,7 @@ def make_plan(
     # Taken after the sweep and the lookups (arenas they emptied are gone, and memory
     # still viewed there is never handed out again), before any allocation (a new
     # arena is fresh memory).
-    reads = _reads_in_pool(bufset.pool, [g.storage for g in groups.values()])
+    reads = reads_in_pool(bufset.pool, [g.storage for g in groups])
     if missing:
         # Smallest first: small storages land adjacent, so a device can move a run
         # of them with one copy.
@@ -87,9 +132,18 @@ def make_plan(
         for g, b in zip(missing, blocks):
             g.block = b
             bufset.cache.insert(g.storage, g.device, b)
-    if reads and _keep_apart(bufset, list(groups.values()), reads, prefault=prefault):
+    if reads and _keep_apart(bufset, groups, reads, prefault=prefault):
         bufset.forget_plans()
-    tick()
+    return len(missing)
+
+
+def _hosts_and_units(
+    groups: dict[int, _Group], uniq: list[torch.Tensor], leaf_u: list[int], tick: Callable[[], None]
+) -> tuple[list[Any], list[Unit], list[tuple[int, int, int]], int]:
+    """Per unique tensor its host view (the source's layout on the group's block, with
+    its conj/neg bits); per non-empty storage its copy unit (typed when one plain
+    contiguous leaf covers it exactly, else the whole storage as bytes); the
+    whole-storage checks for the fingerprint; and the host bytes."""
     host_u: list[Any] = [None] * len(uniq)
     units: list[Unit] = []
     whole_checks: list[tuple[int, int, int]] = []
@@ -119,36 +173,13 @@ def make_plan(
         )
         if size:
             rep = first_leaf[rep_u]
-            units.append(
-                Unit(
-                    rep,
-                    block.tensor if whole else host_u[rep_u],
-                    size,
-                    whole,
-                    g.device,
-                    block,
-                )
-            )
+            units.append(Unit(rep, block.tensor if whole else host_u[rep_u], size, whole, g.device, block))
             if whole:
                 # The members' sizes, strides and offsets are in the fingerprint.
                 whole_checks.append((rep, g.storage.data_ptr(), size))
         if not n % 256:
             tick()
-    wrapped = [wrap_like(uniq[u], host_u[u]) for u in range(len(uniq))]
-    hosts = [wrapped[u] for u in leaf_u]
-    programs = _programs(copier_for, options, units, uniq, leaves)
-    plan = Plan(
-        signature=sig,
-        hosts=hosts,
-        programs=programs,
-        units=units,
-        fingerprint=fingerprint(leaves),
-        whole_checks=whole_checks,
-        nbytes=nbytes,
-        storages=len(groups),
-    )
-    plan.repeats = _repeats(plan.fingerprint[0], leaf_u)
-    return plan, len(groups) - len(missing), len(missing)
+    return host_u, units, whole_checks, nbytes
 
 
 def _programs(
@@ -263,135 +294,6 @@ def sources(units: Sequence[Unit], leaves: Sequence[torch.Tensor]) -> list[torch
     return out
 
 
-def plan_holds(
-    plan: Plan,
-    leaves: list[torch.Tensor],
-    tick: Callable[[], None],
-    *,
-    planned: list[torch.Tensor] | None = None,
-    pool: HostPool | None = None,
-) -> bool:
-    """True when ``leaves`` can be copied with ``plan`` unchanged, and the result it
-    builds is what a new plan would build (see ``FINGERPRINT``).
-
-    With ``planned``, the leaves the plan was made from (the slow path's first walk,
-    ``leaves`` being its second), and the ``pool`` of the plan's buffer set, their
-    memory may differ: an object whose ``__getstate__`` makes new tensors each call
-    gives new ones to each walk, and the copies read the second walk's. The layout may
-    not: the same fingerprint but for the data pointers, the same tensors repeated,
-    the same leaves sharing a storage, storages of the same sizes, and no new memory
-    that the plan writes. A state dict changed between the walks does not fit.
-    """
-    if _fingerprint_holds(plan, leaves, tick):
-        return True
-    if planned is None or pool is None or len(leaves) != len(planned):
-        return False
-    if not _fingerprint_holds(plan, leaves, tick, skip=1):
-        return False
-    if _aliasing(planned) != _aliasing(leaves):
-        return False
-    seen = {t.untyped_storage()._cdata for t in planned}
-    new = [st for st in (t.untyped_storage() for t in leaves) if st._cdata not in seen]
-    reads = _reads_in_pool(pool, new)
-    return not (reads and any(_overlaps(u.block, reads) for u in plan.units))
-
-
-def _fingerprint_holds(
-    plan: Plan, leaves: list[torch.Tensor], tick: Callable[[], None], *, skip: int = 0
-) -> bool:
-    """The leaves have the plan's fingerprint (without its first ``skip`` entries, the
-    data pointers with 1) and, with the pointers, the storages of whole-storage units."""
-    n = len(leaves)
-    if n != len(plan.hosts):
-        return False
-    dtypes = plan.fingerprint[1]
-    real = len(FINGERPRINT) - 1  # entries but the last (the conj bit)
-    # In chunks, ticking between them: each map over all leaves holds the GIL.
-    for lo in range(0, n, _FP_CHUNK):
-        chunk = leaves[lo : lo + _FP_CHUNK]
-        hi = len(FINGERPRINT) if not _COMPLEX.isdisjoint(dtypes[lo : lo + _FP_CHUNK]) else real
-        for f, expected in zip(FINGERPRINT[skip:hi], plan.fingerprint[skip:hi]):
-            if f(chunk) != expected[lo : lo + _FP_CHUNK]:
-                return False
-        tick()
-    if skip:
-        return True
-    for i, ptr, nbytes in plan.whole_checks:
-        st = leaves[i].untyped_storage()
-        if st.data_ptr() != ptr or st.nbytes() != nbytes:
-            return False
-    repeats = plan.repeats
-    if repeats is not None:
-        idx, same = repeats
-        got = operator.itemgetter(*idx)(leaves) if len(idx) > 1 else (leaves[idx[0]],)
-        if _first_of_same(idx, got) != same:
-            return False
-    return True
-
-
-def _repeats(ptrs: list[Any], leaf_u: list[int]) -> tuple[list[int], list[int]] | None:
-    """``Plan.repeats`` of leaves with data pointers ``ptrs`` and unique-tensor
-    indices ``leaf_u``."""
-    if len(set(ptrs)) == len(ptrs):
-        return None
-    count = collections.Counter(ptrs)
-    idx = [i for i, p in enumerate(ptrs) if count[p] > 1]
-    first: dict[int, int] = {}
-    return idx, [first.setdefault(leaf_u[i], i) for i in idx]
-
-
-def _first_of_same(idx: list[int], tensors: Sequence[torch.Tensor]) -> list[int]:
-    first: dict[int, int] = {}
-    return [first.setdefault(id(t), i) for i, t in zip(idx, tensors)]
-
-
-def _aliasing(leaves: list[torch.Tensor]) -> list[tuple[int, int, int]]:
-    """Per leaf: which tensor (first index of the same object), which storage (first
-    index of a leaf on it) and its size in bytes."""
-    tensors: dict[int, int] = {}
-    storages: dict[int, int] = {}
-    out = []
-    for i, t in enumerate(leaves):
-        st = t.untyped_storage()
-        out.append((tensors.setdefault(id(t), i), storages.setdefault(st._cdata, i), st.nbytes()))
-    return out
-
-
-def _reads_in_pool(pool: HostPool, storages: Iterable[torch.UntypedStorage]) -> list[tuple[int, int]]:
-    """The byte ranges of ``storages`` that lie in one of ``pool``'s arenas, sorted and
-    merged (usually none: only a staged result, staged again, lives there)."""
-    arenas = sorted((a.base, a.base + a.nbytes) for a in list(pool.arenas))
-    if not arenas:
-        return []
-    lo, hi = arenas[0][0], max(end for _, end in arenas)
-    starts = [a for a, _ in arenas]
-    found = []
-    for st in storages:
-        p = st.data_ptr()
-        if lo <= p < hi:
-            n = st.nbytes()
-            if n and p < arenas[bisect.bisect_right(starts, p) - 1][1]:
-                found.append((p, p + n))
-    found.sort()
-    merged: list[tuple[int, int]] = []
-    for a, b in found:
-        if merged and a <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
-        else:
-            merged.append((a, b))
-    return merged
-
-
-def _overlaps(block: Block, reads: list[tuple[int, int]]) -> bool:
-    """Whether ``block`` overlaps one of ``reads`` (sorted, disjoint ranges)."""
-    if not block.nbytes:
-        return False
-    lo = block.tensor.data_ptr()
-    hi = lo + block.nbytes
-    k = bisect.bisect_left(reads, (hi,)) - 1  # the last range starting below ``hi``
-    return k >= 0 and reads[k][1] > lo
-
-
 def _keep_apart(
     bufset: BufferSet,
     groups: list[_Group],
@@ -408,7 +310,7 @@ def _keep_apart(
     stay allocated until every group has a block that fits, so none is handed out
     again in between; then they go back to the arena.
     """
-    clash = [g for g in groups if _overlaps(g.block, reads)]
+    clash = [g for g in groups if overlaps(g.block, reads)]
     if not clash:
         return False
     old: list[Block] = []
@@ -418,7 +320,7 @@ def _keep_apart(
         for g, b in zip(clash, blocks):
             g.block = b
             bufset.cache.insert(g.storage, g.device, b)
-        clash = [g for g in clash if _overlaps(g.block, reads)]
+        clash = [g for g in clash if overlaps(g.block, reads)]
     bufset.pool.free(old)
     return True
 
@@ -465,10 +367,3 @@ def _with_math_bits(src: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
     if bits & 2:
         host = torch._neg_view(host)
     return host
-
-
-#: Leaves per fingerprint chunk (about 0.2 ms of GIL-holding work each).
-_FP_CHUNK = 512
-
-#: The dtypes a conj bit can be set on.
-_COMPLEX = frozenset({torch.complex32, torch.complex64, torch.complex128})
