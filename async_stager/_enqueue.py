@@ -19,15 +19,15 @@ import torch
 
 from ._device import Completion, Copier, order_after
 from ._errors import CopyError, StagingError
+from ._hostcopy import GROUP_MAX
 from ._layout import Plan
 from ._plan import sources
 from ._tree import path_of_leaf
 
 __all__ = ["COPY_CHUNK", "copy_chunked", "diagnose_copy_error", "enqueue", "no_torch_function"]
 
-#: Tensors per batched copy call. torch parses a tensor list holding the GIL (about
-#: 0.1 us a tensor, both lists): 20k tensors in one call held it for ~4 ms.
-COPY_CHUNK = 1024
+#: Tensors per batched copy call: the same bound as the host copy pool's groups.
+COPY_CHUNK = GROUP_MAX
 
 CopierFor = Callable[[torch.device], Copier]
 #: Called with completions now in flight into the stage's buffer set.

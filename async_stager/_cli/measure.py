@@ -24,6 +24,7 @@ import asyncio
 import concurrent.futures
 import os
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -159,15 +160,8 @@ async def timed_stage(
     """
     samples: list[float] = []
     stop = False
-
-    async def tick() -> None:
-        while not stop:
-            t = time.perf_counter()
-            await asyncio.sleep(period)
-            samples.append(time.perf_counter() - t - period)
-
     synchronize(device)
-    task = asyncio.create_task(tick())
+    task = asyncio.create_task(_tick(samples, period, lambda: not stop))
     await asyncio.sleep(0)  # the ticker takes its first timestamp and sleeps
     t0 = time.perf_counter()
     try:
@@ -183,11 +177,17 @@ async def idle_lag(seconds: float = 0.3, period: float = 0.001) -> list[float]:
     """Ticker lateness (seconds) with nothing else running: the loop's own floor."""
     samples: list[float] = []
     end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+    await _tick(samples, period, lambda: time.perf_counter() < end)
+    return samples
+
+
+async def _tick(samples: list[float], period: float, going: Callable[[], bool]) -> None:
+    """The lag ticker: sleep ``period`` seconds over and over while ``going()``, and
+    append how late (seconds) each wake-up was."""
+    while going():
         t = time.perf_counter()
         await asyncio.sleep(period)
         samples.append(time.perf_counter() - t - period)
-    return samples
 
 
 class OneBufferCopy:
