@@ -65,8 +65,8 @@ PIECE_BYTES = 8 << 20
 #: costs tens of microseconds).
 MIN_POOL_BYTES = 2 * PIECE_BYTES
 #: At most this many tensors per ``_foreach_copy_`` call, here and in the engine's
-#: batched copies: torch parses the tensor lists holding the GIL (about 0.1 us a
-#: tensor, both lists; 20k tensors in one call held it for ~4 ms).
+#: batched copies: torch parses the tensor lists holding the GIL, a cost per tensor
+#: (one call for tens of thousands of tensors held it for milliseconds).
 GROUP_MAX = 1024
 
 

@@ -70,8 +70,8 @@ def gil_interval(seconds: float) -> Iterator[None]:
     event loop's) waits one switch interval (5 ms by default), then asks, and the
     holder hands over at its next bytecode. Lowering the interval while staging bounds
     the loop's wait to about ``seconds``; it costs nothing when nobody waits (no
-    switch is requested). Voluntary sleeps were measured instead: same lag, but they
-    doubled the time of a cached 20k-tensor stage (33 ms against 17 ms).
+    switch is requested). Voluntary sleeps were measured instead: the same lag, at about
+    twice the time of a cached stage of many small tensors (see docs/concepts.md).
 
     The setting is process-wide, and jobs of several stagers may overlap. The rule:
 

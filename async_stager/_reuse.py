@@ -23,7 +23,7 @@ from ._layout import FINGERPRINT, Plan
 
 __all__ = ["overlaps", "plan_holds", "reads_in_pool", "repeats"]
 
-#: Leaves per fingerprint chunk (about 0.2 ms of GIL-holding work each).
+#: Leaves per fingerprint chunk (each chunk's maps hold the GIL; ticks come between).
 _FP_CHUNK = 512
 
 #: The dtypes a conj bit can be set on.
