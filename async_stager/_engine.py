@@ -36,7 +36,7 @@ from ._layout import signature_of
 from ._lease import Lease
 from ._options import StagerOptions, resolve_options
 from ._plan import make_plan
-from ._reuse import plan_holds
+from ._reuse import plan_holds, take_over
 from ._tree import Interrupt, Walk
 
 __all__ = ["Cancelled", "Engine", "StageRecord", "build_engine"]
@@ -217,6 +217,12 @@ class Engine:
                 leaves = walk.leaves
                 with no_torch_function():
                     fast = plan_holds(plan, leaves, tick)
+                if not fast:
+                    # New tensors of the plan's layout, their predecessors dead (a full
+                    # state dict rebuilt every checkpoint): they take the memory over.
+                    # gc paused: it makes an object per storage, as make_plan does.
+                    with gc_paused(), no_torch_function():
+                        fast = take_over(plan, leaves, bufset.cache, bufset.pool, tick)
             if not fast:
                 # Drop what the failed fast attempt built before the set is re-watched.
                 result = walk = None

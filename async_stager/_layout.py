@@ -20,7 +20,16 @@ import torch
 
 from ._arena import Block
 
-__all__ = ["FINGERPRINT", "DeviceProgram", "Plan", "Run", "Unit", "fingerprint", "signature_of"]
+__all__ = [
+    "FINGERPRINT",
+    "DeviceProgram",
+    "Plan",
+    "Run",
+    "Unit",
+    "fingerprint",
+    "identity_layout",
+    "signature_of",
+]
 
 
 @dataclass(eq=False)
@@ -93,6 +102,13 @@ class Plan:
     #: exactly where the plan's leaves did; a fingerprint of per-leaf values cannot see
     #: that, and leaves with a data pointer no other leaf has cannot be repeats.
     repeats: tuple[list[int], list[int]] | None = None
+    #: Who shares what (see ``identity_layout``): per leaf, the first leaf that is the
+    #: same tensor object, the first leaf on the same storage, and its storage's
+    #: bytes. With the fingerprint but for data pointers, what a plan needs to be
+    #: taken over by new tensors of the same layout (``_reuse.take_over``).
+    identity: tuple[list[int], list[int], list[int]] | None = None
+    #: Per storage group: the first leaf on it and its block (empty storages too).
+    groups: list[tuple[int, Block]] = field(default_factory=list)
 
 
 def signature_of(sd: Any) -> Any:
@@ -164,3 +180,20 @@ def fingerprint(leaves: Sequence[torch.Tensor]) -> list[list[Any]]:
     """One list per FINGERPRINT entry: per leaf, its data pointer, dtype, size, stride,
     storage offset, device index, requires_grad, class, and neg and conj bits."""
     return [f(leaves) for f in FINGERPRINT]
+
+
+def identity_layout(
+    leaves: Sequence[torch.Tensor],
+) -> tuple[list[int], list[int], list[int], list[torch.UntypedStorage]]:
+    """Per leaf (at C speed, no Python per leaf): the index of the first leaf that is
+    the same tensor object, of the first leaf on the same storage, and the storage's
+    bytes; and the storages themselves (the caller must not keep them: they are the
+    sources)."""
+    idx = range(len(leaves))
+    storages = list(map(torch.Tensor.untyped_storage, leaves))
+    first_tensor: dict[int, int] = {}
+    first_storage: dict[int, int] = {}
+    same_tensor = list(map(first_tensor.setdefault, map(id, leaves), idx))
+    same_storage = list(map(first_storage.setdefault, map(operator.attrgetter("_cdata"), storages), idx))
+    nbytes = list(map(torch.UntypedStorage.nbytes, storages))
+    return same_tensor, same_storage, nbytes, storages

@@ -26,7 +26,7 @@ import torch
 from ._arena import Block, align
 from ._buffer_sets import BufferSet
 from ._device import Copier
-from ._layout import DeviceProgram, Plan, Run, Unit, fingerprint
+from ._layout import DeviceProgram, Plan, Run, Unit, fingerprint, identity_layout
 from ._options import StagerOptions
 from ._reuse import overlaps, reads_in_pool, repeats
 from ._tree import wrap_like
@@ -73,6 +73,10 @@ def make_plan(
         storages=len(groups),
     )
     plan.repeats = repeats(plan.fingerprint[0], leaf_u)
+    same_tensor, same_storage, st_bytes, _ = identity_layout(leaves)
+    plan.identity = (same_tensor, same_storage, st_bytes)
+    first_leaf = {u: i for i, u in reversed(list(enumerate(leaf_u)))}
+    plan.groups = [(first_leaf[g.members[0]], g.block) for g in groups.values() if g.block is not None]
     return plan, len(groups) - misses, misses
 
 

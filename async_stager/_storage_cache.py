@@ -10,6 +10,8 @@ the arena (``_arena.HostPool``) decides whether *memory* can.
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +37,8 @@ class StorageCache:
     def __init__(self, pool: HostPool) -> None:
         self.pool = pool
         self._entries: dict[int, CacheEntry] = {}
+        #: id(block) -> the key of the entry that holds it.
+        self._by_block: dict[int, int] = {}
         #: Set when a lookup freed a block; the plan maker then drops the set's plans.
         self.invalidated = False
 
@@ -60,6 +64,7 @@ class StorageCache:
         ):
             # Same impl, other memory (moved, resized, reallocated): never a stale hit.
             del self._entries[storage._cdata]
+            self._by_block.pop(id(e.block), None)
             self.pool.free([e.block])
             # The block may be handed out again: plans that write into it are stale.
             self.invalidated = True
@@ -67,15 +72,57 @@ class StorageCache:
         return e.block
 
     def insert(self, storage: torch.UntypedStorage, device: torch.device, block: Block) -> None:
-        self._entries[storage._cdata] = CacheEntry(
+        key = storage._cdata
+        old = self._entries.get(key)
+        if old is not None and old.block is not block:
+            self._by_block.pop(id(old.block), None)
+        self._entries[key] = CacheEntry(
             StorageWeakRef(storage), storage.data_ptr(), storage.nbytes(), device, block
         )
+        self._by_block[id(block)] = key
+
+    def take_over(self, pairs: Sequence[tuple[torch.UntypedStorage, torch.device, Block]]) -> bool:
+        """Hand each ``block`` to the new source ``storage`` (all or nothing); returns
+        whether it did. Only when every block's current source has died (a live
+        source keeps its block) and no new storage is cached already (it has a block
+        of its own): fresh tensors of the same layout as dead ones then reuse their
+        memory with no allocation, no page fault and no pinning. In bulk (``map``):
+        it runs per storage of a state dict of many small tensors."""
+        entries = self._entries
+        storages = [p[0] for p in pairs]
+        blocks = [p[2] for p in pairs]
+        found = list(map(self._by_block.get, map(id, blocks)))
+        if None in found:
+            return False
+        keys: list[int] = found  # type: ignore[assignment]
+        if not all(
+            map(StorageWeakRef.expired, map(operator.attrgetter("weak"), map(entries.__getitem__, keys)))
+        ):
+            return False
+        new_keys = list(map(operator.attrgetter("_cdata"), storages))
+        if any(map(entries.__contains__, new_keys)):
+            return False
+        for k in keys:
+            del entries[k]
+        made = map(
+            CacheEntry,
+            map(StorageWeakRef, storages),
+            map(torch.UntypedStorage.data_ptr, storages),
+            map(torch.UntypedStorage.nbytes, storages),
+            [p[1] for p in pairs],
+            blocks,
+        )
+        entries.update(zip(new_keys, made))
+        self._by_block.update(zip(map(id, blocks), new_keys))
+        return True
 
     def sweep(self) -> int:
         """Drop entries whose source storage died; free their blocks. Returns how many."""
         dead = [k for k, e in self._entries.items() if e.weak.expired()]
         if dead:
             blocks = [self._entries.pop(k).block for k in dead]
+            for b in blocks:
+                self._by_block.pop(id(b), None)
             self.pool.free(blocks)
         return len(dead)
 
@@ -86,3 +133,4 @@ class StorageCache:
     def clear(self) -> None:
         self.pool.free([e.block for e in self._entries.values()])
         self._entries.clear()
+        self._by_block.clear()

@@ -79,7 +79,10 @@ def test_bench_cli_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[s
             assert s["us_per_tensor"] > 0 and s["of_bound"] > 0
             assert len(s["runs"]) == WORKLOADS[w["name"]].runs_factor
             assert (s["vs_dcp"] is None) == (s["name"] == "dcp")
-            assert s["host_bytes"] is None or s["host_bytes"] >= w["bytes"]
+            # DCP lets go of the host storages of sources that died (every stage of
+            # a fresh workload): it holds none once its last sources are gone.
+            dcp_fresh = WORKLOADS[w["name"]].fresh and s["name"] == "dcp"
+            assert s["host_bytes"] is None or s["host_bytes"] >= w["bytes"] or dcp_fresh
             assert s["fds"] >= 0
             _check_lag(s["lag"])
             _check_lag(s["cold_lag"])

@@ -48,7 +48,7 @@ from .report import (
     lag_stats,
     median,
 )
-from .workloads import WORKLOADS, count_tensors
+from .workloads import WORKLOADS, count_tensors, renew
 
 __all__ = [
     "BenchOptions",
@@ -297,6 +297,11 @@ async def _bench_workload(
             progress.step(name, f"cold: {cname}")
 
         async def timed(c: Contender) -> tuple[float, list[float]]:
+            nonlocal sd
+            if workload.fresh and c is not bound:
+                # New tensors for this stage; the previous ones die here (untimed).
+                sd = renew(sd)
+                synchronize(device)
             gc.collect()
             return await timed_stage(c, sd, device, opts.lag_period)
 

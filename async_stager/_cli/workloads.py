@@ -1,6 +1,6 @@
 """Synthetic state dicts for the benchmark: realistic shapes, scalable sizes.
 
-Three workloads, each a function ``(scale, device) -> state dict``:
+Four workloads, each a function ``(scale, device) -> state dict``:
 
 - ``transformer``: a decoder-only transformer's model state plus AdamW optimizer state
   (``exp_avg``, ``exp_avg_sq`` and a scalar ``step`` per parameter), in the layout
@@ -8,6 +8,10 @@ Three workloads, each a function ``(scale, device) -> state dict``:
   ``torch.optim.Optimizer.state_dict()`` produces: a few large matrices and many small
   norms, biases and scalars. At scale 1: 8 layers, hidden 512, vocabulary 8192,
   29.4 M parameters, 336.6 MiB in 396 tensors.
+- ``fresh``: the transformer's state, but every stage gets new tensors (the same
+  values in new storages, the previous ones dropped): a full state dict or a
+  converting state-dict hook. Host memory must be reused by layout, not identity;
+  compare its cached time with ``transformer``'s in the same run.
 - ``small20k``: 20,000 tensors of 16 float32 (64 bytes each): pure per-tensor cost,
   where a Python walk per tensor dominates (DCP's weak spot).
 - ``large1g``: 1 GiB in 64 tensors of 16 MiB: pure bandwidth.
@@ -26,7 +30,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["WORKLOADS", "Workload", "count_tensors"]
+__all__ = ["WORKLOADS", "Workload", "count_tensors", "renew"]
 
 #: Bytes of a float32 element.
 F32 = 4
@@ -48,6 +52,10 @@ class Workload:
     #: Cached runs are ``runs * runs_factor``: bandwidth-bound workloads are the noisiest
     #: on a shared machine and their stages are cheap to repeat.
     runs_factor: int = 1
+    #: Every stage gets new tensors (``renew``: the same values in new storages, the
+    #: previous ones dropped first), as a full state dict or a converting state-dict
+    #: hook makes them: host memory must be reused by layout, not by identity.
+    fresh: bool = False
 
 
 def _filled(shape: tuple[int, ...], value: float, device: torch.device) -> torch.Tensor:
@@ -165,8 +173,27 @@ WORKLOADS: dict[str, Workload] = {
             large_footprint,
             runs_factor=2,
         ),
+        Workload(
+            "fresh",
+            "the transformer, new tensors every checkpoint (a full state dict rebuilt)",
+            build_transformer,
+            transformer_footprint,
+            fresh=True,
+        ),
     )
 }
+
+
+def renew(obj: Any) -> Any:
+    """A copy of a nested dict/list of tensors whose every tensor is new (``clone``):
+    the same values, new storages, as a state dict rebuilt for each checkpoint."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: renew(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [renew(v) for v in obj]
+    return obj
 
 
 def count_tensors(obj: Any) -> tuple[int, int]:
