@@ -5,11 +5,14 @@ into reusable pinned and/or shared host memory without blocking an asyncio or tr
 event loop. ``DefaultStager`` keeps PyTorch DCP's staging API on the same engine.
 """
 
+from ._checkpointer import Checkpointer, CheckpointerOptions, SaveStats
 from ._errors import (
     BuffersHeldError,
+    CheckpointError,
     ClosedError,
     CopyError,
     HostAllocationError,
+    IntegrityError,
     InvalidOptionError,
     InvalidOptionTypeError,
     NestingError,
@@ -23,6 +26,7 @@ from ._lease import Lease
 from ._options import StagerOptions
 from ._seed import CheckpointStager, CheckpointStagerConfig, DefaultStager
 from ._share import AttachedStateDict, SharedArena, SharedHandle, attach_shared, export_shared
+from ._shutdown import Shutdown
 from ._stager import Stager
 from ._stats import StageStats
 from ._waiting import Backoff
@@ -34,19 +38,25 @@ __all__ = [
     "AttachedStateDict",
     "Backoff",
     "BuffersHeldError",
+    "CheckpointError",
     "CheckpointStager",
     "CheckpointStagerConfig",
+    "Checkpointer",
+    "CheckpointerOptions",
     "ClosedError",
     "CopyError",
     "DefaultStager",
     "HostAllocationError",
+    "IntegrityError",
     "InvalidOptionError",
     "InvalidOptionTypeError",
     "Lease",
     "NestingError",
     "PinningError",
+    "SaveStats",
     "SharedArena",
     "SharedHandle",
+    "Shutdown",
     "StageStats",
     "Stager",
     "StagerOptions",

@@ -1,0 +1,537 @@
+"""Checkpointer: stage, write, commit, retain, verify and restore, as one awaitable.
+
+``save`` stages the state (a lease on the Stager's buffers) and returns; a background
+task checksums the staged copy and writes it (DCP or ``torch.save``) into a temporary
+folder, the coordinator commits it (see ``_commit``), applies retention and tells the
+callbacks and iterators. ``restore`` verifies the newest committed checkpoint and loads
+it in place, falling back to older ones that verify.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+import anyio.to_thread
+import torch
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from . import _commit, _integrity
+from ._ckptdist import Ranks
+from ._errors import CheckpointError, ClosedError, IntegrityError, InvalidOptionError
+from ._lease import Lease
+from ._stager import Stager
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["Checkpointer", "CheckpointerOptions", "SaveStats"]
+
+_log = logging.getLogger("async_stager.checkpoint")
+Policy = Literal["wait", "skip", "coalesce"]
+Format = Literal["dcp", "torch"]
+#: The single file of the ``torch`` format, inside the step folder.
+TORCH_FILE = "state.pt"
+
+
+@dataclass(frozen=True)
+class CheckpointerOptions:
+    """A Checkpointer's settings (see ``Checkpointer``), checked at construction."""
+
+    directory: Path
+    keep: int = 3
+    format: Format = "dcp"
+    max_in_flight: int = 1
+    policy: Policy = "wait"
+    checksum: bool = True
+    checksum_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.keep, int) or isinstance(self.keep, bool) or self.keep < 1:
+            raise InvalidOptionError(f"keep must be an int >= 1, got {self.keep!r}")
+        if self.format not in ("dcp", "torch"):
+            raise InvalidOptionError(f"format must be 'dcp' or 'torch', got {self.format!r}")
+        if not isinstance(self.max_in_flight, int) or self.max_in_flight < 1:
+            raise InvalidOptionError(f"max_in_flight must be an int >= 1, got {self.max_in_flight!r}")
+        if self.policy not in ("wait", "skip", "coalesce"):
+            raise InvalidOptionError(f"policy must be 'wait', 'skip' or 'coalesce', got {self.policy!r}")
+        if not isinstance(self.checksum_threads, int) or self.checksum_threads < 1:
+            raise InvalidOptionError(f"checksum_threads must be an int >= 1, got {self.checksum_threads!r}")
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """One committed checkpoint. Seconds and bytes.
+
+    ``stage_seconds``: from ``save`` starting to stage until the staged copy was ready
+    (what ``save`` blocked the caller for, besides a ``wait``-policy wait, which is
+    ``queued_seconds``). ``write_seconds``: the background write of this rank's files
+    (DCP or ``torch.save``, fsynced), with the checksum running alongside;
+    ``checksum_seconds``: the checksum pass alone (wall time, in its threads);
+    ``commit_seconds``: checksums file, fsyncs, rename, ``latest`` and retention.
+    ``bytes``: this rank's staged tensor bytes."""
+
+    step: int
+    path: str
+    bytes: int
+    queued_seconds: float
+    stage_seconds: float
+    write_seconds: float
+    checksum_seconds: float
+    commit_seconds: float
+
+    @property
+    def bytes_per_second(self) -> float:
+        """Written bytes over write seconds (0.0 if unmeasurably fast)."""
+        return self.bytes / self.write_seconds if self.write_seconds > 0 else 0.0
+
+
+@dataclass
+class _Staged:
+    step: int
+    lease: Lease[dict[str, Any]]
+    queued: float
+    staged: float
+
+
+def _is_stateful(value: Any) -> bool:
+    return (
+        not isinstance(value, torch.Tensor)
+        and callable(getattr(value, "state_dict", None))
+        and callable(getattr(value, "load_state_dict", None))
+    )
+
+
+def _resolve(state: dict[str, Any]) -> dict[str, Any]:
+    """What DCP does with a Stateful top-level value: call its ``state_dict()`` now."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"state must be a dict of str keys, got {type(state).__name__}")
+    return {k: v.state_dict() if _is_stateful(v) else v for k, v in state.items()}
+
+
+def _assign(target: Any, loaded: Any) -> Any:
+    """Load ``loaded`` into ``target`` in place where it can (tensors: ``copy_``; dicts
+    and lists: item by item); returns what ``target``'s slot should now hold."""
+    if isinstance(target, torch.Tensor) and isinstance(loaded, torch.Tensor) and target.shape == loaded.shape:
+        with torch.no_grad():
+            target.copy_(loaded)
+        return target
+    if isinstance(target, dict) and isinstance(loaded, dict):
+        for k in list(target):
+            if k not in loaded:
+                del target[k]
+        for k, v in loaded.items():
+            target[k] = _assign(target[k], v) if k in target else v
+        return target
+    if isinstance(target, list) and isinstance(loaded, list) and len(target) == len(loaded):
+        target[:] = [_assign(a, b) for a, b in zip(target, loaded)]
+        return target
+    return loaded
+
+
+def _staged_bytes(staged: dict[str, Any]) -> int:
+    total = 0
+    for v in _integrity.flatten(staged).values():
+        if isinstance(v, torch.Tensor):
+            local = v.to_local() if hasattr(v, "to_local") else v
+            total += local.numel() * local.element_size()
+    return total
+
+
+class Checkpointer:
+    """Saves, commits, retains and restores checkpoints in ``directory``, awaitably.
+
+    ``async with Checkpointer(directory, keep=3) as ckpt:`` then ``await
+    ckpt.save(state, step=n)`` at a step boundary. ``state`` is a dict: tensors,
+    nested containers and plain values, and Stateful objects (anything with
+    ``state_dict``/``load_state_dict``: a module, an optimizer, a ``get_state_dict``
+    wrapper), whose ``state_dict()`` is called at the save, as DCP does.
+
+    Options: ``keep`` committed checkpoints are kept (older ones are deleted after a
+    newer commit); ``format`` ``"dcp"`` (a folder per step, loadable by plain
+    ``torch.distributed.checkpoint.load``) or ``"torch"`` (one ``torch.save`` file,
+    one process only); ``max_in_flight`` background writes at most; ``policy`` when a
+    save comes while that many are writing: ``"wait"`` (save waits for a slot, then
+    stages), ``"skip"`` (save returns False at once, nothing staged), ``"coalesce"``
+    (save stages now and queues the copy, replacing a queued older one, which is
+    dropped; the newest is written next). On several ranks only ``"wait"`` is allowed
+    (a per-rank decision could differ between ranks). ``checksum``: CRC-32 per tensor
+    chunk (see ``_integrity``), ``checksum_threads`` threads. ``stager``: a Stager to
+    use (else one of its own, closed on exit). ``process_group``: a gloo group for the
+    checkpoint's collectives (default: the default group if gloo, else a new gloo
+    group; constructing it is a collective). ``on_saved``: called on the event loop
+    with each commit's SaveStats.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        keep: int = 3,
+        format: Format = "dcp",
+        max_in_flight: int = 1,
+        policy: Policy = "wait",
+        checksum: bool = True,
+        checksum_threads: int | None = None,
+        stager: Stager | None = None,
+        process_group: ProcessGroup | None = None,
+        on_saved: Callable[[SaveStats], None] | None = None,
+    ) -> None:
+        import torch.distributed.checkpoint  # noqa: F401 - imported here, not first in two threads at once
+
+        threads = checksum_threads if checksum_threads is not None else max(1, (os.cpu_count() or 2) - 1)
+        self.options = CheckpointerOptions(
+            Path(directory), keep, format, max_in_flight, policy, checksum, threads
+        )
+        self._ranks = Ranks.resolve(process_group)
+        if self._ranks.distributed and policy != "wait":
+            raise InvalidOptionError(f"policy must be 'wait' on several ranks, got {policy!r}")
+        if self._ranks.distributed and format != "dcp":
+            raise InvalidOptionError("format 'torch' is for one process; use 'dcp' on several ranks")
+        self._stager = stager
+        self._own_stager = stager is None
+        self._on_saved = on_saved
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._writing = 0
+        self._pending: _Staged | None = None
+        self._changed = anyio.Event()
+        self._failure: BaseException | None = None
+        self._streams: list[MemoryObjectSendStream[SaveStats]] = []
+        self._write_lock = anyio.Lock()
+        self.dropped: list[int] = []
+        """Steps not written: skipped (``"skip"``) or superseded (``"coalesce"``)."""
+        self.last: SaveStats | None = None
+        """The newest commit's stats in this session."""
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def __aenter__(self) -> Checkpointer:
+        root = self.options.directory
+        if self._ranks.coordinator:
+
+            def prepare() -> None:
+                root.mkdir(parents=True, exist_ok=True)
+                _commit.clean_stale(root)
+
+            await anyio.to_thread.run_sync(prepare)
+        await anyio.to_thread.run_sync(self._ranks.barrier)
+        if self._stager is None:
+            self._stager = Stager()
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        """Waits for the writes in flight (shielded: a checkpoint being written is
+        committed, not abandoned), then closes; raises a write's failure not yet raised."""
+        assert self._tg is not None
+        tg, self._tg = self._tg, None
+        try:
+            with anyio.CancelScope(shield=True):
+                await self._drain()
+                for s in self._streams:
+                    s.close()
+        finally:
+            await tg.__aexit__(exc_type, exc, tb)  # no writes left: returns at once
+            with anyio.CancelScope(shield=True):
+                if self._own_stager and self._stager is not None:
+                    await self._stager.aclose()
+                    self._stager = None
+        if exc is None:
+            self._raise_failure()
+        return None
+
+    @property
+    def stager(self) -> Stager:
+        if self._stager is None:
+            raise ClosedError("the Checkpointer is not open: use it as `async with Checkpointer(...)`")
+        return self._stager
+
+    def _check_open(self) -> anyio.abc.TaskGroup:
+        if self._tg is None:
+            raise ClosedError("the Checkpointer is not open: use it as `async with Checkpointer(...)`")
+        return self._tg
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    def _raise_failure(self) -> None:
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+    # -- saving -----------------------------------------------------------------------
+
+    async def save(self, state: dict[str, Any], *, step: int) -> bool:
+        """Stage ``state`` as checkpoint ``step`` and return once it is staged (the
+        sources may change after this returns); the write runs in the background.
+        Returns False if the ``"skip"`` policy skipped it. Raises the failure of an
+        earlier background write (once), ClosedError if not open.
+
+        Every rank calls it with the same step. Cancellation: while waiting for a slot
+        or staging, nothing was saved; once staged, the write goes on."""
+        tg = self._check_open()
+        self._raise_failure()
+        _commit.step_name(step)
+        t0 = time.monotonic()
+        limit = self.options.max_in_flight
+        if self.options.policy == "skip" and self._writing >= limit:
+            self.dropped.append(step)
+            return False
+        if self.options.policy == "wait":
+            while self._writing >= limit:
+                await self._changed.wait()
+        sd = _resolve(state)
+        if self.options.policy == "coalesce" and self._writing >= limit and self._pending is not None:
+            old, self._pending = self._pending, None
+            old.lease.release()  # its buffer set is free for this stage
+            self.dropped.append(old.step)
+        t1 = time.monotonic()
+        lease = await self.stager.lease(sd)
+        del sd
+        item = _Staged(step, lease, t1 - t0, time.monotonic() - t1)
+        if self._writing >= limit:  # coalesce: queue behind the writes in flight
+            if self._pending is not None:
+                self._pending.lease.release()
+                self.dropped.append(self._pending.step)
+            self._pending = item
+        else:
+            self._writing += 1
+            tg.start_soon(self._write_task, item)
+        return True
+
+    async def fence(self) -> None:
+        """Wait until every save so far has read its sources (``Stager.fence``): after
+        this the sources may change. Cancellation: only the wait."""
+        await self.stager.fence()
+
+    async def wait(self) -> None:
+        """Wait until every save so far is committed (or failed); raises the first
+        failure not yet raised. Cancellation: only the wait; the writes go on."""
+        await self._drain()
+        self._raise_failure()
+
+    async def _drain(self) -> None:
+        while self._writing or self._pending is not None:
+            await self._changed.wait()
+
+    def saved(self) -> MemoryObjectReceiveStream[SaveStats]:
+        """An async iterator of the SaveStats of every commit from now on; it ends when
+        the Checkpointer closes. ``async for stats in ckpt.saved(): ...``"""
+        send, receive = anyio.create_memory_object_stream[SaveStats](math.inf)
+        self._streams.append(send)
+        return receive
+
+    async def _write_task(self, item: _Staged) -> None:
+        try:
+            while True:
+                try:
+                    stats = await self._write(item)
+                except Exception as exc:  # noqa: BLE001 - kept for the next save/wait
+                    _log.error("checkpoint step %d failed: %s", item.step, exc)
+                    if self._failure is None:
+                        self._failure = (
+                            exc
+                            if isinstance(exc, CheckpointError)
+                            else CheckpointError(f"checkpoint step {item.step} failed: {exc}", step=item.step)
+                        )
+                        if self._failure is not exc:
+                            self._failure.__cause__ = exc
+                else:
+                    self._deliver(stats)
+                nxt, self._pending = self._pending, None
+                if nxt is None:
+                    break
+                item = nxt
+                self._notify()
+        finally:
+            self._writing -= 1
+            self._notify()
+
+    def _deliver(self, stats: SaveStats) -> None:
+        self.last = stats
+        for s in self._streams:
+            try:
+                s.send_nowait(stats)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass
+        if self._on_saved is not None:
+            self._on_saved(stats)
+
+    async def _write(self, item: _Staged) -> SaveStats:
+        opts, ranks = self.options, self._ranks
+        root = opts.directory
+        tmp = _commit.tmp_dir(root, item.step)
+        async with self._write_lock, item.lease as staged:
+            t0 = time.monotonic()
+            if ranks.coordinator:
+
+                def fresh() -> None:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    tmp.mkdir()
+
+                await anyio.to_thread.run_sync(fresh)
+            await anyio.to_thread.run_sync(ranks.barrier)
+            manifest: dict[str, dict[str, Any]] = {}
+            timing = [0.0]
+
+            async def checksum() -> None:
+                c0 = time.monotonic()
+                manifest.update(
+                    await anyio.to_thread.run_sync(
+                        lambda: _integrity.checksum_state(staged, threads=opts.checksum_threads)
+                    )
+                )
+                timing[0] = time.monotonic() - c0
+
+            async with anyio.create_task_group() as tg:
+                if opts.checksum:
+                    tg.start_soon(checksum)
+                if opts.format == "dcp":
+                    from .dcp import save_staged
+
+                    await save_staged(
+                        staged,
+                        checkpoint_id=str(tmp),
+                        process_group=ranks.group,
+                        no_dist=not ranks.distributed,
+                    )
+                else:
+                    await anyio.to_thread.run_sync(_torch_write, staged, tmp / TORCH_FILE)
+            nbytes = await anyio.to_thread.run_sync(_staged_bytes, staged)
+        # The lease is released: the staged buffers are free for the next stage.
+        t1 = time.monotonic()
+        manifests = await anyio.to_thread.run_sync(ranks.gather, manifest)
+        error: str | None = None
+        if ranks.coordinator:
+            assert manifests is not None
+            try:
+                await anyio.to_thread.run_sync(self._commit, item.step, manifests)
+            except Exception as exc:  # noqa: BLE001 - told to every rank, raised below
+                error = f"{type(exc).__name__}: {exc}"
+        error = await anyio.to_thread.run_sync(ranks.broadcast, error)
+        if error is not None:
+            raise CheckpointError(f"checkpoint step {item.step} was not committed: {error}", step=item.step)
+        t2 = time.monotonic()
+        return SaveStats(
+            step=item.step,
+            path=str(_commit.step_dir(root, item.step)),
+            bytes=nbytes,
+            queued_seconds=item.queued,
+            stage_seconds=item.staged,
+            write_seconds=t1 - t0,
+            checksum_seconds=timing[0],
+            commit_seconds=t2 - t1,
+        )
+
+    def _commit(self, step: int, manifests: list[dict[str, dict[str, Any]]]) -> None:
+        root = self.options.directory
+        merged: dict[str, dict[str, Any]] = {}
+        for m in manifests:
+            merged.update(m)  # a replicated tensor: every rank staged the same values
+        if self.options.checksum:
+            _integrity.write_manifest(_commit.tmp_dir(root, step), step, merged)
+        _commit.commit(root, step)
+        _commit.retain(root, self.options.keep)
+
+    # -- restoring --------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Committed steps in the directory, oldest first."""
+        return _commit.committed_steps(self.options.directory)
+
+    async def restore(
+        self, state: dict[str, Any], *, step: int | None = None, fallback: bool = True
+    ) -> int | None:
+        """Load the newest committed checkpoint that verifies into ``state`` in place
+        (tensors copied into, Statefuls given ``load_state_dict``, plain values
+        replaced) and return its step; None if there is none. ``step``: that one only.
+        A checkpoint failing verification raises IntegrityError, or with ``fallback``
+        (default) is logged and the next older one is tried (IntegrityError if none
+        verifies). Every rank calls it; the ranks agree on the step.
+
+        Verification reads the data once more before the load (with ``checksum=False``
+        it is skipped). Cancellation: deferred until the thread reading the current
+        candidate returns; ``state`` may then be partly loaded."""
+        self._check_open()
+        ranks, root = self._ranks, self.options.directory
+        listed: list[int] = await anyio.to_thread.run_sync(ranks.broadcast, self.steps())
+        candidates = [s for s in reversed(listed) if step is None or s == step]
+        if step is not None and not candidates:
+            raise CheckpointError(f"no committed checkpoint for step {step} in {root}", step=step)
+        first_error: IntegrityError | None = None
+        for s in candidates:
+            folder = _commit.step_dir(root, s)
+            try:
+                await self._verify(s, folder)
+            except IntegrityError as exc:
+                if not fallback:
+                    raise
+                first_error = first_error or exc
+                _log.warning("checkpoint step %d does not verify, trying an older one: %s", s, exc)
+                continue
+            await anyio.to_thread.run_sync(self._load, state, folder, s)
+            return s
+        if first_error is not None:
+            raise first_error
+        return None
+
+    async def _verify(self, step: int, folder: Path) -> None:
+        if not self.options.checksum or self.options.format == "torch":
+            return  # torch: verified on the loaded copy, in _load
+        ranks = self._ranks
+
+        def mine() -> str | None:
+            try:
+                _integrity.verify_dcp(folder, step, part=(ranks.rank, ranks.world))
+            except IntegrityError as exc:
+                return f"{exc.tensor}\0{exc}"
+            return None
+
+        results = await anyio.to_thread.run_sync(ranks.all_gather, await anyio.to_thread.run_sync(mine))
+        bad = next((r for r in results if r is not None), None)
+        if bad is not None:
+            tensor, message = bad.split("\0", 1)
+            raise IntegrityError(message, step=step, tensor=tensor or None)
+
+    def _load(self, state: dict[str, Any], folder: Path, step: int) -> None:
+        if self.options.format == "torch":
+            loaded = torch.load(folder / TORCH_FILE, map_location="cpu", weights_only=True)
+            if self.options.checksum:
+                _integrity.verify_flat(step, _integrity.read_manifest(folder, step), loaded)
+            for k, v in loaded.items():
+                if k in state and _is_stateful(state[k]):
+                    state[k].load_state_dict(v)
+                else:
+                    state[k] = _assign(state[k], v) if k in state else v
+            return
+        import torch.distributed.checkpoint as dcp
+
+        # DCP loads in place and calls load_state_dict on Stateful values itself.
+        if self._ranks.distributed:
+            dcp.load(state, checkpoint_id=str(folder), process_group=self._ranks.group)
+        else:
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+
+
+def _torch_write(staged: dict[str, Any], path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(staged, f)
+        f.flush()
+        os.fsync(f.fileno())
