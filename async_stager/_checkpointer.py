@@ -243,7 +243,7 @@ class Checkpointer:
                 for s in self._streams:
                     s.close()
         finally:
-            await tg.__aexit__(exc_type, exc, tb)  # no writes left: returns at once
+            await tg.__aexit__(None, None, None)  # no writes left: returns at once
             with anyio.CancelScope(shield=True):
                 if self._own_stager and self._stager is not None:
                     await self._stager.aclose()
