@@ -38,6 +38,7 @@ def test_every_example_is_tested() -> None:
         "orchestrator.py",
         "dcp_async_save.py",
         "writer_process.py",
+        "fsdp_training.py",  # under torchrun: tests/test_fsdp_example.py
     }
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
