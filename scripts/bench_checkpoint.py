@@ -61,19 +61,19 @@ async def checksum_cost(repeats: int) -> None:
             stage_times.append(time.perf_counter() - t0)
             del staged
         stage = statistics.median(stage_times)
-        staged = await stager.stage(sd)
+        held = await stager.stage(sd)
         default_threads = max(1, (os.cpu_count() or 2) - 1)
-        crc1 = median_time(lambda: checksum_state(staged, threads=1), repeats)
-        crcn = median_time(lambda: checksum_state(staged, threads=default_threads), repeats)
-        flat = [t for t in staged["model"].values()] + [
-            v for st in staged["optim"]["state"].values() for v in st.values() if isinstance(v, torch.Tensor)
+        crc1 = median_time(lambda: checksum_state(held, threads=1), repeats)
+        crcn = median_time(lambda: checksum_state(held, threads=default_threads), repeats)
+        flat = [t for t in held["model"].values()] + [
+            v for st in held["optim"]["state"].values() for v in st.values() if isinstance(v, torch.Tensor)
         ]
         words = [
             t.reshape(-1).view(torch.uint8)[: t.numel() * t.element_size() // 8 * 8].view(torch.int64)
             for t in flat
         ]
         summed = median_time(lambda: [w.sum() for w in words], repeats)
-        del staged
+        del held, words, flat
     print(f"transformer workload: {tensors} tensors, {nbytes / 2**20:.0f} MiB, {os.cpu_count()} cores")
     print(f"  stage (warm, median of {repeats}): {stage * 1e3:.1f} ms, {nbytes / stage / 1e9:.2f} GB/s")
     for label, t in (
@@ -172,7 +172,7 @@ async def loop(
 
 
 async def end_to_end(steps: int, every: int, width: int, depth: int) -> None:
-    m, opt, _ = model(width, depth)
+    m, _, _ = model(width, depth)
     params = sum(p.numel() for p in m.parameters())
     print(
         f"training loop: MLP {depth}x{width} ({params / 1e6:.1f} M params, state {params * 12 / 2**20:.0f} MiB "
