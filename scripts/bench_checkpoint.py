@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import statistics
 import tempfile
@@ -37,6 +38,10 @@ from async_stager._cli.workloads import build_transformer, count_tensors
 from async_stager._integrity import checksum_state
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+def _sums(words: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [w.sum() for w in words]
 
 
 def median_time(fn: Callable[[], Any], repeats: int) -> float:
@@ -63,8 +68,8 @@ async def checksum_cost(repeats: int) -> None:
         stage = statistics.median(stage_times)
         held = await stager.stage(sd)
         default_threads = max(1, (os.cpu_count() or 2) - 1)
-        crc1 = median_time(lambda: checksum_state(held, threads=1), repeats)
-        crcn = median_time(lambda: checksum_state(held, threads=default_threads), repeats)
+        crc1 = median_time(functools.partial(checksum_state, held, threads=1), repeats)
+        crcn = median_time(functools.partial(checksum_state, held, threads=default_threads), repeats)
         flat = [t for t in held["model"].values()] + [
             v for st in held["optim"]["state"].values() for v in st.values() if isinstance(v, torch.Tensor)
         ]
@@ -72,7 +77,7 @@ async def checksum_cost(repeats: int) -> None:
             t.reshape(-1).view(torch.uint8)[: t.numel() * t.element_size() // 8 * 8].view(torch.int64)
             for t in flat
         ]
-        summed = median_time(lambda: [w.sum() for w in words], repeats)
+        summed = median_time(functools.partial(_sums, words), repeats)
         del held, words, flat
     print(f"transformer workload: {tensors} tensors, {nbytes / 2**20:.0f} MiB, {os.cpu_count()} cores")
     print(f"  stage (warm, median of {repeats}): {stage * 1e3:.1f} ms, {nbytes / stage / 1e9:.2f} GB/s")
