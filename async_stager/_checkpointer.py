@@ -9,16 +9,18 @@ it in place, falling back to older ones that verify.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
@@ -27,9 +29,11 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from . import _commit, _integrity
 from ._ckptdist import Ranks
+from ._ckptoptions import CheckpointerOptions, Format, Policy, SaveStats
 from ._errors import CheckpointError, ClosedError, IntegrityError, InvalidOptionError
 from ._lease import Lease
 from ._stager import Stager
+from ._statefuls import TORCH_FILE, assign, is_stateful, resolve, staged_bytes, torch_write
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -37,62 +41,6 @@ if TYPE_CHECKING:
 __all__ = ["Checkpointer", "CheckpointerOptions", "SaveStats"]
 
 _log = logging.getLogger("async_stager.checkpoint")
-Policy = Literal["wait", "skip", "coalesce"]
-Format = Literal["dcp", "torch"]
-#: The single file of the ``torch`` format, inside the step folder.
-TORCH_FILE = "state.pt"
-
-
-@dataclass(frozen=True)
-class CheckpointerOptions:
-    """A Checkpointer's settings (see ``Checkpointer``), checked at construction."""
-
-    directory: Path
-    keep: int = 3
-    format: Format = "dcp"
-    max_in_flight: int = 1
-    policy: Policy = "wait"
-    checksum: bool = True
-    checksum_threads: int = 1
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.keep, int) or isinstance(self.keep, bool) or self.keep < 1:
-            raise InvalidOptionError(f"keep must be an int >= 1, got {self.keep!r}")
-        if self.format not in ("dcp", "torch"):
-            raise InvalidOptionError(f"format must be 'dcp' or 'torch', got {self.format!r}")
-        if not isinstance(self.max_in_flight, int) or self.max_in_flight < 1:
-            raise InvalidOptionError(f"max_in_flight must be an int >= 1, got {self.max_in_flight!r}")
-        if self.policy not in ("wait", "skip", "coalesce"):
-            raise InvalidOptionError(f"policy must be 'wait', 'skip' or 'coalesce', got {self.policy!r}")
-        if not isinstance(self.checksum_threads, int) or self.checksum_threads < 1:
-            raise InvalidOptionError(f"checksum_threads must be an int >= 1, got {self.checksum_threads!r}")
-
-
-@dataclass(frozen=True)
-class SaveStats:
-    """One committed checkpoint. Seconds and bytes.
-
-    ``stage_seconds``: from ``save`` starting to stage until the staged copy was ready
-    (what ``save`` blocked the caller for, besides a ``wait``-policy wait, which is
-    ``queued_seconds``). ``write_seconds``: the background write of this rank's files
-    (DCP or ``torch.save``, fsynced), with the checksum running alongside;
-    ``checksum_seconds``: the checksum pass alone (wall time, in its threads);
-    ``commit_seconds``: checksums file, fsyncs, rename, ``latest`` and retention.
-    ``bytes``: this rank's staged tensor bytes."""
-
-    step: int
-    path: str
-    bytes: int
-    queued_seconds: float
-    stage_seconds: float
-    write_seconds: float
-    checksum_seconds: float
-    commit_seconds: float
-
-    @property
-    def bytes_per_second(self) -> float:
-        """Written bytes over write seconds (0.0 if unmeasurably fast)."""
-        return self.bytes / self.write_seconds if self.write_seconds > 0 else 0.0
 
 
 @dataclass
@@ -101,50 +49,6 @@ class _Staged:
     lease: Lease[dict[str, Any]]
     queued: float
     staged: float
-
-
-def _is_stateful(value: Any) -> bool:
-    return (
-        not isinstance(value, torch.Tensor)
-        and callable(getattr(value, "state_dict", None))
-        and callable(getattr(value, "load_state_dict", None))
-    )
-
-
-def _resolve(state: dict[str, Any]) -> dict[str, Any]:
-    """What DCP does with a Stateful top-level value: call its ``state_dict()`` now."""
-    if not isinstance(state, dict):
-        raise CheckpointError(f"state must be a dict of str keys, got {type(state).__name__}")
-    return {k: v.state_dict() if _is_stateful(v) else v for k, v in state.items()}
-
-
-def _assign(target: Any, loaded: Any) -> Any:
-    """Load ``loaded`` into ``target`` in place where it can (tensors: ``copy_``; dicts
-    and lists: item by item); returns what ``target``'s slot should now hold."""
-    if isinstance(target, torch.Tensor) and isinstance(loaded, torch.Tensor) and target.shape == loaded.shape:
-        with torch.no_grad():
-            target.copy_(loaded)
-        return target
-    if isinstance(target, dict) and isinstance(loaded, dict):
-        for k in list(target):
-            if k not in loaded:
-                del target[k]
-        for k, v in loaded.items():
-            target[k] = _assign(target[k], v) if k in target else v
-        return target
-    if isinstance(target, list) and isinstance(loaded, list) and len(target) == len(loaded):
-        target[:] = [_assign(a, b) for a, b in zip(target, loaded)]
-        return target
-    return loaded
-
-
-def _staged_bytes(staged: dict[str, Any]) -> int:
-    total = 0
-    for v in _integrity.flatten(staged).values():
-        if isinstance(v, torch.Tensor):
-            local = v.to_local() if hasattr(v, "to_local") else v
-            total += local.numel() * local.element_size()
-    return total
 
 
 class Checkpointer:
@@ -207,6 +111,7 @@ class Checkpointer:
         self._failure: BaseException | None = None
         self._streams: list[MemoryObjectSendStream[SaveStats]] = []
         self._write_lock = anyio.Lock()
+        self._commit_lock = threading.Lock()
         self.dropped: list[int] = []
         """Steps not written: skipped (``"skip"``) or superseded (``"coalesce"``)."""
         self.last: SaveStats | None = None
@@ -293,7 +198,7 @@ class Checkpointer:
         if self.options.policy == "wait":
             while self._writing >= limit:
                 await self._changed.wait()
-        sd = _resolve(state)
+        sd = resolve(state)
         if self.options.policy == "coalesce" and self._writing >= limit and self._pending is not None:
             old, self._pending = self._pending, None
             old.lease.release()  # its buffer set is free for this stage
@@ -374,7 +279,10 @@ class Checkpointer:
         opts, ranks = self.options, self._ranks
         root = opts.directory
         tmp = _commit.tmp_dir(root, item.step)
-        async with self._write_lock, item.lease as staged:
+        # Several ranks: one write at a time, so every rank runs the collectives in the
+        # same order. One process: writes may overlap; commits are serialized below.
+        serial = self._write_lock if ranks.distributed else contextlib.nullcontext()
+        async with serial, item.lease as staged:
             t0 = time.monotonic()
             if ranks.coordinator:
 
@@ -409,8 +317,8 @@ class Checkpointer:
                         no_dist=not ranks.distributed,
                     )
                 else:
-                    await anyio.to_thread.run_sync(_torch_write, staged, tmp / TORCH_FILE)
-            nbytes = await anyio.to_thread.run_sync(_staged_bytes, staged)
+                    await anyio.to_thread.run_sync(torch_write, staged, tmp / TORCH_FILE)
+            nbytes = await anyio.to_thread.run_sync(staged_bytes, staged)
         # The lease is released: the staged buffers are free for the next stage.
         t1 = time.monotonic()
         manifests = await anyio.to_thread.run_sync(ranks.gather, manifest)
@@ -437,6 +345,10 @@ class Checkpointer:
         )
 
     def _commit(self, step: int, manifests: list[dict[str, dict[str, Any]]]) -> None:
+        with self._commit_lock:
+            self._commit_locked(step, manifests)
+
+    def _commit_locked(self, step: int, manifests: list[dict[str, dict[str, Any]]]) -> None:
         root = self.options.directory
         merged: dict[str, dict[str, Any]] = {}
         for m in manifests:
@@ -512,10 +424,10 @@ class Checkpointer:
             if self.options.checksum:
                 _integrity.verify_flat(step, _integrity.read_manifest(folder, step), loaded)
             for k, v in loaded.items():
-                if k in state and _is_stateful(state[k]):
+                if k in state and is_stateful(state[k]):
                     state[k].load_state_dict(v)
                 else:
-                    state[k] = _assign(state[k], v) if k in state else v
+                    state[k] = assign(state[k], v) if k in state else v
             return
         import torch.distributed.checkpoint as dcp
 
@@ -528,10 +440,3 @@ class Checkpointer:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(state, checkpoint_id=str(folder), no_dist=True)
-
-
-def _torch_write(staged: dict[str, Any], path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(staged, f)
-        f.flush()
-        os.fsync(f.fileno())

@@ -273,3 +273,16 @@ def test_crc_detects_any_single_byte_change() -> None:
         assert tensor_crcs(u) != base
         raw.write(b"x")
     assert tensor_crcs(t[::2]) == tensor_crcs(t[::2].contiguous())
+
+
+@pytest.mark.anyio
+async def test_two_writes_in_flight(tmp_path: Path) -> None:
+    GATE.clear()
+    async with Checkpointer(tmp_path, policy="skip", max_in_flight=2, keep=5) as ckpt:
+        assert await ckpt.save({"g": Gate(), "x": torch.ones(2)}, step=1)
+        assert await ckpt.save({"g": Gate(), "x": torch.ones(2)}, step=2)
+        assert not await ckpt.save({"x": torch.ones(2)}, step=3)
+        GATE.set()
+        await ckpt.wait()
+        assert ckpt.steps() == [1, 2] and ckpt.dropped == [3]
+        assert (tmp_path / "latest").read_text() == "step-00000002\n"

@@ -44,8 +44,8 @@ def verify_folder(step: int | None, folder: Path) -> str:
     """Verify one step folder (either format); returns a summary, raises IntegrityError."""
     import torch
 
-    from .._checkpointer import TORCH_FILE
     from .._integrity import read_manifest, verify_dcp, verify_flat
+    from .._statefuls import TORCH_FILE
 
     if (folder / TORCH_FILE).exists():
         tensors = read_manifest(folder, step)
