@@ -286,3 +286,25 @@ async def test_two_writes_in_flight(tmp_path: Path) -> None:
         await ckpt.wait()
         assert ckpt.steps() == [1, 2] and ckpt.dropped == [3]
         assert (tmp_path / "latest").read_text() == "step-00000002\n"
+
+
+@pytest.mark.cuda
+@pytest.mark.anyio
+async def test_cuda_state_round_trip(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    m = nn.Linear(64, 64).cuda()
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.randn(4, 64, device="cuda")).sum().backward()
+    opt.step()
+    async with Checkpointer(tmp_path) as ckpt:
+        expected = {k: v.clone() for k, v in m.state_dict().items()}
+        await ckpt.save({"app": App(m, opt)}, step=1)
+        await ckpt.fence()
+        with torch.no_grad():
+            m.weight.add_(1.0)  # after the fence: not in the checkpoint
+        await ckpt.wait()
+        m2 = nn.Linear(64, 64).cuda()
+        opt2 = torch.optim.AdamW(m2.parameters())
+        assert await ckpt.restore({"app": App(m2, opt2)}) == 1
+        got = m2.state_dict()
+        assert all(torch.equal(got[k], v) for k, v in expected.items()) and m2.weight.is_cuda
