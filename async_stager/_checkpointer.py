@@ -388,13 +388,14 @@ class Checkpointer:
             folder = _commit.step_dir(root, s)
             try:
                 await self._verify(s, folder)
+                # torch format: read and verified before anything in state is touched.
+                await anyio.to_thread.run_sync(self._load, state, folder, s)
             except IntegrityError as exc:
                 if not fallback:
                     raise
                 first_error = first_error or exc
                 _log.warning("checkpoint step %d does not verify, trying an older one: %s", s, exc)
                 continue
-            await anyio.to_thread.run_sync(self._load, state, folder, s)
             return s
         if first_error is not None:
             raise first_error
@@ -420,7 +421,10 @@ class Checkpointer:
 
     def _load(self, state: dict[str, Any], folder: Path, step: int) -> None:
         if self.options.format == "torch":
-            loaded = torch.load(folder / TORCH_FILE, map_location="cpu", weights_only=True)
+            try:
+                loaded = torch.load(folder / TORCH_FILE, map_location="cpu", weights_only=True)
+            except Exception as exc:  # a torn or missing file: not trusted
+                raise IntegrityError(f"{folder / TORCH_FILE}: unreadable ({exc})", step=step) from exc
             if self.options.checksum:
                 _integrity.verify_flat(step, _integrity.read_manifest(folder, step), loaded)
             for k, v in loaded.items():

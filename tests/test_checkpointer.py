@@ -308,3 +308,15 @@ async def test_cuda_state_round_trip(tmp_path: Path) -> None:
         assert await ckpt.restore({"app": App(m2, opt2)}) == 1
         got = m2.state_dict()
         assert all(torch.equal(got[k], v) for k, v in expected.items()) and m2.weight.is_cuda
+
+
+@pytest.mark.anyio
+async def test_torch_format_truncated_file_falls_back(tmp_path: Path) -> None:
+    async with Checkpointer(tmp_path, format="torch", keep=3) as ckpt:
+        for step in (1, 2):
+            await ckpt.save({"w": torch.full((64,), float(step))}, step=step)
+        await ckpt.wait()
+        path = tmp_path / "step-00000002" / "state.pt"
+        path.write_bytes(path.read_bytes()[:100])
+        w = torch.empty(64)
+        assert await ckpt.restore({"w": w}) == 1 and w.tolist() == [1.0] * 64
