@@ -8,7 +8,7 @@ staged, DCP writes in the background, and rank 0 commits once every rank's files
 durable. Started again, it resumes from the newest committed step that verifies, on any
 number of ranks (``--nproc-per-node 1`` or 4: DCP reshards).
 
-``--kill-at N`` SIGKILLs rank 0 right after the save of step N was staged (its write may
+``--kill-at N`` SIGKILLs rank ``--kill-rank`` (0) right after the save of step N was staged (its write may
 or may not have been committed): torchrun then stops the other ranks. ``--digests``
 prints a CRC of the full (unsharded) model and optimizer state at every save and after a
 resume, so a test can check that a resume is bit-exact.
@@ -137,7 +137,7 @@ async def train(args: argparse.Namespace) -> None:
                     if rank == 0:
                         print(f"digest at save {step}: {d:08x}", flush=True)
                 await ckpt.save(state, step=step)
-                if step == args.kill_at and rank == 0:
+                if step == args.kill_at and rank == args.kill_rank:
                     os.kill(os.getpid(), signal.SIGKILL)
         await ckpt.wait()
         if rank == 0:
@@ -151,6 +151,7 @@ def main() -> None:
     p.add_argument("--every", type=int, default=2)
     p.add_argument("--keep", type=int, default=3)
     p.add_argument("--kill-at", type=int, default=-1)
+    p.add_argument("--kill-rank", type=int, default=0)
     p.add_argument("--digests", action="store_true")
     args = p.parse_args()
     dist.init_process_group("gloo")

@@ -69,3 +69,13 @@ def test_fsdp_resume_same_world_trains_on_bit_exact_then_four_ranks(tmp_path: Pa
     }
     four = torchrun(4, tmp_path / "run", "--steps", "10")
     assert resumed_step(four) == 10 and digests(four, "after resume")[10] == reference[10]
+
+
+@pytest.mark.stress
+@pytest.mark.timeout(300)
+def test_fsdp_rank_one_killed_then_resume(tmp_path: Path) -> None:
+    first = torchrun(2, tmp_path, "--steps", "6", "--kill-at", "4", "--kill-rank", "1", killed=True)
+    saved = digests(first, "at save")
+    after = torchrun(2, tmp_path, "--steps", "6")
+    step = resumed_step(after)
+    assert step in (2, 4) and digests(after, "after resume")[step] == saved[step]
