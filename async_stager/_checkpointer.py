@@ -17,10 +17,11 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 __all__ = ["Checkpointer", "CheckpointerOptions", "SaveStats"]
 
 _log = logging.getLogger("async_stager.checkpoint")
+T = TypeVar("T")
 
 
 @dataclass
@@ -240,11 +242,16 @@ class Checkpointer:
         return receive
 
     async def _write_task(self, item: _Staged) -> None:
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
         try:
             while True:
                 try:
                     stats = await self._write(item)
-                except Exception as exc:  # noqa: BLE001 - kept for the next save/wait
+                except (Exception, CheckpointException) as group:  # noqa: BLE001 - kept for the next save/wait
+                    exc: BaseException = group
+                    while len(getattr(exc, "exceptions", ())) == 1:  # a task group's wrapper
+                        exc = exc.exceptions[0]  # type: ignore[attr-defined]
                     _log.error("checkpoint step %d failed: %s", item.step, exc)
                     if self._failure is None:
                         self._failure = (
@@ -292,21 +299,10 @@ class Checkpointer:
 
                 await anyio.to_thread.run_sync(fresh)
             await anyio.to_thread.run_sync(ranks.barrier)
-            manifest: dict[str, dict[str, Any]] = {}
-            timing = [0.0]
-
-            async def checksum() -> None:
-                c0 = time.monotonic()
-                manifest.update(
-                    await anyio.to_thread.run_sync(
-                        lambda: _integrity.checksum_state(staged, threads=opts.checksum_threads)
-                    )
-                )
-                timing[0] = time.monotonic() - c0
-
-            async with anyio.create_task_group() as tg:
-                if opts.checksum:
-                    tg.start_soon(checksum)
+            # The checksum reads the staged copy in threads of its own while DCP (or
+            # torch.save) writes it; both finish before the lease is released.
+            hashing = _in_thread(_timed_checksum, staged, opts.checksum_threads) if opts.checksum else None
+            try:
                 if opts.format == "dcp":
                     from .dcp import save_staged
 
@@ -318,6 +314,11 @@ class Checkpointer:
                     )
                 else:
                     await anyio.to_thread.run_sync(torch_write, staged, tmp / TORCH_FILE)
+            finally:
+                if hashing is not None:
+                    with anyio.CancelScope(shield=True):
+                        await anyio.to_thread.run_sync(futures.wait, [hashing])
+            manifest, checksum_seconds = hashing.result() if hashing is not None else ({}, 0.0)
             nbytes = await anyio.to_thread.run_sync(staged_bytes, staged)
         # The lease is released: the staged buffers are free for the next stage.
         t1 = time.monotonic()
@@ -340,7 +341,7 @@ class Checkpointer:
             queued_seconds=item.queued,
             stage_seconds=item.staged,
             write_seconds=t1 - t0,
-            checksum_seconds=timing[0],
+            checksum_seconds=checksum_seconds,
             commit_seconds=t2 - t1,
         )
 
@@ -444,3 +445,25 @@ class Checkpointer:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+
+
+def _timed_checksum(staged: dict[str, Any], threads: int) -> tuple[dict[str, dict[str, Any]], float]:
+    t0 = time.monotonic()
+    manifest = _integrity.checksum_state(staged, threads=threads)
+    return manifest, time.monotonic() - t0
+
+
+def _in_thread(fn: Callable[..., T], *args: Any) -> futures.Future[T]:
+    """Run ``fn(*args)`` in a new thread (not a daemon: exiting waits for it)."""
+    fut: futures.Future[T] = futures.Future()
+
+    def target() -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            fut.set_exception(exc)
+
+    threading.Thread(target=target, name="async-stager-checksum", daemon=False).start()
+    return fut

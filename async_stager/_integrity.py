@@ -236,7 +236,7 @@ def verify_dcp(
     tensors = read_manifest(folder, step)
     try:
         metadata = dcp.FileSystemReader(str(folder)).read_metadata()
-    except Exception as exc:
+    except (Exception, dcp.api.CheckpointException) as exc:
         raise IntegrityError(f"{folder}: unreadable DCP metadata ({exc})", step=step) from exc
     by_fqn: dict[str, list[str]] = {}
     for k, entry in tensors.items():

@@ -320,3 +320,26 @@ async def test_torch_format_truncated_file_falls_back(tmp_path: Path) -> None:
         path.write_bytes(path.read_bytes()[:100])
         w = torch.empty(64)
         assert await ckpt.restore({"w": w}) == 1 and w.tolist() == [1.0] * 64
+
+
+class Unpicklable:
+    """Fails to pickle in DCP's save thread only (staging copies it elsewhere)."""
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        if threading.current_thread().name.startswith("async-stager-dcp-save"):
+            raise ValueError("cannot pickle this")
+        return (Unpicklable, ())
+
+
+@pytest.mark.anyio
+async def test_a_failed_write_is_raised_once_and_the_next_save_works(tmp_path: Path) -> None:
+    from async_stager import CheckpointError
+
+    async with Checkpointer(tmp_path) as ckpt:
+        await ckpt.save({"bad": Unpicklable(), "x": torch.ones(2)}, step=1)
+        with pytest.raises(CheckpointError) as info:
+            await ckpt.wait()
+        assert info.value.step == 1 and "cannot pickle this" in repr(info.value.__cause__)
+        await ckpt.save({"x": torch.ones(2)}, step=2)
+        await ckpt.wait()
+        assert ckpt.steps() == [2]
