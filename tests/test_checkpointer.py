@@ -343,3 +343,15 @@ async def test_a_failed_write_is_raised_once_and_the_next_save_works(tmp_path: P
         await ckpt.save({"x": torch.ones(2)}, step=2)
         await ckpt.wait()
         assert ckpt.steps() == [2]
+
+
+@pytest.mark.anyio
+async def test_shutdown_deadline_missed_returns_one(tmp_path: Path) -> None:
+    GATE.clear()
+    async with Checkpointer(tmp_path) as ckpt, Shutdown() as stop:
+        await ckpt.save({"g": Gate(), "x": torch.ones(2)}, step=1)
+        stop.request()
+        assert stop.requested
+        assert await stop.final_checkpoint(ckpt, {"x": torch.ones(2)}, step=2, deadline=0.2) == 1
+        GATE.set()
+    assert ckpt.steps() == [1]  # step 1 was committed on exit; step 2 was never staged
