@@ -21,7 +21,7 @@ from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 __all__ = ["Checkpointer", "CheckpointerOptions", "SaveStats"]
 
 _log = logging.getLogger("async_stager.checkpoint")
-T = TypeVar("T")
 
 
 @dataclass
@@ -301,7 +300,7 @@ class Checkpointer:
             await anyio.to_thread.run_sync(ranks.barrier)
             # The checksum reads the staged copy in threads of its own while DCP (or
             # torch.save) writes it; both finish before the lease is released.
-            hashing = _in_thread(_timed_checksum, staged, opts.checksum_threads) if opts.checksum else None
+            hashing = _integrity.checksum_in_thread(staged, opts.checksum_threads) if opts.checksum else None
             try:
                 if opts.format == "dcp":
                     from .dcp import save_staged
@@ -445,25 +444,3 @@ class Checkpointer:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(state, checkpoint_id=str(folder), no_dist=True)
-
-
-def _timed_checksum(staged: dict[str, Any], threads: int) -> tuple[dict[str, dict[str, Any]], float]:
-    t0 = time.monotonic()
-    manifest = _integrity.checksum_state(staged, threads=threads)
-    return manifest, time.monotonic() - t0
-
-
-def _in_thread(fn: Callable[..., T], *args: Any) -> futures.Future[T]:
-    """Run ``fn(*args)`` in a new thread (not a daemon: exiting waits for it)."""
-    fut: futures.Future[T] = futures.Future()
-
-    def target() -> None:
-        if not fut.set_running_or_notify_cancel():
-            return
-        try:
-            fut.set_result(fn(*args))
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-            fut.set_exception(exc)
-
-    threading.Thread(target=target, name="async-stager-checksum", daemon=False).start()
-    return fut

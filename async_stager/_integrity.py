@@ -22,9 +22,12 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import threading
+import time
 import warnings
 import zlib
 from collections.abc import Iterable, Sequence
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,7 @@ __all__ = [
     "HASH",
     "MANIFEST",
     "PIECE_BYTES",
+    "checksum_in_thread",
     "checksum_state",
     "read_manifest",
     "tensor_crcs",
@@ -281,3 +285,26 @@ def verify_dcp(
         fqn = min(by_fqn)
         raise IntegrityError(f"tensor {fqn!r} is missing from the checkpoint", step=step, tensor=fqn)
     return checked
+
+
+def checksum_in_thread(
+    staged: dict[str, Any], threads: int
+) -> futures.Future[tuple[dict[str, dict[str, Any]], float]]:
+    """Start ``checksum_state`` in a new thread (not a daemon: exiting waits for it);
+    the future gives the table and the seconds it took. The caller keeps ``staged``
+    (its lease) until the future is done."""
+    fut: futures.Future[tuple[dict[str, dict[str, Any]], float]] = futures.Future()
+
+    def target() -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        t0 = time.monotonic()
+        try:
+            table = checksum_state(staged, threads=threads)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            fut.set_exception(exc)
+        else:
+            fut.set_result((table, time.monotonic() - t0))
+
+    threading.Thread(target=target, name="async-stager-checksum", daemon=False).start()
+    return fut
