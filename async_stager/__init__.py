@@ -6,12 +6,15 @@ event loop. ``DefaultStager`` keeps PyTorch DCP's staging API on the same engine
 """
 
 from ._checkpoint_stager import CheckpointStager, CheckpointStagerConfig
+from ._checkpointer import Checkpointer, CheckpointerOptions, SaveStats
 from ._default_stager import DefaultStager
 from ._errors import (
     BuffersHeldError,
+    CheckpointError,
     ClosedError,
     CopyError,
     HostAllocationError,
+    IntegrityError,
     InvalidOptionError,
     InvalidOptionTypeError,
     NestingError,
@@ -24,6 +27,7 @@ from ._errors import (
 from ._lease import Lease
 from ._options import StagerOptions
 from ._share import AttachedStateDict, SharedArena, SharedHandle, attach_shared, export_shared
+from ._shutdown import Shutdown
 from ._stager import Stager
 from ._stats import StageStats
 from ._waiting import Backoff
@@ -35,19 +39,25 @@ __all__ = [
     "AttachedStateDict",
     "Backoff",
     "BuffersHeldError",
+    "CheckpointError",
     "CheckpointStager",
     "CheckpointStagerConfig",
+    "Checkpointer",
+    "CheckpointerOptions",
     "ClosedError",
     "CopyError",
     "DefaultStager",
     "HostAllocationError",
+    "IntegrityError",
     "InvalidOptionError",
     "InvalidOptionTypeError",
     "Lease",
     "NestingError",
     "PinningError",
+    "SaveStats",
     "SharedArena",
     "SharedHandle",
+    "Shutdown",
     "StageStats",
     "Stager",
     "StagerOptions",

@@ -12,9 +12,11 @@ from typing import Any
 
 __all__ = [
     "BuffersHeldError",
+    "CheckpointError",
     "ClosedError",
     "CopyError",
     "HostAllocationError",
+    "IntegrityError",
     "InvalidOptionError",
     "InvalidOptionTypeError",
     "NestingError",
@@ -112,6 +114,25 @@ class InvalidOptionTypeError(InvalidOptionError, TypeError):
 class UnsupportedTensorError(StagingError):
     """A tensor that cannot be staged faithfully: meta, sparse, quantized, nested,
     freed storage (no data but elements), or a second accelerator device."""
+
+
+class CheckpointError(StagingError):
+    """A Checkpointer could not write, commit or restore a checkpoint; ``step`` names it
+    (None when the failure concerns no one step). The cause is chained."""
+
+    def __init__(self, message: str, *, step: int | None = None, path: Sequence[Any] | None = None) -> None:
+        super().__init__(message, path=path)
+        self.step = step
+
+
+class IntegrityError(CheckpointError):
+    """A committed checkpoint's data does not match the checksums taken from the staged
+    copy when it was saved (or its checksums are missing): ``step`` and ``tensor`` (the
+    flattened DCP name, e.g. ``model.layers.0.weight``) say where."""
+
+    def __init__(self, message: str, *, step: int | None, tensor: str | None = None) -> None:
+        super().__init__(message, step=step)
+        self.tensor = tensor
 
 
 class UncopyableObjectError(StagingError):

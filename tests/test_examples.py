@@ -38,6 +38,7 @@ def test_every_example_is_tested() -> None:
         "orchestrator.py",
         "dcp_async_save.py",
         "writer_process.py",
+        "fsdp_training.py",  # under torchrun: tests/test_fsdp_example.py
     }
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
@@ -85,6 +86,7 @@ def test_orchestrator_final_checkpoint_on_sigterm(tmp_path: Path) -> None:
     final = [ln for ln in rest.splitlines() if ln.startswith("final step")]
     assert final, rest
     step = int(final[0].split()[2])
-    ckpt = torch.load(tmp_path / "final.pt")
+    assert (tmp_path / "latest").read_text().strip() == f"step-{step:08d}"
+    ckpt = torch.load(tmp_path / f"step-{step:08d}" / "state.pt")
     assert ckpt["step"] == step and step > 0
-    assert not list(tmp_path.glob("*.tmp"))
+    assert not list(tmp_path.glob(".tmp-*"))

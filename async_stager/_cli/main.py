@@ -2,6 +2,7 @@
 
 - ``bench``: async_stager versus PyTorch DCP's DefaultStager and the one-buffer copy
   bound, on synthetic state dicts (see docs/benchmarks.md).
+- ``verify``: check committed checkpoints against their checksums (see verify.py).
 - ``demo``: stage a small transformer state dict twice and print what each stage did
   (the first allocates host memory; the second reuses it).
 """
@@ -18,6 +19,7 @@ import torch
 from . import bench as _bench
 from .args import add_arguments, options_from_args, scale_argument, unwritable
 from .report import BenchError, format_table, require_matplotlib, to_json, write_plot
+from .verify import add_verify_parser, run_verify
 from .workloads import build_transformer, count_tensors
 
 __all__ = ["main"]
@@ -94,6 +96,7 @@ def _parser() -> argparse.ArgumentParser:
         demo, 0.25, "model size (1: the transformer workload with AdamW state, see docs/benchmarks.md)"
     )
     demo.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    add_verify_parser(sub)
     return parser
 
 
@@ -109,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.command == "bench":
             return run_cli(ns, sys.stdout)
+        if ns.command == "verify":
+            return run_verify(ns, sys.stdout)
         device = _bench.BenchOptions(device=ns.device).resolved_device()
         _bench.check_fits(["transformer"], ns.scale, device)
         asyncio.run(_demo(ns.scale, device))

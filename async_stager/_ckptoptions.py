@@ -1,0 +1,66 @@
+"""A Checkpointer's options and the statistics of one commit (frozen records)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from ._errors import InvalidOptionError
+
+__all__ = ["CheckpointerOptions", "Format", "Policy", "SaveStats"]
+
+Policy = Literal["wait", "skip", "coalesce"]
+Format = Literal["dcp", "torch"]
+
+
+@dataclass(frozen=True)
+class CheckpointerOptions:
+    """A Checkpointer's settings (see ``Checkpointer``), checked at construction."""
+
+    directory: Path
+    keep: int = 3
+    format: Format = "dcp"
+    max_in_flight: int = 1
+    policy: Policy = "wait"
+    checksum: bool = True
+    checksum_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.keep, int) or isinstance(self.keep, bool) or self.keep < 1:
+            raise InvalidOptionError(f"keep must be an int >= 1, got {self.keep!r}")
+        if self.format not in ("dcp", "torch"):
+            raise InvalidOptionError(f"format must be 'dcp' or 'torch', got {self.format!r}")
+        if not isinstance(self.max_in_flight, int) or self.max_in_flight < 1:
+            raise InvalidOptionError(f"max_in_flight must be an int >= 1, got {self.max_in_flight!r}")
+        if self.policy not in ("wait", "skip", "coalesce"):
+            raise InvalidOptionError(f"policy must be 'wait', 'skip' or 'coalesce', got {self.policy!r}")
+        if not isinstance(self.checksum_threads, int) or self.checksum_threads < 1:
+            raise InvalidOptionError(f"checksum_threads must be an int >= 1, got {self.checksum_threads!r}")
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """One committed checkpoint. Seconds and bytes.
+
+    ``stage_seconds``: from ``save`` starting to stage until the staged copy was ready
+    (what ``save`` blocked the caller for, besides a ``wait``-policy wait, which is
+    ``queued_seconds``). ``write_seconds``: the background write of this rank's files
+    (DCP or ``torch.save``, fsynced), with the checksum running alongside;
+    ``checksum_seconds``: the checksum pass alone (wall time, in its threads);
+    ``commit_seconds``: checksums file, fsyncs, rename, ``latest`` and retention.
+    ``bytes``: this rank's staged tensor bytes."""
+
+    step: int
+    path: str
+    bytes: int
+    queued_seconds: float
+    stage_seconds: float
+    write_seconds: float
+    checksum_seconds: float
+    commit_seconds: float
+
+    @property
+    def bytes_per_second(self) -> float:
+        """Written bytes over write seconds (0.0 if unmeasurably fast)."""
+        return self.bytes / self.write_seconds if self.write_seconds > 0 else 0.0

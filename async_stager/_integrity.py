@@ -1,0 +1,310 @@
+"""Checksums per tensor chunk: taken from the staged host copy, stored beside the data in
+``checksums.json``, checked against what is read back on restore and by
+``python -m async_stager verify``.
+
+The hash is CRC-32 (``zlib.crc32``, the IEEE polynomial) over the tensor's bytes in
+row-major (contiguous) order, one CRC per ``PIECE_BYTES`` piece so that big tensors
+spread over threads (zlib releases the GIL on large buffers). CRC-32 detects every
+error of up to 32 consecutive bits in a piece (so any single corrupted byte or torn
+word), every odd number of flipped bits, and misses a random corruption with
+probability 2**-32; it is not cryptographic: it detects accidents (torn writes, bit
+rot, a buffer overwritten while it was written, a file from another step), not
+tampering.
+
+A chunk is what DCP stores for one tensor on one rank: the whole tensor for a plain
+tensor (offsets all zero), the local shard for a DTensor (its offsets in the global
+tensor). Keys are DCP's flattened names (``model.layers.0.weight``) plus the offsets,
+so a checkpoint written on N ranks verifies on any number of ranks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import threading
+import time
+import warnings
+import zlib
+from collections.abc import Iterable, Sequence
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ._errors import IntegrityError
+
+__all__ = [
+    "HASH",
+    "MANIFEST",
+    "PIECE_BYTES",
+    "checksum_in_thread",
+    "checksum_state",
+    "read_manifest",
+    "tensor_crcs",
+    "verify_dcp",
+    "verify_flat",
+    "write_manifest",
+]
+
+HASH = "crc32"
+#: The file each checkpoint folder holds its checksums in.
+MANIFEST = "checksums.json"
+#: Bytes per CRC: big tensors are hashed in pieces of this size, in parallel.
+PIECE_BYTES = 16 * 2**20
+_FORMAT = "async_stager-checksums/1"
+
+
+def tensor_crcs(t: torch.Tensor, piece_bytes: int = PIECE_BYTES) -> list[int]:
+    """CRC-32 of each ``piece_bytes`` piece of a CPU tensor's bytes in row-major order
+    (one CRC of nothing for an empty tensor). Reads the tensor; a non-contiguous one is
+    copied first."""
+    t = t.detach().resolve_conj().resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return [zlib.crc32(b"")]
+    buf = (ctypes.c_char * n).from_address(t.data_ptr())
+    view = memoryview(buf).cast("B")
+    return [zlib.crc32(view[i : i + piece_bytes]) for i in range(0, n, piece_bytes)]
+
+
+def _chunk(value: Any) -> tuple[torch.Tensor, list[int]] | None:
+    """The local data and global offsets of a tensor value as DCP stores it."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        chunks = value.__create_chunk_list__()
+        offsets = [int(o) for o in chunks[0].offsets] if chunks else [0] * value.dim()
+        return value.to_local(), offsets
+    if isinstance(value, torch.Tensor):
+        return value, [0] * value.dim()
+    return None
+
+
+def key(fqn: str, offsets: Sequence[int]) -> str:
+    return f"{fqn}@{','.join(str(o) for o in offsets)}"
+
+
+def flatten(state: dict[str, Any]) -> dict[str, Any]:
+    """DCP's flattened names for a nested state dict (``{'a': {'b': t}}`` -> ``a.b``)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(state)
+    return dict(flat)
+
+
+def checksum_state(state: dict[str, Any], *, threads: int = 1) -> dict[str, dict[str, Any]]:
+    """Checksum every tensor chunk of a staged (host) state dict; ``threads`` threads
+    hash pieces in parallel. Returns the manifest's ``tensors`` table."""
+    entries: dict[str, dict[str, Any]] = {}
+    work: list[tuple[str, torch.Tensor, int]] = []
+    for fqn, value in flatten(state).items():
+        found = _chunk(value)
+        if found is None:
+            continue
+        local, offsets = found
+        k = key(fqn, offsets)
+        nbytes = local.numel() * local.element_size()
+        entries[k] = {
+            "fqn": fqn,
+            "offsets": offsets,
+            "shape": list(local.shape),
+            "dtype": str(local.dtype).removeprefix("torch."),
+            "crc32": [],
+        }
+        t = local.detach().resolve_conj().resolve_neg().contiguous()
+        for start in range(0, max(nbytes, 1), PIECE_BYTES):
+            work.append((k, t, start))
+
+    def piece(item: tuple[str, torch.Tensor, int]) -> int:
+        _, t, start = item
+        n = t.numel() * t.element_size()
+        if n == 0:
+            return zlib.crc32(b"")
+        buf = (ctypes.c_char * n).from_address(t.data_ptr())
+        return zlib.crc32(memoryview(buf).cast("B")[start : start + PIECE_BYTES])
+
+    if threads > 1 and len(work) > 1:
+        with ThreadPoolExecutor(threads, thread_name_prefix="async-stager-crc") as pool:
+            crcs = list(pool.map(piece, work, chunksize=max(1, len(work) // (threads * 8))))
+    else:
+        crcs = [piece(w) for w in work]
+    for (k, _, _), crc in zip(work, crcs):
+        entries[k]["crc32"].append(crc)
+    return entries
+
+
+def write_manifest(folder: Path, step: int, tensors: dict[str, dict[str, Any]]) -> None:
+    """Write ``checksums.json`` into ``folder`` and fsync it (the folder is fsynced by
+    the commit)."""
+    doc = {"format": _FORMAT, "hash": HASH, "piece_bytes": PIECE_BYTES, "step": step, "tensors": tensors}
+    path = folder / MANIFEST
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_manifest(folder: Path, step: int | None) -> dict[str, dict[str, Any]]:
+    """The ``tensors`` table of a checkpoint folder; IntegrityError if it is missing or
+    unreadable (a checkpoint that cannot be verified is not trusted)."""
+    try:
+        doc = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise IntegrityError(f"{folder}: no readable {MANIFEST} ({exc})", step=step) from exc
+    if doc.get("format") != _FORMAT or doc.get("hash") != HASH:
+        raise IntegrityError(f"{folder}: {MANIFEST} is not an {_FORMAT} {HASH} manifest", step=step)
+    tensors: dict[str, dict[str, Any]] = doc["tensors"]
+    return tensors
+
+
+def _compare(step: int | None, k: str, entry: dict[str, Any], data: torch.Tensor) -> None:
+    if list(data.shape) != entry["shape"]:
+        raise IntegrityError(
+            f"tensor {entry['fqn']!r} (offsets {entry['offsets']}) has shape {list(data.shape)}, "
+            f"saved with {entry['shape']}",
+            step=step,
+            tensor=entry["fqn"],
+        )
+    got = tensor_crcs(data)
+    if got != entry["crc32"]:
+        bad = (
+            next(i for i, (a, b) in enumerate(zip(got, entry["crc32"])) if a != b)
+            if len(got) == len(entry["crc32"])
+            else 0
+        )
+        raise IntegrityError(
+            f"tensor {entry['fqn']!r} (offsets {entry['offsets']}): {HASH} mismatch in bytes "
+            f"{bad * PIECE_BYTES}..{min((bad + 1) * PIECE_BYTES, data.numel() * data.element_size())} "
+            "of its data: the stored data is not what "
+            "was staged (corrupted or torn file)",
+            step=step,
+            tensor=entry["fqn"],
+        )
+
+
+def verify_flat(step: int | None, tensors: dict[str, dict[str, Any]], loaded: dict[str, Any]) -> int:
+    """Check a loaded (``torch.save`` format) state dict against its manifest; returns
+    the number of tensors checked. Every tensor must have an entry and match."""
+    seen = set()
+    for fqn, value in flatten(loaded).items():
+        found = _chunk(value)
+        if found is None:
+            continue
+        local, offsets = found
+        k = key(fqn, offsets)
+        entry = tensors.get(k)
+        if entry is None:
+            raise IntegrityError(f"tensor {fqn!r} has no checksum", step=step, tensor=fqn)
+        _compare(step, k, entry, local)
+        seen.add(k)
+    missing = set(tensors) - seen
+    if missing:
+        fqn = tensors[min(missing)]["fqn"]
+        raise IntegrityError(f"tensor {fqn!r} is missing from the file", step=step, tensor=fqn)
+    return len(seen)
+
+
+def _batches(items: Iterable[tuple[str, Any]], limit: int) -> Iterable[list[tuple[str, Any]]]:
+    batch: list[tuple[str, Any]] = []
+    size = 0
+    for fqn, md in items:
+        nbytes = md.size.numel() * torch.empty((), dtype=md.properties.dtype).element_size()
+        if batch and size + nbytes > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append((fqn, md))
+        size += nbytes
+    if batch:
+        yield batch
+
+
+def verify_dcp(
+    folder: Path,
+    step: int | None,
+    *,
+    part: tuple[int, int] = (0, 1),
+    batch_bytes: int = 256 * 2**20,
+) -> int:
+    """Read back every tensor of a DCP checkpoint folder (through DCP's own reader, in
+    batches of about ``batch_bytes``) and check each stored chunk against the manifest.
+    ``part=(i, n)`` checks only every n-th tensor starting at the i-th (one rank's
+    share). Returns the number of chunks checked; raises IntegrityError."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    tensors = read_manifest(folder, step)
+    try:
+        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    except (Exception, dcp.api.CheckpointException) as exc:
+        raise IntegrityError(f"{folder}: unreadable DCP metadata ({exc})", step=step) from exc
+    by_fqn: dict[str, list[str]] = {}
+    for k, entry in tensors.items():
+        by_fqn.setdefault(entry["fqn"], []).append(k)
+    items = sorted(
+        (fqn, md) for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)
+    )
+    mine = [item for i, item in enumerate(items) if i % part[1] == part[0]]
+    checked = 0
+    for batch in _batches(mine, batch_bytes):
+        target = {fqn: torch.empty(md.size, dtype=md.properties.dtype) for fqn, md in batch}
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(target, checkpoint_id=str(folder), no_dist=True)
+        except Exception as exc:
+            raise IntegrityError(
+                f"{folder}: cannot read tensors {[f for f, _ in batch][:3]}... ({exc})",
+                step=step,
+                tensor=batch[0][0],
+            ) from exc
+        for fqn, md in batch:
+            keys = {key(fqn, c.offsets): c for c in md.chunks}
+            for k, chunk in keys.items():
+                found = tensors.get(k)
+                if found is None:
+                    raise IntegrityError(
+                        f"tensor {fqn!r} (offsets {list(chunk.offsets)}) has no checksum",
+                        step=step,
+                        tensor=fqn,
+                    )
+                region = target[fqn][tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))]
+                _compare(step, k, found, region)
+                checked += 1
+            for k in by_fqn.pop(fqn, []):
+                if k not in keys:
+                    raise IntegrityError(
+                        f"tensor {fqn!r}: chunk {k} is not in the checkpoint", step=step, tensor=fqn
+                    )
+        del target
+    if part == (0, 1) and by_fqn:
+        fqn = min(by_fqn)
+        raise IntegrityError(f"tensor {fqn!r} is missing from the checkpoint", step=step, tensor=fqn)
+    return checked
+
+
+def checksum_in_thread(
+    staged: dict[str, Any], threads: int
+) -> futures.Future[tuple[dict[str, dict[str, Any]], float]]:
+    """Start ``checksum_state`` in a new thread (not a daemon: exiting waits for it);
+    the future gives the table and the seconds it took. The caller keeps ``staged``
+    (its lease) until the future is done."""
+    fut: futures.Future[tuple[dict[str, dict[str, Any]], float]] = futures.Future()
+
+    def target() -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        t0 = time.monotonic()
+        try:
+            table = checksum_state(staged, threads=threads)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            fut.set_exception(exc)
+        else:
+            fut.set_result((table, time.monotonic() - t0))
+
+    threading.Thread(target=target, name="async-stager-checksum", daemon=False).start()
+    return fut

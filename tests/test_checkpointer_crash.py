@@ -1,0 +1,87 @@
+"""SIGKILL at points in every phase of a checkpoint (staging, writing, committing), then
+restart: each restart restores the newest committed checkpoint, which verifies
+(``fallback=False`` in the child) and is bit-exact with an uninterrupted run at that
+step. A short chain runs by default; the long one (two formats, 30 kill points) is a
+stress run. See crash_child.py for the kill points."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import crash_child
+
+from async_stager._cli.main import main as cli_main
+
+ROOT = Path(__file__).resolve().parent.parent
+CHILD = Path(__file__).resolve().parent / "crash_child.py"
+
+SHORT = ["lease:3", "write_item:7", "fsync:9", "rename:2"]
+LONG = [
+    *("lease:2", "lease:5"),
+    *(f"write_item:{k}" for k in (1, 4, 9, 15)),
+    *(f"crc32:{k}" for k in (1, 6, 11)),
+    *(f"fsync:{k}" for k in (1, 3, 5, 8, 12, 17)),
+    *(f"rename:{k}" for k in (1, 2, 3, 4, 6)),
+    *(f"replace:{k}" for k in (1, 2)),
+    *(f"rmtree:{k}" for k in (1, 2, 3)),
+]
+TORCH_LONG = ["lease:3", "torch_save:2", "crc32:3", "fsync:2", "fsync:4", "rename:1", "rename:3", "replace:1"]
+
+
+def run_child(directory: Path, fmt: str, spec: str) -> tuple[int, str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, str(CHILD), str(directory), fmt, spec],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert proc.returncode in (0, -9), f"{spec}: rc {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc.returncode, proc.stdout
+
+
+def chain(tmp_path: Path, fmt: str, points: list[str]) -> None:
+    ref = crash_child.reference()
+    directory = tmp_path / "ckpt"
+    kills = 0
+    restored_steps = []
+    for spec in [*points, "none"]:
+        rc, out = run_child(directory, fmt, spec)
+        first = out.splitlines()[0].split()
+        assert first[0] == "restored", out
+        if first[1] != "None":
+            step, dig = int(first[1]), int(first[2])
+            assert dig == ref[step], f"before {spec}: step {step} restored, not bit-exact"
+            restored_steps.append(step)
+        if rc == -9:
+            kills += 1
+            if any(p.name.startswith("step-") for p in directory.iterdir()):
+                assert cli_main(["verify", str(directory), "--newest"]) == 0, f"after {spec}"
+        else:
+            assert "done" in out
+    assert kills >= len(points) - 1, f"only {kills} of {len(points)} kill points were reached"
+    assert restored_steps, "no restart found a checkpoint"
+
+
+@pytest.mark.timeout(120)
+def test_kill_at_points_in_each_phase_short(tmp_path: Path) -> None:
+    chain(tmp_path, "dcp", SHORT)
+
+
+@pytest.mark.stress
+@pytest.mark.timeout(900)
+def test_kill_at_thirty_points_dcp(tmp_path: Path) -> None:
+    chain(tmp_path, "dcp", LONG)
+
+
+@pytest.mark.stress
+@pytest.mark.timeout(600)
+def test_kill_at_points_torch_format(tmp_path: Path) -> None:
+    chain(tmp_path, "torch", TORCH_LONG)
