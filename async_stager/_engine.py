@@ -43,6 +43,7 @@ from ._interp import gc_paused, gil_interval
 from ._lease import Lease
 from ._options import StagerOptions
 from ._plan import make_plan, plan_holds, sources
+from ._preflight import engine_hook
 from ._tree import Interrupt, Walk, path_of_leaf
 
 __all__ = ["Cancelled", "Engine", "Staged"]
@@ -227,7 +228,14 @@ class Engine:
                 collect.run(sd)
                 with gc_paused(), _no_torch_function():
                     plan, hits, misses = make_plan(
-                        self._copier, self.options, bufset, sig, collect.leaves, tick, prefault=not copy
+                        self._copier,
+                        self.options,
+                        bufset,
+                        sig,
+                        collect.leaves,
+                        tick,
+                        prefault=not copy,
+                        preflight=self._preflight(bufset, reserve=not copy),
                     )
                 # Remembered and watched before the walk below builds the result: the
                 # baseline of ``held`` must count the stager's references only.
@@ -295,6 +303,22 @@ class Engine:
             with self._cond:
                 bufset.busy = False
                 self._cond.notify_all()
+
+    def _preflight(self, bufset: BufferSet, *, reserve: bool) -> Callable[[list[int]], None] | None:
+        """The pre-flight check ``make_plan`` runs before it allocates (see
+        ``_preflight``): at reserve(), and at a stage into a set that maps nothing yet.
+        None otherwise, so a stage into a set that holds memory pays nothing."""
+        if not self.options.preflight or (not reserve and bufset.pool.arenas):
+            return None
+        with self._cond:
+            held = [s for s in self._sets if s.pool.arenas]
+        return engine_hook(
+            self.options,
+            self._pinner,
+            reserve=reserve,
+            held_bytes=sum(s.pool.host_bytes for s in held),
+            held_sets=len(held),
+        )
 
     def _select(
         self, sig: Any, lease: bool, cancel: threading.Event | None

@@ -43,7 +43,11 @@ def make_plan(
     tick: Callable[[], None],
     *,
     prefault: bool,
+    preflight: Callable[[list[int]], None] | None = None,
 ) -> tuple[Plan, int, int]:
+    """The plan of ``leaves`` in ``bufset`` (see the module doc), with its cache hits
+    and misses. ``preflight``, if given, is called with every unique storage's size
+    (bytes) before anything is allocated, and may raise (``_preflight``)."""
     uniq: list[torch.Tensor] = []
     leaf_u: list[int] = []
     seen: dict[int, int] = {}
@@ -78,6 +82,8 @@ def make_plan(
     # still viewed there is never handed out again), before any allocation (a new
     # arena is fresh memory).
     reads = _reads_in_pool(bufset.pool, [g.storage for g in groups.values()])
+    if preflight is not None and missing:
+        preflight([g.storage.nbytes() for g in groups.values()])
     if missing:
         # Smallest first: small storages land adjacent, so a device can move a run
         # of them with one copy.

@@ -4,6 +4,8 @@
   bound, on synthetic state dicts (see docs/benchmarks.md).
 - ``demo``: stage a small transformer state dict twice and print what each stage did
   (the first allocates host memory; the second reuses it).
+- ``check``: pre-flight: does a checkpoint of a given size fit this machine's limits?
+  (exit status 1 when it does not; see ``check.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, TextIO
 import torch
 
 from . import bench as _bench
+from .check import add_check_parser, run_check
 from .args import add_arguments, options_from_args, scale_argument, unwritable
 from .report import BenchError, format_table, require_matplotlib, to_json, write_plot
 from .workloads import build_transformer, count_tensors
@@ -94,6 +97,7 @@ def _parser() -> argparse.ArgumentParser:
         demo, 0.25, "model size (1: the transformer workload with AdamW state, see docs/benchmarks.md)"
     )
     demo.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    add_check_parser(sub)
     return parser
 
 
@@ -109,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.command == "bench":
             return run_cli(ns, sys.stdout)
+        if ns.command == "check":
+            return run_check(ns, sys.stdout)
         device = _bench.BenchOptions(device=ns.device).resolved_device()
         _bench.check_fits(["transformer"], ns.scale, device)
         asyncio.run(_demo(ns.scale, device))
