@@ -91,7 +91,9 @@ def add_check_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "/dev/shm, RLIMIT_FSIZE, RLIMIT_NOFILE). Exit status 0: it fits; 1: it does not.",
     )
     size = p.add_mutually_exclusive_group(required=True)
-    size.add_argument("--bytes", type=parse_bytes, metavar="SIZE", help="checkpoint bytes: 37.2GiB, 40GB, 1e9")
+    size.add_argument(
+        "--bytes", type=parse_bytes, metavar="SIZE", help="checkpoint bytes: 37.2GiB, 40GB, 1e9"
+    )
     size.add_argument(
         "--model-size", type=parse_count, metavar="PARAMS", help="parameters: 7B, 350M, 7e9 (see --dtype)"
     )
@@ -126,7 +128,7 @@ def run_check(ns: argparse.Namespace, out: TextIO, limits: HostLimits | None = N
     kinds = [k for k, on in (("pinned", ns.pin_memory), ("shared", ns.share_memory)) if on] or ["private"]
     source = f"{human(nbytes)} checkpoint"
     if ns.bytes is None:
-        source += f" ({ns.model_size:,} parameters, {ns.dtype}, optimizer {ns.optimizer})"
+        source += f" ({ns.model_size:,} parameters, {ns.dtype}, {ns.optimizer} optimizer)"
     out.write(f"pre-flight: {source}\n")
     out.write(f"need: {need.describe()} of {', '.join(kinds)} host memory\n\n")
     out.write(report.format() + "\n\n")

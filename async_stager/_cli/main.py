@@ -18,8 +18,8 @@ from typing import Any, TextIO
 import torch
 
 from . import bench as _bench
-from .check import add_check_parser, run_check
 from .args import add_arguments, options_from_args, scale_argument, unwritable
+from .check import add_check_parser, run_check
 from .report import BenchError, format_table, require_matplotlib, to_json, write_plot
 from .workloads import build_transformer, count_tensors
 
