@@ -5,8 +5,8 @@ and the fix, instead of an OOM kill or ENOMEM at step 10,000.
 
 ``Need`` is what the engine will allocate, estimated exactly as ``_arena`` allocates:
 per buffer set one arena holding every unique source storage (views and aliases share
-one) in a block rounded up to ``ALIGN`` bytes, the arena at least ``MIN_ARENA_BYTES``
-and whole pages; shared arenas hold two descriptors each (the memfd and Python's
+one) in a block rounded up to ``ALIGN`` bytes, the arena at least ``MIN_ARENA_BYTES``;
+shared arenas hold two descriptors each (the memfd and Python's
 ``mmap`` duplicate) and are files of the arena's size (RLIMIT_FSIZE); pinning registers
 each arena once. ``check`` compares it with ``HostLimits`` and returns a
 ``PreflightReport`` (one row per limit); ``PreflightReport.raise_if_short`` raises for
@@ -22,7 +22,6 @@ would otherwise refuse every pinned stager that works).
 
 from __future__ import annotations
 
-import mmap
 import textwrap
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -37,8 +36,6 @@ __all__ = ["Need", "PreflightReport", "Row", "check", "engine_hook", "human", "s
 #: Descriptors a shared arena holds in the staging process: the memfd and the
 #: duplicate Python's ``mmap`` keeps.
 FDS_PER_SHARED_ARENA = 2
-
-_PAGE = mmap.PAGESIZE
 
 
 def human(n: int) -> str:
@@ -57,11 +54,12 @@ def human(n: int) -> str:
 def set_bytes(sizes: Iterable[int]) -> int:
     """Host bytes one buffer set maps for storages of ``sizes`` bytes (unique
     storages): one arena of their blocks (each rounded up to ``ALIGN``), at least
-    ``MIN_ARENA_BYTES``, in whole pages; 0 when nothing needs memory."""
+    ``MIN_ARENA_BYTES`` (what ``host_bytes`` reports; the kernel maps it in whole
+    pages); 0 when nothing needs memory."""
     total = sum(align(n) for n in sizes if n > 0)
     if not total:
         return 0
-    return align(max(total, MIN_ARENA_BYTES), _PAGE)
+    return max(total, MIN_ARENA_BYTES)
 
 
 @dataclass(frozen=True)
