@@ -81,6 +81,14 @@ def _positive(text: str) -> int:
     return n
 
 
+def _count(n: int) -> str:
+    """``7000000000`` as ``7B``, ``350000000`` as ``350M`` (``parse_count``'s units)."""
+    for unit, size in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("k", 10**3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
+
+
 def add_check_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``check`` and its flags on the command line's subparsers."""
     p = sub.add_parser(
@@ -128,7 +136,7 @@ def run_check(ns: argparse.Namespace, out: TextIO, limits: HostLimits | None = N
     kinds = [k for k, on in (("pinned", ns.pin_memory), ("shared", ns.share_memory)) if on] or ["private"]
     source = f"{human(nbytes)} checkpoint"
     if ns.bytes is None:
-        source += f" ({ns.model_size:,} parameters, {ns.dtype}, {ns.optimizer} optimizer)"
+        source += f" ({_count(ns.model_size)} parameters, {ns.dtype}, {ns.optimizer} optimizer)"
     out.write(f"pre-flight: {source}\n")
     out.write(f"need: {need.describe()} of {', '.join(kinds)} host memory\n\n")
     out.write(report.format() + "\n\n")
