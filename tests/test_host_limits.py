@@ -11,8 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from async_stager import HostLimitError
+from async_stager import HostLimitError, Stager
+from async_stager import _preflight as preflight_mod
 from async_stager._host_limits import CgroupLimit, HostLimits
 from async_stager._preflight import Need, check, set_bytes
 
@@ -166,3 +168,21 @@ def test_dev_shm_on_a_tiny_tmpfs(tmp_path: Path) -> None:
         assert not report.fits and report.rows[0].limit == 256 * 1024
     finally:
         subprocess.run(["umount", str(shm)], check=False)
+
+
+@pytest.mark.anyio
+async def test_reserve_reads_a_fake_cgroup_through_the_seam(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """End to end: a stager whose limits come from a fake cgroup v2 layout refuses a
+    state over the pod's limit, naming the cgroup, and allocates nothing."""
+    mib = 1 << 20
+    _v2(tmp_path, {"kubepods/pod1": (str(8 * mib), 2 * mib, 0), "kubepods/pod1/ctr": ("max", 2 * mib, 0)})
+    monkeypatch.setattr(preflight_mod, "read_limits", lambda: HostLimits.read(str(tmp_path), **_NO_RLIMITS))
+    async with Stager(max_buffer_sets=2) as stager:
+        with pytest.raises(HostLimitError) as info:
+            await stager.reserve({"w": torch.zeros(mib)})  # 2 x 4 MiB, 6 MiB left
+        assert info.value.resource == "cgroup v2 memory.max" and "kubepods/pod1" in info.value.fix
+        assert stager.host_bytes == 0
+        await stager.reserve({"w": torch.zeros(mib // 2)})  # 2 x 2 MiB fits
+        assert stager.host_bytes == 2 * mib
