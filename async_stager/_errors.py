@@ -139,8 +139,18 @@ class HostLimitError(HostAllocationError):
     ``report`` (a ``PreflightReport``) holds every row checked."""
 
     def __init__(
-        self, message: str, *, resource: str, need: int, limit: int, unit: str, fix: str, report: Any = None
+        self,
+        message: str,
+        *,
+        resource: str = "",
+        need: int = 0,
+        limit: int = 0,
+        unit: str = "bytes",
+        fix: str = "",
+        report: Any = None,
     ) -> None:
+        # Defaults only so that pickle (which calls the class with the message, then
+        # restores the attributes) can rebuild it in another process.
         super().__init__(message)
         self.resource = resource
         self.need = need

@@ -10,6 +10,7 @@ test_host_limits.py.
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -108,6 +109,9 @@ async def test_reserve_estimate_is_exact_and_refuses_one_byte_short(monkeypatch:
         assert f"2 x {human(per_set)}" in str(e) and "max_buffer_sets" in e.fix
         assert "nothing was allocated" in str(e) and "preflight=False" in str(e)
         assert isinstance(e, HostAllocationError) and isinstance(e, StagingError)
+        back = pickle.loads(pickle.dumps(e))  # crosses processes whole
+        assert (str(back), back.resource, back.need, back.fix) == (str(e), e.resource, e.need, e.fix)
+        assert back.report.rows == e.report.rows
         # Nothing was allocated, and the stager stays usable.
         assert stager.host_bytes == 0 and stager.stats is None
         limit["bytes"] = 2 * per_set
