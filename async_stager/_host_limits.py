@@ -23,6 +23,7 @@ is None: unknown, and not checked. Linux only in substance; elsewhere most are N
 
 from __future__ import annotations
 
+import errno
 import os
 import resource
 from collections.abc import Callable
@@ -98,14 +99,15 @@ class HostLimits:
             ipc_lock = caps is not None and bool(int(caps, 16) >> _CAP_IPC_LOCK & 1)
         except ValueError:
             ipc_lock = False
+        nofile = _rlimit(getrlimit, resource.RLIMIT_NOFILE)
         return cls(
             mem_available=_kib(_keyed(_read(_under(root, "/proc/meminfo")), ":").get("MemAvailable")),
             cgroup=_cgroup(root),
             memlock=_rlimit(getrlimit, resource.RLIMIT_MEMLOCK),
             locked=_kib(status.get("VmLck")) or 0,
             ipc_lock=ipc_lock,
-            nofile=_rlimit(getrlimit, resource.RLIMIT_NOFILE),
-            open_fds=_count_fds(root),
+            nofile=nofile,
+            open_fds=_count_fds(root, nofile),
             fsize=_rlimit(getrlimit, resource.RLIMIT_FSIZE),
             shm_free=_free_space(statvfs, _under(root, "/dev/shm")),
             memfd=hasattr(os, "memfd_create") if memfd is None else memfd,
@@ -159,12 +161,13 @@ def _rlimit(getrlimit: Callable[[int], tuple[int, int]], which: int) -> int | No
     return None if soft == resource.RLIM_INFINITY or soft < 0 else int(soft)
 
 
-def _count_fds(root: str) -> int:
+def _count_fds(root: str, nofile: int | None) -> int:
     try:
         # listdir opens one descriptor of its own while it reads: not counted.
         return max(0, len(os.listdir(_under(root, "/proc/self/fd"))) - 1)
-    except OSError:
-        return 0
+    except OSError as e:
+        # No descriptor left even to list them: every one is in use.
+        return nofile if e.errno == errno.EMFILE and nofile is not None else 0
 
 
 def _free_space(statvfs: Callable[[str], Any], path: str) -> int | None:

@@ -376,3 +376,22 @@ def test_report_table_fits_80_columns() -> None:
         "descriptors (RLIMIT_NOFILE)",
     ]
     assert "2 x 37.2 GiB" in table and "NO" in table and not report.fits
+
+
+def test_no_descriptor_left_reads_as_all_in_use() -> None:
+    _run(
+        """
+import os, resource
+from async_stager._host_limits import HostLimits
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+fds = []
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+try:
+    while True:
+        fds.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+limits = HostLimits.read()
+assert limits.nofile == 64 and limits.open_fds == 64, limits
+"""
+    )
