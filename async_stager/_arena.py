@@ -46,7 +46,11 @@ def align(n: int, a: int = ALIGN) -> int:
 
 
 class Pinner(Protocol):
-    """Registers host memory with an accelerator (page-locks it) and back."""
+    """Registers host memory with an accelerator (page-locks it) and back.
+
+    Optional class attribute ``charges_memlock`` (default False): True for a pinner
+    whose pages count against RLIMIT_MEMLOCK (one built on ``mlock``); the pre-flight
+    then enforces that limit (``_preflight``). CudaPinner's do not."""
 
     def register(self, ptr: int, nbytes: int) -> None: ...
 

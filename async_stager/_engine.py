@@ -36,6 +36,7 @@ from ._layout import signature_of
 from ._lease import Lease
 from ._options import StagerOptions, resolve_options
 from ._plan import make_plan
+from ._preflight import engine_hook
 from ._reuse import plan_holds, take_over
 from ._tree import Interrupt, Walk
 
@@ -230,7 +231,14 @@ class Engine:
                 collect.rebuild(sd)
                 with gc_paused(), no_torch_function():
                     plan, hits, misses = make_plan(
-                        self._copier, self.options, bufset, sig, collect.leaves, tick, prefault=not copy
+                        self._copier,
+                        self.options,
+                        bufset,
+                        sig,
+                        collect.leaves,
+                        tick,
+                        prefault=not copy,
+                        preflight=self._preflight(bufset, reserve=not copy),
                     )
                 # Remembered and watched before the walk below builds the result: the
                 # baseline of ``held`` must count the stager's references only.
@@ -297,6 +305,22 @@ class Engine:
             raise
         finally:
             self.sets.done_writing(bufset, succeeded=succeeded)
+
+    def _preflight(self, bufset: BufferSet, *, reserve: bool) -> Callable[[list[int]], None] | None:
+        """The pre-flight check ``make_plan`` runs before it allocates (see
+        ``_preflight``): at reserve(), and at a stage into a set that maps nothing yet.
+        None otherwise, so a stage into a set that holds memory pays nothing."""
+        if not self.options.preflight or (not reserve and bufset.pool.arenas):
+            return None
+        with self.sets.cond:
+            held = [s for s in self.sets.all() if s.pool.arenas]
+        return engine_hook(
+            self.options,
+            self._pinner,
+            reserve=reserve,
+            held_bytes=sum(s.pool.host_bytes for s in held),
+            held_sets=len(held),
+        )
 
     # -- any thread -------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ __all__ = [
     "ClosedError",
     "CopyError",
     "HostAllocationError",
+    "HostLimitError",
     "IntegrityError",
     "InvalidOptionError",
     "InvalidOptionTypeError",
@@ -146,6 +147,38 @@ class NestingError(UncopyableObjectError):
 
 class HostAllocationError(StagingError):
     """Host memory for a staging buffer could not be had (memory, /dev/shm full)."""
+
+
+class HostLimitError(HostAllocationError):
+    """Pre-flight: what staging this state needs does not fit a limit of this process or
+    machine (memory, a cgroup's memory limit, RLIMIT_MEMLOCK, /dev/shm, RLIMIT_FSIZE,
+    RLIMIT_NOFILE), found before anything was allocated. The stager stays usable.
+
+    ``resource`` names the limit (``"RLIMIT_NOFILE"``, ``"cgroup v2 memory.max"``...),
+    ``need`` and ``limit`` are in ``unit`` (``"bytes"`` or ``"descriptors"``; ``limit``
+    is what is left of the limit for this stager), ``fix`` says what to change, and
+    ``report`` (a ``PreflightReport``) holds every row checked."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        resource: str = "",
+        need: int = 0,
+        limit: int = 0,
+        unit: str = "bytes",
+        fix: str = "",
+        report: Any = None,
+    ) -> None:
+        # Defaults only so that pickle (which calls the class with the message, then
+        # restores the attributes) can rebuild it in another process.
+        super().__init__(message)
+        self.resource = resource
+        self.need = need
+        self.limit = limit
+        self.unit = unit
+        self.fix = fix
+        self.report = report
 
 
 class PinningError(HostAllocationError):

@@ -175,6 +175,9 @@ class StagerOptions:
       but one, is resolved by ``loop_friendly_threads()`` before the options are made.
     - ``buffer_wait_timeout``: seconds a stage waits for a free buffer set before
       BuffersHeldError; None: for ever.
+    - ``preflight``: before host memory is mapped (at ``reserve()``, and at the first
+      stage into each buffer set), check that it fits this process's limits and raise
+      HostLimitError if not (see ``_preflight``); False skips the check.
 
     Every field is checked at construction (and so by ``replace``):
 
@@ -187,6 +190,7 @@ class StagerOptions:
     - ``worker_nice``: an integer from -20 to 19.
     - ``copy_threads``: an integer from 1 to 1024, or None.
     - ``buffer_wait_timeout``: a number of seconds >= 0 (``inf`` allowed), or None.
+    - ``preflight``: True or False.
 
     Integers exclude bools and floats (``2.0`` too). A value of the wrong type raises
     :class:`InvalidOptionTypeError` (also a ``TypeError``), one out of range
@@ -205,6 +209,7 @@ class StagerOptions:
     worker_nice: int = 5
     copy_threads: int | None = None
     buffer_wait_timeout: float | None = DEFAULT_BUFFER_WAIT_TIMEOUT
+    preflight: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -226,6 +231,7 @@ class StagerOptions:
             "scratch_bytes": check_int("scratch_bytes", self.scratch_bytes, 0),
             "yield_interval": check_seconds("yield_interval", self.yield_interval, maximum=1.0),
             "worker_nice": check_int("worker_nice", self.worker_nice, NICE_MIN, NICE_MAX),
+            "preflight": check_bool("preflight", self.preflight),
             "buffer_wait_timeout": None
             if self.buffer_wait_timeout is None
             else check_seconds("buffer_wait_timeout", self.buffer_wait_timeout, zero_ok=True),

@@ -43,6 +43,7 @@ def make_plan(
     tick: Callable[[], None],
     *,
     prefault: bool,
+    preflight: Callable[[list[int]], None] | None = None,
 ) -> tuple[Plan, int, int]:
     """The slow path: a new plan for ``leaves`` (in walk order) in ``bufset``; returns
     it with the number of cache hits and misses (source storages).
@@ -53,12 +54,13 @@ def make_plan(
     sources (``_reserve``); a host tensor per leaf with its source's sizes, strides,
     offset, class and lazy bits, and a copy unit per storage (``_hosts_and_units``);
     the copy program per device (``_programs``). ``prefault``: touch new host memory
-    now (``reserve()``, so the first real stage pays no page faults). ``tick`` is the
-    job's cancellation check, called every few hundred storages.
+    now (``reserve()``, so the first real stage pays no page faults). ``preflight``:
+    the host-limit check, run before anything is allocated. ``tick`` is the job's
+    cancellation check, called every few hundred storages.
     """
     uniq, leaf_u = _unique(leaves)
     groups = _by_storage(uniq, tick)
-    misses = _reserve(bufset, list(groups.values()), options, prefault=prefault)
+    misses = _reserve(bufset, list(groups.values()), options, prefault=prefault, preflight=preflight)
     tick()
     host_u, units, whole_checks, nbytes = _hosts_and_units(groups, uniq, leaf_u, tick)
     wrapped = [wrap_like(uniq[u], host_u[u]) for u in range(len(uniq))]
@@ -109,10 +111,19 @@ def _by_storage(uniq: list[torch.Tensor], tick: Callable[[], None]) -> dict[int,
     return groups
 
 
-def _reserve(bufset: BufferSet, groups: list[_Group], options: StagerOptions, *, prefault: bool) -> int:
+def _reserve(
+    bufset: BufferSet,
+    groups: list[_Group],
+    options: StagerOptions,
+    *,
+    prefault: bool,
+    preflight: Callable[[list[int]], None] | None,
+) -> int:
     """A host block for every group (``_Group.block``): the cached one while it is
     still the same memory, else a new exact-size block; returns the misses. Plans of
-    the set that may write into blocks handed back here are forgotten."""
+    the set that may write into blocks handed back here are forgotten. ``preflight``,
+    if given, is called with every unique storage's size (bytes) before anything is
+    allocated, and may raise (``_preflight``)."""
     if bufset.cache.sweep():
         # Blocks went back to the arena and may be handed out again: no other plan
         # of this set may keep writing into them.
@@ -128,6 +139,8 @@ def _reserve(bufset: BufferSet, groups: list[_Group], options: StagerOptions, *,
     # still viewed there is never handed out again), before any allocation (a new
     # arena is fresh memory).
     reads = reads_in_pool(bufset.pool, [g.storage for g in groups])
+    if preflight is not None and missing:
+        preflight([g.storage.nbytes() for g in groups])
     if missing:
         # Smallest first: small storages land adjacent, so a device can move a run
         # of them with one copy.

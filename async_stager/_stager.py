@@ -63,6 +63,8 @@ class Stager:
       (None: wait for ever).
     - ``copy_threads``: threads copying on the host, the worker included (default: all
       cores but one, which stays free for the event loop).
+    - ``preflight``: check host limits before mapping memory (``reserve()``, the first
+      stage into a buffer set) and raise HostLimitError if the state cannot fit.
     - ``on_stage``: called on the event loop thread with each stage's StageStats.
     - ``backend``/``pinner``: the device seam (``async_stager.testing`` has fakes).
 
@@ -83,6 +85,7 @@ class Stager:
         yield_interval: float = _D.yield_interval,
         worker_nice: int = _D.worker_nice,
         copy_threads: int | None = None,
+        preflight: bool = _D.preflight,
         backoff: Backoff | None = None,
         on_stage: Callable[[StageStats], None] | None = None,
         backend: Backend | None = None,
@@ -102,6 +105,7 @@ class Stager:
             worker_nice=worker_nice,
             # Stager's own default: leave one core to the event loop (see docs).
             copy_threads=copy_threads if copy_threads is not None else loop_friendly_threads(),
+            preflight=preflight,
         )
         self.options: StagerOptions = self._engine.options
         self._worker = Worker(nice=self.options.worker_nice)
@@ -191,6 +195,12 @@ class Stager:
     async def reserve(self, sd: Any) -> StageStats:
         """Allocate (and pin) host buffers and plan the layout for ``sd`` now, without
         copying, so the first real checkpoint costs what later ones do.
+
+        Pre-flight (unless ``preflight=False``): before anything is allocated, what
+        ``max_buffer_sets`` sets of buffers for ``sd`` need (host, pinned and shared
+        bytes, descriptors; less what the stager holds) is compared with this process's
+        limits; a state that cannot fit raises HostLimitError naming the limit, the need
+        and the fix, and nothing is allocated (the stager stays usable).
 
         Cancellation: as for ``stage()``; buffers already allocated stay cached.
         """

@@ -5,6 +5,8 @@
 - ``verify``: check committed checkpoints against their checksums (see verify.py).
 - ``demo``: stage a small transformer state dict twice and print what each stage did
   (the first allocates host memory; the second reuses it).
+- ``check``: pre-flight: does a checkpoint of a given size fit this machine's limits?
+  (exit status 1 when it does not; see ``check.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from . import bench as _bench
 from .args import add_arguments, options_from_args, scale_argument, unwritable
+from .check import add_check_parser, run_check
 from .report import BenchError, format_table, require_matplotlib, to_json, write_plot
 from .verify import add_verify_parser, run_verify
 from .workloads import build_transformer, count_tensors
@@ -97,6 +100,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     add_verify_parser(sub)
+    add_check_parser(sub)
     return parser
 
 
@@ -114,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_cli(ns, sys.stdout)
         if ns.command == "verify":
             return run_verify(ns, sys.stdout)
+        if ns.command == "check":
+            return run_check(ns, sys.stdout)
         device = _bench.BenchOptions(device=ns.device).resolved_device()
         _bench.check_fits(["transformer"], ns.scale, device)
         asyncio.run(_demo(ns.scale, device))
