@@ -193,14 +193,10 @@ class BufferSets:
                     return pick, Lease(functools.partial(self._give_back, pick))
                 held = self._describe_held()
             waited = time.monotonic() - t0
-            if timeout is not None and waited >= timeout:
-                raise BuffersHeldError(
-                    f"no buffer set became free within {timeout:g} s: all {len(self._sets)} "
-                    f"(max_buffer_sets={self.max_sets}) are held ({held}). "
-                    "Drop staged results you no longer need (del staged), release leases, "
-                    "or raise max_buffer_sets or buffer_wait_timeout"
-                )
-            if not warned and waited >= min(WARN_AFTER, (timeout or WARN_AFTER) / 2):
+            expired = timeout is not None and waited >= timeout
+            # The warning comes first, also when the wait ends at once in an error (a
+            # garbage collection slower than half the timeout, on a loaded machine).
+            if not warned and (expired or waited >= min(WARN_AFTER, (timeout or WARN_AFTER) / 2)):
                 warned = True
                 _log.warning(
                     "stage has waited %.1f s for a buffer set: all %d are held (%s); it "
@@ -208,6 +204,13 @@ class BufferSets:
                     waited,
                     len(self._sets),
                     held,
+                )
+            if expired:
+                raise BuffersHeldError(
+                    f"no buffer set became free within {timeout:g} s: all {len(self._sets)} "
+                    f"(max_buffer_sets={self.max_sets}) are held ({held}). "
+                    "Drop staged results you no longer need (del staged), release leases, "
+                    "or raise max_buffer_sets or buffer_wait_timeout"
                 )
             if not collected:
                 collected = True
