@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -26,7 +27,24 @@ def torchrun(nproc: int, out: Path, *args: str, killed: bool = False) -> str:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cmd += ["--master-port", str(port), str(EXAMPLE), "--out", str(out), "--every", "2", "--digests", *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150, cwd=ROOT)
+    # Its own session: on a timeout the whole group goes (torchrun's agent and every
+    # rank), so no rank is left waiting on a dead peer after the test.
+    with subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    ) as p:
+        try:
+            stdout, stderr = p.communicate(timeout=140)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            stdout, stderr = p.communicate()
+            raise AssertionError(f"torchrun timed out:\n{stdout}{stderr}") from None
+    proc = subprocess.CompletedProcess(cmd, p.returncode, stdout, stderr)
     if killed:
         assert proc.returncode != 0 and "SIGKILL" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     else:
