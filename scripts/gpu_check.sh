@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU check: one prepared script for a CUDA machine, within 8 minutes on one GPU.
 #
-#   1. pytest tests/test_cuda.py tests/test_device_ordering.py  (the CUDA path and its
-#      ordering logic; nothing else is imported)
+#   1. pytest tests/test_cuda.py tests/test_device_ordering.py and every other cuda-marked
+#      test (the Checkpointer round trip, two devices refused): the CUDA path and its
+#      ordering logic
 #   2. the benchmark on the GPU, modest runs
 #   3. fresh tensors re-staged: host memory kept, no re-pinning (timings)
 #   4. a snapshot under a side stream: producer still running, pinned CPU leaf being
@@ -65,7 +66,8 @@ done
 
 # -- 1. tests --------------------------------------------------------------------------
 t0=$(now)
-pytest_args=(tests/test_cuda.py tests/test_device_ordering.py -q -rfEs -p no:asyncio
+pytest_args=(tests/test_cuda.py tests/test_device_ordering.py tests/test_checkpointer.py::test_cuda_state_round_trip
+    tests/test_reliability_input.py::test_two_cuda_devices_in_one_state_dict_are_refused -q -rfEs -p no:asyncio
     -p no:cacheprovider --junitxml "$OUT_DIR/pytest.xml"
     -W "ignore::pytest.PytestConfigWarning" -W "ignore::pytest.PytestUnknownMarkWarning")
 if ! has pytest_timeout; then
