@@ -22,7 +22,7 @@ from ._errors import (
 from ._lease import Lease
 from ._options import StagerOptions
 from ._seed import CheckpointStager, CheckpointStagerConfig, DefaultStager
-from ._share import AttachedStateDict, SharedArena, SharedHandle, attach_shared, export_shared
+from ._share import AttachedStateDict, SharedArenaRef, SharedHandle, attach_shared, export_shared
 from ._stager import Stager
 from ._stats import StageStats
 from ._waiting import Backoff
@@ -45,7 +45,7 @@ __all__ = [
     "Lease",
     "NestingError",
     "PinningError",
-    "SharedArena",
+    "SharedArenaRef",
     "SharedHandle",
     "StageStats",
     "Stager",

@@ -18,6 +18,7 @@ when the last tensor viewing it dies.
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 import threading
@@ -30,7 +31,7 @@ import torch
 
 from ._errors import HostAllocationError, PinningError
 
-__all__ = ["ALIGN", "Arena", "Block", "CudaPinner", "HostPool", "Pinner", "align"]
+__all__ = ["ALIGN", "Arena", "Block", "CudaPinner", "HostPool", "Pinner", "align", "arena_at"]
 
 #: Block alignment in bytes: a cache line, and enough for any dtype and for DMA.
 ALIGN = 64
@@ -132,6 +133,7 @@ class Arena:
         # The base tensor views the whole mapping; its data_ptr is the arena's address.
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.base = self.tensor.data_ptr()
+        _live.add(self)
         if prefault:
             # Touch every page now (reserve()): the first stage then pays no faults.
             self.tensor.zero_()
@@ -171,6 +173,7 @@ class Arena:
         # tensors still view (a segfault on the next read). Dropping our references
         # instead unmaps the region when the last tensor viewing it dies: at once if
         # nobody holds a staged result any more.
+        _live.discard(self)
         self.__dict__.pop("tensor", None)
         self.__dict__.pop("mm", None)
         self._close_fd()
@@ -180,6 +183,58 @@ class Arena:
             self.fd = -1
             if self._fd_closer is not None:
                 self._fd_closer()  # os.close, once
+
+
+class _LiveArenas:
+    """The open arenas of this process by address range (weakly held), so that code
+    given only a storage (a pickler's reducer) can tell whether it lies in an arena."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bases: list[int] = []  # sorted
+        self._by_base: dict[int, weakref.ref[Arena]] = {}
+
+    def add(self, arena: Arena) -> None:
+        with self._lock:
+            if arena.base not in self._by_base:
+                bisect.insort(self._bases, arena.base)
+            self._by_base[arena.base] = weakref.ref(arena, self._forget(arena.base))
+
+    def _forget(self, base: int) -> Any:
+        def callback(ref: weakref.ref[Arena]) -> None:
+            with self._lock:
+                if self._by_base.get(base) is ref:
+                    del self._by_base[base]
+                    self._bases.remove(base)
+
+        return callback
+
+    def discard(self, arena: Arena) -> None:
+        with self._lock:
+            ref = self._by_base.get(arena.base)
+            if ref is not None and ref() is arena:
+                del self._by_base[arena.base]
+                self._bases.remove(arena.base)
+
+    def at(self, ptr: int, nbytes: int) -> Arena | None:
+        with self._lock:
+            i = bisect.bisect_right(self._bases, ptr) - 1
+            if i < 0:
+                return None
+            arena = self._by_base[self._bases[i]]()
+        if arena is None or ptr + nbytes > arena.base + arena.nbytes:
+            return None
+        return arena
+
+
+_live = _LiveArenas()
+
+
+def arena_at(ptr: int, nbytes: int) -> Arena | None:
+    """The open arena (of any pool in this process) holding bytes [ptr, ptr+nbytes),
+    or None: not in an arena, or in one already closed (its memory may still be mapped
+    for tensors that view it, but its descriptor is gone). Thread-safe; O(log arenas)."""
+    return _live.at(ptr, nbytes)
 
 
 def _make_shared_fd(nbytes: int) -> int:
