@@ -173,7 +173,7 @@ class Arena:
         # tensors still view (a segfault on the next read). Dropping our references
         # instead unmaps the region when the last tensor viewing it dies: at once if
         # nobody holds a staged result any more.
-        _live.discard(self)
+        _live.close(self)
         self.__dict__.pop("tensor", None)
         self.__dict__.pop("mm", None)
         self._close_fd()
@@ -186,54 +186,59 @@ class Arena:
 
 
 class _LiveArenas:
-    """The open arenas of this process by address range (weakly held), so that code
-    given only a storage (a pickler's reducer) can tell whether it lies in an arena."""
+    """The arenas of this process by address range, so that code given only a storage
+    (a pickler's reducer) can tell whether it lies in one. An entry lasts as long as
+    its mapping (weakly held): after ``close()`` it says "closed" while tensors still
+    view the memory, and goes when the memory is unmapped (the range may then be
+    reused by anything)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Reentrant: a weakref callback may run (garbage collection) while it is held.
+        self._lock = threading.RLock()
         self._bases: list[int] = []  # sorted
-        self._by_base: dict[int, weakref.ref[Arena]] = {}
+        # base -> [nbytes, the arena while open (else None), the mapping (weak)]
+        self._by_base: dict[int, list[Any]] = {}
 
     def add(self, arena: Arena) -> None:
-        with self._lock:
-            if arena.base not in self._by_base:
-                bisect.insort(self._bases, arena.base)
-            self._by_base[arena.base] = weakref.ref(arena, self._forget(arena.base))
+        base = arena.base
 
-    def _forget(self, base: int) -> Any:
-        def callback(ref: weakref.ref[Arena]) -> None:
+        def gone(ref: weakref.ref[mmap.mmap]) -> None:
             with self._lock:
-                if self._by_base.get(base) is ref:
+                entry = self._by_base.get(base)
+                if entry is not None and entry[2] is ref:
                     del self._by_base[base]
                     self._bases.remove(base)
 
-        return callback
-
-    def discard(self, arena: Arena) -> None:
         with self._lock:
-            ref = self._by_base.get(arena.base)
-            if ref is not None and ref() is arena:
-                del self._by_base[arena.base]
-                self._bases.remove(arena.base)
+            if base not in self._by_base:
+                bisect.insort(self._bases, base)
+            self._by_base[base] = [arena.nbytes, weakref.ref(arena), weakref.ref(arena.mm, gone)]
 
-    def at(self, ptr: int, nbytes: int) -> Arena | None:
+    def close(self, arena: Arena) -> None:
+        with self._lock:
+            entry = self._by_base.get(arena.base)
+            if entry is not None and entry[1] is not None and entry[1]() is arena:
+                entry[1] = None
+
+    def at(self, ptr: int, nbytes: int) -> tuple[bool, Arena | None]:
         with self._lock:
             i = bisect.bisect_right(self._bases, ptr) - 1
             if i < 0:
-                return None
-            arena = self._by_base[self._bases[i]]()
-        if arena is None or ptr + nbytes > arena.base + arena.nbytes:
-            return None
-        return arena
+                return False, None
+            size, arena_ref, mm_ref = self._by_base[self._bases[i]]
+            if ptr + nbytes > self._bases[i] + size or mm_ref() is None:
+                return False, None
+            return True, None if arena_ref is None else arena_ref()
 
 
 _live = _LiveArenas()
 
 
-def arena_at(ptr: int, nbytes: int) -> Arena | None:
-    """The open arena (of any pool in this process) holding bytes [ptr, ptr+nbytes),
-    or None: not in an arena, or in one already closed (its memory may still be mapped
-    for tensors that view it, but its descriptor is gone). Thread-safe; O(log arenas)."""
+def arena_at(ptr: int, nbytes: int) -> tuple[bool, Arena | None]:
+    """Whether bytes [ptr, ptr+nbytes) lie in an arena of this process (of any pool)
+    that is still mapped, and that arena while it is open (None once closed: its memory
+    may still be mapped for tensors that view it, but its descriptor is gone).
+    Thread-safe; O(log arenas)."""
     return _live.at(ptr, nbytes)
 
 

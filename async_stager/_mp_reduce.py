@@ -79,12 +79,14 @@ _warned: set[str] = set()
 
 
 def counters(*, reset: bool = False) -> ForkingCounters:
-    """A snapshot of the counters; ``reset=True`` zeroes them after reading."""
+    """A snapshot of the counters; ``reset=True`` zeroes them after reading (and lets
+    each fallback warning be given once more)."""
     with _lock:
         snap = ForkingCounters(**_counts)
         if reset:
             for k in _counts:
                 _counts[k] = 0
+            _warned.clear()
     return snap
 
 
@@ -130,10 +132,10 @@ def _token_of(storage: torch.UntypedStorage) -> tuple[_ArenaToken, int] | None:
     if nbytes == 0 or storage.device.type != "cpu":
         return None
     ptr = storage.data_ptr()
-    arena = arena_at(ptr, nbytes)
-    if arena is None:
+    ours, arena = arena_at(ptr, nbytes)
+    if not ours:
         return None  # not ours: torch's behaviour, untouched
-    if not arena.shared:
+    if arena is not None and not arena.shared:
         _warn_once(
             "private",
             f"async_stager: a staged storage of {nbytes} bytes from a stager without shared memory "
@@ -143,8 +145,8 @@ def _token_of(storage: torch.UntypedStorage) -> tuple[_ArenaToken, int] | None:
             "use_shared_memory=True) to send arenas by reference instead.",
         )
         return None
-    fd = arena.fd
-    if fd < 0 or not (mp_reduction.HAVE_SEND_HANDLE or _spawning()):
+    fd = -1 if arena is None else arena.fd
+    if arena is None or fd < 0 or not (mp_reduction.HAVE_SEND_HANDLE or _spawning()):
         _warn_once(
             "nofd",
             f"async_stager: a staged storage of {nbytes} bytes cannot be sent by reference "
