@@ -36,6 +36,12 @@ def _stager(shared: bool = True) -> DefaultStager:
     )
 
 
+def _stage(stager: DefaultStager, sd: dict[str, Any]) -> dict[str, Any]:
+    out = stager.stage(sd)  # synchronous: use_async_staging=False
+    assert isinstance(out, dict)
+    return out
+
+
 def _sd() -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     base = torch.randn(64, 64, generator=g)
@@ -81,7 +87,7 @@ def _assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
 def test_forking_pickler_round_trip_copies_nothing() -> None:
     sd = _sd()
     with _stager() as stager:
-        staged = stager.stage(sd)
+        staged = _stage(stager, sd)
         ptrs = {k: v.data_ptr() for k, v in staged.items() if torch.is_tensor(v)}
         host, ranges = stager.host_bytes, _ranges(stager)
         _mp_reduce.counters(reset=True)
@@ -168,7 +174,7 @@ def test_spawned_child_sees_the_arena(child: tuple[Any, Any, Any], channel: str)
     inbox, outbox, conn = child
     sd = _sd()
     with _stager() as stager:
-        staged = stager.stage(sd)
+        staged = _stage(stager, sd)
         host, ranges = stager.host_bytes, _ranges(stager)
         _mp_reduce.counters(reset=True)
         if channel == "queue":
@@ -203,7 +209,7 @@ def test_ten_checkpoints_stay_in_the_stagers_own_memory(child: tuple[Any, Any, A
         first: tuple[int, list[tuple[int, int]]] | None = None
         for step in range(10):
             sd["w"].add_(1.0)
-            staged = stager.stage(sd)
+            staged = _stage(stager, sd)
             inbox.put(("queue", staged))
             got, _ = outbox.get(timeout=60)
             assert got == _expected(sd), step
@@ -234,7 +240,7 @@ async def test_stager_share_memory_true(anyio_backend: Any) -> None:
 def test_many_tensors_one_descriptor_per_arena_per_message() -> None:
     sd = {f"t{i}": torch.full((16,), float(i)) for i in range(500)}
     with _stager() as stager:
-        staged = stager.stage(sd)
+        staged = _stage(stager, sd)
         arenas = len(stager.shared_arenas())
         for _ in range(3):
             _mp_reduce.counters(reset=True)
@@ -248,7 +254,7 @@ def test_many_tensors_one_descriptor_per_arena_per_message() -> None:
 def test_private_stager_keeps_torchs_behaviour_loudly() -> None:
     sd = {"a": torch.randn(1000)}
     with _stager(shared=False) as stager:
-        staged = stager.stage(sd)
+        staged = _stage(stager, sd)
         _mp_reduce.counters(reset=True)
         with pytest.warns(RuntimeWarning, match=r"4000 bytes .* without shared memory .* copies"):
             got = pickle.loads(ForkingPickler.dumps(staged))
@@ -262,7 +268,7 @@ def test_private_stager_keeps_torchs_behaviour_loudly() -> None:
 def test_closed_arena_falls_back_loudly() -> None:
     sd = {"a": torch.randn(256)}
     stager = _stager()
-    staged = stager.stage(sd)
+    staged = _stage(stager, sd)
     stager.close()  # the staged tensor stays valid memory; the arena's descriptor is gone
     _mp_reduce.counters(reset=True)
     with pytest.warns(
@@ -295,7 +301,7 @@ def test_fork_context_queue() -> None:
     with _stager() as stager:
         p = ctx.Process(target=_fork_child, args=(q, out))
         p.start()
-        staged = stager.stage(sd)
+        staged = _stage(stager, sd)
         _mp_reduce.counters(reset=True)
         q.put(staged)
         got = out.get(timeout=60)

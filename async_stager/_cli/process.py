@@ -137,7 +137,7 @@ def rank_main(rank: int, world: int, port: int, kind: str, opts: dict[str, Any],
                     t.add_(1.0)
                 path = os.path.join(opts["dir"], kind, str(i))
                 t0 = time.perf_counter()
-                resp = dcp.async_save(
+                resp: Any = dcp.async_save(
                     sd,
                     checkpoint_id=path,
                     async_stager=stager,
