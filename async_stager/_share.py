@@ -3,9 +3,10 @@
 A stager made with ``share_memory=True`` keeps its host buffers in memfd arenas (one
 file descriptor per arena, whatever the number of tensors), and each staged tensor is a
 ``torch.frombuffer`` view of an exact-size slice of one arena. torch does not see those
-storages as shared, so pickling them through ``torch.multiprocessing`` would copy every
-byte into new shared-memory segments, one descriptor per storage, in the training
-process. ``export_shared`` sends the arenas instead:
+storages as shared; ``_mp_reduce`` (imported here) registers reducers so that
+``torch.multiprocessing`` sends them by arena reference anyway (one descriptor per arena
+per message). ``export_shared`` is the explicit form, for channels that are not torch's
+pickler and for copy-on-write views in the writer:
 
 - ``export_shared(staged, stager)`` (training process) returns a ``SharedHandle``: plain,
   picklable data naming each arena the result uses (the owning pid, the descriptor

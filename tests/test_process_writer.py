@@ -344,3 +344,35 @@ def test_bench_process_all_contenders() -> None:
     assert by["ours-torch-reducers"]["copied_mib"] > 0 and by["ours-torch-reducers"]["in_own_arenas"] is False
     assert all(r["exact"] for r in rows)
     assert by["ours"]["descriptors_per_checkpoint"] < by["dcp"]["descriptors_per_checkpoint"]
+
+
+def test_file_system_strategy_still_sends_arenas() -> None:
+    """The file_system strategy bounds descriptors per storage; ours are per arena, so
+    staged storages still go by reference (one descriptor per arena)."""
+    before = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        sd = {"a": torch.randn(100), "b": torch.randn(7)}
+        with _stager() as stager:
+            staged = _stage(stager, sd)
+            _mp_reduce.counters(reset=True)
+            got = pickle.loads(ForkingPickler.dumps(staged))
+            c = _mp_reduce.counters()
+            assert (c.by_reference, c.arena_descriptors, c.copied_bytes) == (2, 1, 0)
+            assert all(torch.equal(got[k], v) for k, v in sd.items())
+            del staged, got
+    finally:
+        torch.multiprocessing.set_sharing_strategy(before)
+
+
+def test_python_attributes_and_requires_grad_cross() -> None:
+    p = torch.nn.Parameter(torch.randn(4))
+    with _stager() as stager:
+        staged = _stage(stager, {"p": p, "q": torch.nn.Parameter(torch.randn(2), requires_grad=False)})
+        staged["p"].note = "kept"  # a Python attribute
+        got = pickle.loads(ForkingPickler.dumps(staged))
+        assert type(got["p"]) is torch.nn.Parameter and got["p"].requires_grad
+        assert getattr(got["p"], "note", None) == "kept"
+        assert type(got["q"]) is torch.nn.Parameter and not got["q"].requires_grad
+        assert torch.equal(got["p"].detach(), p.detach())
+        del staged, got
