@@ -376,3 +376,27 @@ def test_python_attributes_and_requires_grad_cross() -> None:
         assert type(got["q"]) is torch.nn.Parameter and not got["q"].requires_grad
         assert torch.equal(got["p"].detach(), p.detach())
         del staged, got
+
+
+def _args_child(staged: dict[str, Any], out: Any) -> None:
+    out.put({k: v.tolist() for k, v in staged.items()})
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_process_arguments(method: str) -> None:
+    """As a Process argument, pickled while the process is being started (the
+    descriptor travels with the new process, not through the resource sharer)."""
+    ctx: Any = mp.get_context(method)
+    out = ctx.Queue()
+    sd = {"a": torch.randn(64), "b": torch.arange(5)}
+    with _stager() as stager:
+        staged = _stage(stager, sd)
+        _mp_reduce.counters(reset=True)
+        p = ctx.Process(target=_args_child, args=(staged, out))
+        p.start()
+        got = out.get(timeout=60)
+        p.join(30)
+        c = _mp_reduce.counters()
+        assert (c.copied_bytes, c.delegated, c.arena_descriptors) == (0, 0, 1)
+        assert got == {k: v.tolist() for k, v in sd.items()}
+        del staged
