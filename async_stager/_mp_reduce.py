@@ -39,6 +39,7 @@ from __future__ import annotations
 import mmap
 import multiprocessing.reduction as mp_reduction
 import os
+import pickle
 import threading
 import warnings
 import weakref
@@ -117,7 +118,15 @@ class _ArenaToken:
     def __reduce__(self) -> Any:
         arena = self._arena()
         fd = -1 if arena is None else arena.fd
-        st = os.fstat(fd)  # OSError if closed: the caller falls back
+        try:
+            st = os.fstat(fd)
+        except OSError as e:
+            # Closed between the storage's reduction and this one (microseconds, in
+            # the same dump): the storage is already a reference, so no fallback.
+            raise pickle.PicklingError(
+                f"async_stager: a shared arena of {self.nbytes} bytes was closed while it was being "
+                "pickled; keep the stager open until the staged dict is sent"
+            ) from e
         _count(arena_descriptors=1)
         return (_attach_arena, (mp_reduction.DupFd(fd), self.nbytes, st.st_dev, st.st_ino))
 
@@ -141,8 +150,9 @@ def _token_of(storage: torch.UntypedStorage) -> tuple[_ArenaToken, int] | None:
             f"async_stager: a staged storage of {nbytes} bytes from a stager without shared memory "
             "is pickled for another process: torch copies it into new shared memory (one "
             "descriptor per storage) and swaps it in place, so later stages write outside the "
-            "stager's pinned arenas. Use Stager(share_memory=True) / DefaultStager("
-            "use_shared_memory=True) to send arenas by reference instead.",
+            "stager's pinned arenas. Every such storage costs the same (this warning is given "
+            "once). Use Stager(share_memory=True) / DefaultStager(use_shared_memory=True) to "
+            "send arenas by reference instead.",
         )
         return None
     fd = -1 if arena is None else arena.fd
@@ -151,7 +161,8 @@ def _token_of(storage: torch.UntypedStorage) -> tuple[_ArenaToken, int] | None:
             "nofd",
             f"async_stager: a staged storage of {nbytes} bytes cannot be sent by reference "
             f"({'its arena is closed' if fd < 0 else 'this platform cannot pass descriptors'}): "
-            "torch copies it into new shared memory, one descriptor per storage.",
+            "torch copies it into new shared memory, one descriptor per storage (this warning is "
+            "given once; every such storage costs the same).",
         )
         return None
     with _lock:

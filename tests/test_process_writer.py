@@ -337,6 +337,7 @@ def test_dcp_process_writer_two_ranks() -> None:
 
 
 @pytest.mark.stress
+@pytest.mark.timeout(600)
 def test_bench_process_all_contenders() -> None:
     rows = bench_process.run_process_bench(list(bench_process.CONTENDERS), 2, 10, 16, 8 << 20)
     by = {r["contender"]: r for r in rows}
