@@ -14,6 +14,7 @@ One spawned child serves the module's Queue and Pipe tests (spawning costs secon
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import pickle
 import tempfile
 from collections.abc import Iterator
@@ -401,3 +402,25 @@ def test_process_arguments(method: str) -> None:
         assert (c.copied_bytes, c.delegated, c.arena_descriptors) == (0, 0, 1)
         assert got == {k: v.tolist() for k, v in sd.items()}
         del staged
+
+
+class _Received:
+    """A descriptor as the receiving side gets it (``DupFd.detach()``)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def detach(self) -> int:
+        return self.fd
+
+
+def test_a_descriptor_naming_another_file_is_refused() -> None:
+    """The receiver checks the inode the sender named: a descriptor number reused for
+    another file while the message was in flight is refused, never mapped."""
+    fd = os.memfd_create("not-an-arena")
+    os.ftruncate(fd, 4096)
+    st = os.fstat(fd)
+    with pytest.raises(RuntimeError, match="names another file"):
+        _mp_reduce._attach_arena(_Received(fd), 4096, st.st_dev, st.st_ino + 1)
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed by the receiver either way

@@ -8,7 +8,7 @@ would), then ``dcp.async_save(..., async_stager=stager,
 async_checkpointer_type=AsyncCheckpointerType.PROCESS)``; the staging time is from the
 call until its staging completes, and the upload is awaited before the next step. The
 rank then reports: staging times, its host memory (RSS and PSS from
-``/proc/self/smaps_rollup``) after the first and after the last checkpoint, what its
+``/proc/self/smaps_rollup``) before the first checkpoint, after it and after the last, what its
 ``ForkingPickler`` sent (storages by arena reference, arena descriptors, storages
 through torch's reducer, one descriptor each, and the bytes torch copied because they
 were not shared yet: ``_mp_reduce.counters``), whether the stager still stages into
@@ -126,7 +126,7 @@ def rank_main(rank: int, world: int, port: int, kind: str, opts: dict[str, Any],
         sd = _state_dict(rank, opts["tensors"], opts["nbytes"])
         stager = _make_stager(kind)
         stage_s: list[float] = []
-        memory: list[dict[str, int]] = []
+        memory: list[dict[str, int]] = [_memory()]  # before the first checkpoint
         own: list[bool | None] = []
         path = ""
         _mp_reduce.counters(reset=True)
@@ -162,7 +162,8 @@ def rank_main(rank: int, world: int, port: int, kind: str, opts: dict[str, Any],
         stager.close()
         result.update(
             stage_s=stage_s,
-            memory_first=memory[0],
+            memory_before=memory[0],
+            memory_first=memory[1],
             memory_last=memory[-1],
             counters=counts.__dict__,
             in_own_arenas=own,
@@ -221,6 +222,7 @@ def _row(kind: str, results: list[dict[str, Any]], checkpoints: int) -> dict[str
         "contender": kind,
         "stage_ms_median": statistics.median(r0["stage_s"][1:] or r0["stage_s"]) * 1e3,
         "stage_ms_first": r0["stage_s"][0] * 1e3,
+        "rss_mib_before": r0["memory_before"].get("rss", 0) / 2**20,
         "rss_mib_first": r0["memory_first"].get("rss", 0) / 2**20,
         "rss_mib_last": r0["memory_last"].get("rss", 0) / 2**20,
         "pss_mib_last": r0["memory_last"].get("pss", 0) / 2**20,
@@ -248,7 +250,7 @@ def format_rows(rows: list[dict[str, Any]], world: int, checkpoints: int, tensor
     head = (
         f"DCP async_save PROCESS mode, CPU, gloo world {world}, {checkpoints} checkpoints of "
         f"{tensors} tensors, {nbytes / 2**20:.0f} MiB per rank (rank 0 shown)\n"
-        f"| stager | stage ms (median; first) | RSS MiB after 1st -> {checkpoints}th | PSS MiB | "
+        f"| stager | stage ms (median; first) | RSS MiB before -> after 1st -> after {checkpoints}th | PSS MiB | "
         "descriptors / checkpoint | bytes copied by pickler | stages into own arenas | load exact |\n"
         "|:--|--:|--:|--:|--:|--:|:--|:--|"
     )
@@ -256,7 +258,8 @@ def format_rows(rows: list[dict[str, Any]], world: int, checkpoints: int, tensor
     for r in rows:
         lines.append(
             f"| {r['contender']} | {r['stage_ms_median']:.1f}; {r['stage_ms_first']:.1f} | "
-            f"{r['rss_mib_first']:.0f} -> {r['rss_mib_last']:.0f} | {r['pss_mib_last']:.0f} | "
+            f"{r['rss_mib_before']:.0f} -> {r['rss_mib_first']:.0f} -> {r['rss_mib_last']:.0f} | "
+            f"{r['pss_mib_last']:.0f} | "
             f"{r['descriptors_per_checkpoint']:.0f} | {r['copied_mib']:.0f} MiB | "
             f"{'-' if r['in_own_arenas'] is None else r['in_own_arenas']} | {r['exact']} |"
         )
