@@ -27,7 +27,7 @@ from ._errors import (
 )
 from ._lease import Lease
 from ._options import StagerOptions
-from ._share import AttachedStateDict, SharedArena, SharedHandle, attach_shared, export_shared
+from ._share import AttachedStateDict, SharedArenaRef, SharedHandle, attach_shared, export_shared
 from ._shutdown import Shutdown
 from ._stager import Stager
 from ._stats import StageStats
@@ -57,7 +57,7 @@ __all__ = [
     "NestingError",
     "PinningError",
     "SaveStats",
-    "SharedArena",
+    "SharedArenaRef",
     "SharedHandle",
     "Shutdown",
     "StageStats",

@@ -18,6 +18,7 @@ when the last tensor viewing it dies.
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 import threading
@@ -30,7 +31,7 @@ import torch
 
 from ._errors import HostAllocationError, PinningError
 
-__all__ = ["ALIGN", "Arena", "Block", "CudaPinner", "HostPool", "Pinner", "align"]
+__all__ = ["ALIGN", "Arena", "Block", "CudaPinner", "HostPool", "Pinner", "align", "arena_at"]
 
 #: Block alignment in bytes: a cache line, and enough for any dtype and for DMA.
 ALIGN = 64
@@ -136,6 +137,7 @@ class Arena:
         # The base tensor views the whole mapping; its data_ptr is the arena's address.
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.base = self.tensor.data_ptr()
+        _live.add(self)
         if prefault:
             # Touch every page now (reserve()): the first stage then pays no faults.
             self.tensor.zero_()
@@ -175,6 +177,7 @@ class Arena:
         # tensors still view (a segfault on the next read). Dropping our references
         # instead unmaps the region when the last tensor viewing it dies: at once if
         # nobody holds a staged result any more.
+        _live.close(self)
         self.__dict__.pop("tensor", None)
         self.__dict__.pop("mm", None)
         self._close_fd()
@@ -184,6 +187,63 @@ class Arena:
             self.fd = -1
             if self._fd_closer is not None:
                 self._fd_closer()  # os.close, once
+
+
+class _LiveArenas:
+    """The arenas of this process by address range, so that code given only a storage
+    (a pickler's reducer) can tell whether it lies in one. An entry lasts as long as
+    its mapping (weakly held): after ``close()`` it says "closed" while tensors still
+    view the memory, and goes when the memory is unmapped (the range may then be
+    reused by anything)."""
+
+    def __init__(self) -> None:
+        # Reentrant: a weakref callback may run (garbage collection) while it is held.
+        self._lock = threading.RLock()
+        self._bases: list[int] = []  # sorted
+        # base -> [nbytes, the arena while open (else None), the mapping (weak)]
+        self._by_base: dict[int, list[Any]] = {}
+
+    def add(self, arena: Arena) -> None:
+        base = arena.base
+
+        def gone(ref: weakref.ref[mmap.mmap]) -> None:
+            with self._lock:
+                entry = self._by_base.get(base)
+                if entry is not None and entry[2] is ref:
+                    del self._by_base[base]
+                    self._bases.remove(base)
+
+        with self._lock:
+            if base not in self._by_base:
+                bisect.insort(self._bases, base)
+            self._by_base[base] = [arena.nbytes, weakref.ref(arena), weakref.ref(arena.mm, gone)]
+
+    def close(self, arena: Arena) -> None:
+        with self._lock:
+            entry = self._by_base.get(arena.base)
+            if entry is not None and entry[1] is not None and entry[1]() is arena:
+                entry[1] = None
+
+    def at(self, ptr: int, nbytes: int) -> tuple[bool, Arena | None]:
+        with self._lock:
+            i = bisect.bisect_right(self._bases, ptr) - 1
+            if i < 0:
+                return False, None
+            size, arena_ref, mm_ref = self._by_base[self._bases[i]]
+            if ptr + nbytes > self._bases[i] + size or mm_ref() is None:
+                return False, None
+            return True, None if arena_ref is None else arena_ref()
+
+
+_live = _LiveArenas()
+
+
+def arena_at(ptr: int, nbytes: int) -> tuple[bool, Arena | None]:
+    """Whether bytes [ptr, ptr+nbytes) lie in an arena of this process (of any pool)
+    that is still mapped, and that arena while it is open (None once closed: its memory
+    may still be mapped for tensors that view it, but its descriptor is gone).
+    Thread-safe; O(log arenas)."""
+    return _live.at(ptr, nbytes)
 
 
 def _make_shared_fd(nbytes: int) -> int:

@@ -3,9 +3,10 @@
 A stager made with ``share_memory=True`` keeps its host buffers in memfd arenas (one
 file descriptor per arena, whatever the number of tensors), and each staged tensor is a
 ``torch.frombuffer`` view of an exact-size slice of one arena. torch does not see those
-storages as shared, so pickling them through ``torch.multiprocessing`` would copy every
-byte into new shared-memory segments, one descriptor per storage, in the training
-process. ``export_shared`` sends the arenas instead:
+storages as shared; ``_mp_reduce`` (imported here) registers reducers so that
+``torch.multiprocessing`` sends them by arena reference anyway (one descriptor per arena
+per message). ``export_shared`` is the explicit form, for channels that are not torch's
+pickler and for copy-on-write views in the writer:
 
 - ``export_shared(staged, stager)`` (training process) returns a ``SharedHandle``: plain,
   picklable data naming each arena the result uses (the owning pid, the descriptor
@@ -53,10 +54,11 @@ from typing import Any
 
 import torch
 
+from . import _mp_reduce  # noqa: F401  - registers the torch.multiprocessing reducers
 from ._errors import ClosedError, HostAllocationError, StagingError, UnsupportedError
 from ._options import StagerOptions
 
-__all__ = ["AttachedStateDict", "SharedArena", "SharedHandle", "attach_shared", "export_shared"]
+__all__ = ["AttachedStateDict", "SharedArenaRef", "SharedHandle", "attach_shared", "export_shared"]
 
 #: torch.dtype -> its attribute name in torch ("float32"), sent instead of the object.
 _DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -65,7 +67,7 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {
 
 
 @dataclass(frozen=True)
-class SharedArena:
+class SharedArenaRef:
     """One shared arena as another process can reach it: ``/proc/<pid>/fd/<fd>``,
     ``nbytes`` bytes long, identified by its inode (``dev``, ``ino``) so a descriptor
     number reused for another file is detected instead of mapped."""
@@ -96,7 +98,7 @@ class SharedHandle:
     process holds a lease on the staged result.
     """
 
-    arenas: tuple[SharedArena, ...]
+    arenas: tuple[SharedArenaRef, ...]
     payload: bytes
     refs: tuple[tuple[Any, ...], ...]
     tensors: int
@@ -296,12 +298,12 @@ def export_shared(staged: Any, stager: Any) -> SharedHandle:
         raise
     except (pickle.PicklingError, TypeError, AttributeError) as e:
         raise StagingError(f"the staged structure cannot be pickled for another process: {e}") from e
-    refs: list[SharedArena] = [None] * len(exporter.used)  # type: ignore[list-item]
+    refs: list[SharedArenaRef] = [None] * len(exporter.used)  # type: ignore[list-item]
     pid = os.getpid()
     for i, slot in exporter.used.items():
         a = arenas[i]
         st = os.fstat(a.fd)
-        refs[slot] = SharedArena(pid=pid, fd=a.fd, nbytes=a.nbytes, dev=st.st_dev, ino=st.st_ino)
+        refs[slot] = SharedArenaRef(pid=pid, fd=a.fd, nbytes=a.nbytes, dev=st.st_dev, ino=st.st_ino)
     return SharedHandle(
         arenas=tuple(refs),
         payload=buf.getvalue(),
@@ -418,7 +420,7 @@ class AttachedStateDict:
         self.close()
 
 
-def _map_arena(ref: SharedArena, writable: bool) -> mmap.mmap:
+def _map_arena(ref: SharedArenaRef, writable: bool) -> mmap.mmap:
     try:
         fd = os.open(ref.path, os.O_RDWR if writable else os.O_RDONLY)
     except OSError as e:

@@ -3,6 +3,8 @@
 - ``bench``: async_stager versus PyTorch DCP's DefaultStager and the one-buffer copy
   bound, on synthetic state dicts (see docs/benchmarks.md).
 - ``verify``: check committed checkpoints against their checksums (see verify.py).
+- ``bench-process``: DCP's process writer (``AsyncCheckpointerType.PROCESS``) with our
+  DefaultStager against DCP's own, with gloo ranks (``_cli/process.py``).
 - ``demo``: stage a small transformer state dict twice and print what each stage did
   (the first allocates host memory; the second reuses it).
 - ``check``: pre-flight: does a checkpoint of a given size fit this machine's limits?
@@ -94,6 +96,15 @@ def _parser() -> argparse.ArgumentParser:
         "side by side, and report times, throughput, loop lag, host memory and file descriptors.",
     )
     add_arguments(bench)
+    from . import process as _process
+
+    _process.add_arguments(
+        sub.add_parser(
+            "bench-process",
+            help="DCP async_save PROCESS mode: our DefaultStager against DCP's",
+            description=_process.__doc__.splitlines()[0] if _process.__doc__ else None,
+        )
+    )
     demo = sub.add_parser("demo", help="stage a small model and print what happened")
     scale_argument(
         demo, 0.25, "model size (1: the transformer workload with AdamW state, see docs/benchmarks.md)"
@@ -120,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_verify(ns, sys.stdout)
         if ns.command == "check":
             return run_check(ns, sys.stdout)
+        if ns.command == "bench-process":
+            from . import process as _process
+
+            return _process.run_cli(ns)
         device = _bench.BenchOptions(device=ns.device).resolved_device()
         _bench.check_fits(["transformer"], ns.scale, device)
         asyncio.run(_demo(ns.scale, device))
