@@ -6,6 +6,7 @@ event loop. ``DefaultStager`` keeps PyTorch DCP's staging API on the same engine
 """
 
 from ._errors import (
+    BudgetTooSmallError,
     BuffersHeldError,
     ClosedError,
     CopyError,
@@ -33,6 +34,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AttachedStateDict",
     "Backoff",
+    "BudgetTooSmallError",
     "BuffersHeldError",
     "CheckpointStager",
     "CheckpointStagerConfig",

@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
 from ._device import CudaEvent
-from ._errors import StagingError
+from ._errors import BudgetTooSmallError, StagingError, UnsupportedError
 from ._ring import Ring, padded
 from ._waiting import wait_future
 
@@ -137,7 +137,7 @@ class Pipeline:
         self._items = [it for it in plan.items if it.type != WriteItemType.BYTE_IO]
         need = max((padded(max(_item_nbytes(it), 1)) for it in self._items), default=0)
         if need > self.budget:
-            raise BudgetTooSmallError.for_item(self._items, self.budget)
+            raise _too_small(self._items, self.budget)
         total = sum(padded(max(_item_nbytes(it), 1)) for it in self._items)
         # Pinned (exact size) when CUDA is in use: device copies into it are asynchronous.
         self._ring = Ring(min(self.budget, max(total, 1)), pin=bool(self.captures))
@@ -157,8 +157,6 @@ class Pipeline:
         assert ring is not None
         pos = self._next
         if pos >= len(self._items) or self._items[pos].index != item.index:
-            from ._errors import UnsupportedError
-
             raise UnsupportedError(
                 f"the storage writer asked for {item.index.fqn!r} out of the plan's order; "
                 "a budgeted save needs FileSystemWriter(thread_count=1, per_thread_copy_ahead=0)"
@@ -296,24 +294,14 @@ class Pipeline:
         )
 
 
-class BudgetTooSmallError(StagingError, ValueError):
-    """A tensor (a DTensor's local shard) is bigger than ``host_budget_bytes``: it
-    cannot be staged in one piece. Raised at the ``dcp.save`` call, before anything is
-    staged; ``needed_bytes`` is the smallest budget that fits it."""
-
-    def __init__(self, message: str, *, path: Sequence[Any] | None = None, needed_bytes: int = 0) -> None:
-        super().__init__(message, path=path)
-        self.needed_bytes = needed_bytes
-
-    @classmethod
-    def for_item(cls, items: Sequence[WriteItem], budget: int) -> BudgetTooSmallError:
-        item = max(items, key=_item_nbytes)
-        need = padded(_item_nbytes(item))
-        return cls(
-            f"write item {item.index.fqn!r} takes {need} bytes of host memory, more than "
-            f"host_budget_bytes={budget}; pass host_budget_bytes >= {need}",
-            needed_bytes=need,
-        )
+def _too_small(items: Sequence[WriteItem], budget: int) -> BudgetTooSmallError:
+    item = max(items, key=_item_nbytes)
+    need = padded(_item_nbytes(item))
+    return BudgetTooSmallError(
+        f"write item {item.index.fqn!r} takes {need} bytes of host memory, more than "
+        f"host_budget_bytes={budget}; pass host_budget_bytes >= {need}",
+        needed_bytes=need,
+    )
 
 
 class PipelinePlanner(DefaultSavePlanner):

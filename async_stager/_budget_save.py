@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import torch
 
-from ._budget import BudgetStats, BudgetTooSmallError, Pipeline, PipelinePlanner, PipelineWriter
+from ._budget import BudgetStats, Pipeline, PipelinePlanner, PipelineWriter
 from ._device import CudaEvent, caller_cuda_device, cuda_context_devices
-from ._errors import ClosedError, InvalidOptionError, UnsupportedError
+from ._errors import BudgetTooSmallError, ClosedError, InvalidOptionError, UnsupportedError
 from ._ring import padded
 from ._waiting import wait_future, wait_future_uninterrupted
 
@@ -170,7 +170,7 @@ async def _run(
                 with anyio.CancelScope(shield=True):
                     try:
                         await wait_future_uninterrupted(fut)
-                    except Exception:  # noqa: BLE001 - the cancellation is what is raised
+                    except BaseException:  # noqa: BLE001 - DCP's CheckpointException is one; the cancellation is raised
                         pass
             raise
     finally:

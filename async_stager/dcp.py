@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from ._budget import BudgetStats
 from ._device import caller_cuda_device
 from ._waiting import wait_future_uninterrupted
 from ._worker import clear_locals
@@ -45,11 +46,10 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.planner import SavePlanner
     from torch.distributed.checkpoint.storage import StorageWriter
 
-    from ._budget import BudgetStats
     from ._lease import Lease
     from ._stager import Stager
 
-__all__ = ["save", "save_staged"]
+__all__ = ["BudgetStats", "save", "save_staged"]
 
 T = TypeVar("T")
 
