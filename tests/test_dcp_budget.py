@@ -157,10 +157,9 @@ async def test_too_small_budget_is_refused_at_the_call_naming_the_tensor(tmp_pat
         assert "['layers']['big']" in str(err.value) and "host_budget_bytes >= 400000" in str(err.value)
         assert not (tmp_path / "c").exists()  # nothing staged, nothing written
         await stager.fence()  # nothing registered: returns at once
+        other: Any = dcp.DefaultSavePlanner()
         with pytest.raises(UnsupportedError):
-            _ = adcp.save(
-                sd, stager=stager, checkpoint_id=tmp_path, host_budget_bytes=10**6, planner=object()
-            )  # type: ignore[arg-type]
+            _ = adcp.save(sd, stager=stager, checkpoint_id=tmp_path, host_budget_bytes=10**6, planner=other)
         # Exactly the largest tensor's size is enough.
         await adcp.save(
             sd, stager=stager, checkpoint_id=tmp_path / "ok", no_dist=True, host_budget_bytes=400_000
