@@ -2,6 +2,7 @@
 
 - ``bench``: async_stager versus PyTorch DCP's DefaultStager and the one-buffer copy
   bound, on synthetic state dicts (see docs/benchmarks.md).
+- ``bench-budget``: a DCP save within a host-memory budget (``_cli.budget``).
 - ``demo``: stage a small transformer state dict twice and print what each stage did
   (the first allocates host memory; the second reuses it).
 """
@@ -17,6 +18,7 @@ import torch
 
 from . import bench as _bench
 from .args import add_arguments, options_from_args, scale_argument, unwritable
+from .budget import add_budget_parser, run_budget_bench
 from .report import BenchError, format_table, require_matplotlib, to_json, write_plot
 from .workloads import build_transformer, count_tensors
 
@@ -89,6 +91,7 @@ def _parser() -> argparse.ArgumentParser:
         "side by side, and report times, throughput, loop lag, host memory and file descriptors.",
     )
     add_arguments(bench)
+    add_budget_parser(sub)
     demo = sub.add_parser("demo", help="stage a small model and print what happened")
     scale_argument(
         demo, 0.25, "model size (1: the transformer workload with AdamW state, see docs/benchmarks.md)"
@@ -109,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.command == "bench":
             return run_cli(ns, sys.stdout)
+        if ns.command == "bench-budget":
+            return run_budget_bench(ns, sys.stdout)
         device = _bench.BenchOptions(device=ns.device).resolved_device()
         _bench.check_fits(["transformer"], ns.scale, device)
         asyncio.run(_demo(ns.scale, device))
