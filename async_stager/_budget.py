@@ -117,7 +117,7 @@ class Pipeline:
         self._cond = threading.Condition()
         self._items: list[WriteItem] = []
         self._ready: dict[int, tuple[torch.Tensor, CudaEvent | None]] = {}
-        self._objects: dict[int, io.BytesIO] = {}
+        self._objects: dict[Any, io.BytesIO] = {}
         self._next = 0  # position in _items of the next tensor the writer asks for
         self._error: BaseException | None = None
         self._stop = False
@@ -144,7 +144,7 @@ class Pipeline:
         assert self.source is not None
         for it in objects:  # the snapshot of non-tensor values: taken before the fence
             data = self.source(it)
-            self._objects[id(it)] = data
+            self._objects[it.index] = data
             self._object_bytes += len(data.getbuffer())
         self._thread = threading.Thread(target=self._copy_all, name="async-stager-dcp-budget", daemon=True)
         self._thread.start()
@@ -152,7 +152,7 @@ class Pipeline:
     def take(self, item: WriteItem) -> Any:
         """What the writer writes for ``item``; releases the previous tensor's piece."""
         if item.type == WriteItemType.BYTE_IO:
-            return self._objects.pop(id(item))
+            return self._objects.pop(item.index)
         ring = self._ring
         assert ring is not None
         pos = self._next
@@ -169,7 +169,9 @@ class Pipeline:
                 self._cond.wait(0.05)
             got = self._ready.pop(pos, None)
         if got is None:
-            raise SaveAborted("the budgeted save was cancelled") from self._error
+            if self._error is not None:
+                raise self._error  # the copy of this item failed
+            raise SaveAborted("the budgeted save was cancelled")
         dst, done = got
         if done is not None:
             done.synchronize()

@@ -20,7 +20,7 @@ import torch
 from ._budget import BudgetStats, Pipeline, PipelinePlanner, PipelineWriter
 from ._device import CudaEvent, caller_cuda_device, cuda_context_devices
 from ._errors import BudgetTooSmallError, ClosedError, InvalidOptionError, UnsupportedError
-from ._ring import padded
+from ._ring import ALIGN, padded
 from ._waiting import wait_future, wait_future_uninterrupted
 
 if TYPE_CHECKING:
@@ -75,8 +75,10 @@ def budgeted_save(
 ) -> Coroutine[Any, Any, Metadata]:
     """Checks and the snapshot point at the call; the save in the coroutine."""
     t0 = time.perf_counter()
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
-        raise InvalidOptionError(f"host_budget_bytes must be a positive int (bytes), not {budget!r}")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < ALIGN:
+        raise InvalidOptionError(
+            f"host_budget_bytes must be an int of at least {ALIGN} (bytes), not {budget!r}"
+        )
     if storage_writer is not None or planner is not None:
         raise UnsupportedError(
             "a budgeted save brings its own planner and FileSystemWriter: pass checkpoint_id "
@@ -146,16 +148,23 @@ async def _run(
     def target() -> None:
         if not fut.set_running_or_notify_cancel():
             return
+        result: Any = None
+        error: BaseException | None = None
         try:
             result = fn()
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
-            fut.set_exception(e)
+            error = e
+        # Before the waiter wakes: the ring is freed and the stats are delivered.
+        pipeline.finish()  # also when DCP failed before write_data
+        if on_stats is not None:
+            try:
+                on_stats(pipeline.stats(time.perf_counter() - pipeline.t0))
+            except Exception as e:  # noqa: BLE001 - a failing callback fails the save
+                error = error or e
+        if error is not None:
+            fut.set_exception(error)
         else:
             fut.set_result(result)
-        finally:
-            pipeline.finish()  # also when DCP failed before write_data
-            if on_stats is not None:
-                on_stats(pipeline.stats(time.perf_counter() - pipeline.t0))
 
     try:
         threading.Thread(target=target, name="async-stager-dcp-save", daemon=False).start()

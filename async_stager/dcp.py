@@ -105,7 +105,8 @@ def save(
     DCP's ``FileSystemWriter`` (one thread, its serial loader) and its memory reused as
     soon as it is written; ``await stager.fence()`` returns once the last copy is
     enqueued (the sources must not change until then), so it waits as long as the
-    budget forces. ``on_budget_stats`` is called (in the save's thread) with the
+    budget forces. ``on_budget_stats`` is called (in the save's thread, before the save
+    returns; an exception from it fails the save) with the
     BudgetStats (blocked seconds, peak bytes). ``storage_writer`` and ``planner`` must be
     None (the pipeline brings its own; UnsupportedError otherwise). A tensor bigger than
     ``N`` raises BudgetTooSmallError at the call, before anything is staged. Cancellation

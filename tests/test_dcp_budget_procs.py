@@ -171,3 +171,23 @@ def test_two_ranks_gloo_dtensor_budgeted_save_loads_bit_exact(tmp_path: Path) ->
     mp.spawn(_rank_main, args=(2, _free_port(), ckpt), nprocs=2, join=True)
     files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert ".metadata" in files and sum(f.endswith(".distcp") for f in files) == 2
+
+
+def test_bench_budget_cli_runs_and_loads_back_bit_exact(capsys: pytest.CaptureFixture[str]) -> None:
+    from async_stager._cli.main import main
+
+    argv = [
+        "bench-budget",
+        "--state-mib",
+        "8",
+        "--tensor-mib",
+        "1",
+        "--budgets",
+        "2,unlimited",
+        "--repeat",
+        "1",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "copy alone" in out and "write alone" in out
+    assert "2 MiB" in out and "unlimited" in out and "False" not in out

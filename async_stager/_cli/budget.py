@@ -4,6 +4,7 @@ against its two references, in one run (docs/benchmarks.md).
 For a CPU state of ``--state-mib`` MiB (float32 tensors of ``--tensor-mib`` MiB) written
 to ``--dir``, one row per budget (``unlimited``: the ordinary stage-then-save) with the
 total time, the time until the fence may return, the copier's blocked seconds, the
+writer's seconds waiting for copies, the
 ring's peak bytes and the process's peak RSS growth (sampled every 0.5 ms), and two
 references measured in the same run: copy alone (every tensor into fresh host memory)
 and write alone (DCP writing the source tensors themselves, no staging); the copy
@@ -46,6 +47,7 @@ class BudgetRow:
     total_seconds: float
     fence_seconds: float
     blocked_seconds: float
+    writer_wait_seconds: float
     peak_ring_bytes: int | None
     rss_growth_bytes: int
     bit_exact: bool
@@ -170,6 +172,7 @@ def _save(sd: dict[str, torch.Tensor], path: str, budget: int | None) -> BudgetR
         total_seconds=total,
         fence_seconds=fence[0],
         blocked_seconds=s.blocked_seconds if s is not None else 0.0,
+        writer_wait_seconds=s.writer_wait_seconds if s is not None else 0.0,
         peak_ring_bytes=s.peak_bytes if s is not None else None,
         rss_growth_bytes=growth[0],
         bit_exact=_bit_exact(path, sd),
@@ -219,14 +222,14 @@ def run_budget_bench(ns: argparse.Namespace, out: Any) -> int:
         f"write alone {write_s:.3f} s (bound: the slower, {bound:.3f} s)\n"
     )
     out.write(
-        f"{'budget':>10} {'total s':>8} {'/bound':>7} {'fence s':>8} {'blocked s':>9} "
+        f"{'budget':>10} {'total s':>8} {'/bound':>7} {'fence s':>8} {'blocked s':>9} {'wr wait':>7} "
         f"{'ring MiB':>9} {'RSS+ MiB':>9} {'exact':>6}\n"
     )
     for r, ratio in zip(rows, ratios, strict=True):
         ring = f"{r.peak_ring_bytes / MIB:.1f}" if r.peak_ring_bytes is not None else "-"
         out.write(
             f"{r.label:>10} {r.total_seconds:8.3f} {ratio:7.2f} {r.fence_seconds:8.3f} "
-            f"{r.blocked_seconds:9.3f} {ring:>9} {r.rss_growth_bytes / MIB:9.1f} {r.bit_exact!s:>6}\n"
+            f"{r.blocked_seconds:9.3f} {r.writer_wait_seconds:7.3f} {ring:>9} {r.rss_growth_bytes / MIB:9.1f} {r.bit_exact!s:>6}\n"
         )
     if ns.json:
         with open(ns.json, "w", encoding="utf-8") as f:
