@@ -45,7 +45,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
-from ._device import CudaEvent
+from ._device import CpuCopier, CudaEvent
 from ._errors import BudgetTooSmallError, StagingError, UnsupportedError
 from ._ring import Ring, padded
 from ._waiting import wait_future
@@ -103,12 +103,16 @@ class Pipeline:
 
     Threads: ``start``/``take``/``finish`` run in DCP's save thread (the writer),
     ``_copy_all`` in the copier thread, ``fence``/``abort`` on the event loop.
-    ``captures``: per CUDA device index, the event recorded on the caller's stream at
+    ``copy_threads``: torch threads for host copies (the stager's ``copy_threads``: by
+    default one core is left, here to the writer). ``captures``: per CUDA device index, the event recorded on the caller's stream at
     the call; the copy stream of each device waits on it, CPU copies wait for all.
     """
 
-    def __init__(self, budget: int, *, captures: dict[int, CudaEvent], t0: float) -> None:
+    def __init__(
+        self, budget: int, *, captures: dict[int, CudaEvent], t0: float, copy_threads: int | None = None
+    ) -> None:
         self.budget = budget
+        self.copy_threads = copy_threads
         self.captures = captures
         self.t0 = t0
         self.enqueued: Future[None] = Future()
@@ -195,6 +199,9 @@ class Pipeline:
     def _copy_all(self) -> None:
         ring = self._ring
         assert ring is not None and self.source is not None
+        # The device seam's host copier, without its helper pool (one piece at a time).
+        cpu = CpuCopier(torch.device("cpu"), threads=1)
+        cpu.threads = self.copy_threads
         try:
             with torch.no_grad():
                 waited_host = False
@@ -213,7 +220,7 @@ class Pipeline:
                             for cap in self.captures.values():
                                 cap.synchronize()
                             waited_host = True
-                        dst.copy_(src)
+                        cpu.copy([dst], [src])
                     del src
                     self._tensor_bytes += nbytes
                     with self._cond:
@@ -225,6 +232,7 @@ class Pipeline:
                 self._error = e
                 self._cond.notify_all()
         finally:
+            cpu.close()
             self._settle()
 
     def _copy_cuda(self, dst: torch.Tensor, src: torch.Tensor) -> CudaEvent:

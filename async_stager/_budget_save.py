@@ -98,7 +98,7 @@ def budgeted_save(
         )
     # The snapshot point: the caller's current stream of every device with a context.
     captures = {d: CudaEvent(torch.cuda.current_stream(d)) for d in cuda_context_devices()}
-    pipeline = Pipeline(budget, captures=captures, t0=t0)
+    pipeline = Pipeline(budget, captures=captures, t0=t0, copy_threads=stager.options.copy_threads)
     remove = stager.add_fence(pipeline.fence)
     coro = _run(
         pipeline,
