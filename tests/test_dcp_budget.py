@@ -178,7 +178,7 @@ class _Gated(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is torch.Tensor.copy_ and _Gate.armed:
+        if func in (torch.Tensor.copy_, torch._foreach_copy_) and _Gate.armed:
             _Gate.armed = False
             _Gate.reached.set()
             _Gate.release.wait(10)
