@@ -78,8 +78,14 @@ def _growth(tmp_path: Path, mode: str, state_mib: int, budget: int) -> int:
     return growth
 
 
-def test_peak_rss_growth_stays_within_the_budget_while_an_unbudgeted_save_does_not(tmp_path: Path) -> None:
-    state_mib, budget = 96, 16 * MIB
+@pytest.mark.parametrize(
+    ("state_mib", "budget_mib"),
+    [(96, 16), pytest.param(1024, 64, marks=[pytest.mark.stress, pytest.mark.timeout(600)])],
+)
+def test_peak_rss_growth_stays_within_the_budget_while_an_unbudgeted_save_does_not(
+    tmp_path: Path, state_mib: int, budget_mib: int
+) -> None:
+    budget = budget_mib * MIB
     budgeted = _growth(tmp_path, "budget", state_mib, budget)
     full = _growth(tmp_path, "full", state_mib, budget)
     print(f"peak RSS growth: budgeted {budgeted / MIB:.1f} MiB, unbudgeted {full / MIB:.1f} MiB")
