@@ -9,6 +9,7 @@ from ._checkpoint_stager import CheckpointStager, CheckpointStagerConfig
 from ._checkpointer import Checkpointer, CheckpointerOptions, SaveStats
 from ._default_stager import DefaultStager
 from ._errors import (
+    BudgetTooSmallError,
     BuffersHeldError,
     CheckpointError,
     ClosedError,
@@ -39,6 +40,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AttachedStateDict",
     "Backoff",
+    "BudgetTooSmallError",
     "BuffersHeldError",
     "CheckpointError",
     "CheckpointStager",

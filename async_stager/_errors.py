@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
+    "BudgetTooSmallError",
     "BuffersHeldError",
     "CheckpointError",
     "ClosedError",
@@ -187,3 +188,14 @@ class PinningError(HostAllocationError):
 
 class CopyError(StagingError):
     """A device-to-host or host-to-host copy failed; the original error is the cause."""
+
+
+class BudgetTooSmallError(StagingError, ValueError):
+    """A tensor (a DTensor's local shard) is bigger than a budgeted save's
+    ``host_budget_bytes``: it cannot be staged in one piece. Raised at the
+    ``dcp.save`` call, before anything is staged; ``path`` names the tensor and
+    ``needed_bytes`` is the smallest budget that fits it."""
+
+    def __init__(self, message: str, *, path: Sequence[Any] | None = None, needed_bytes: int = 0) -> None:
+        super().__init__(message, path=path)
+        self.needed_bytes = needed_bytes

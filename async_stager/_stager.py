@@ -20,7 +20,7 @@ import functools
 import logging
 import time
 import weakref
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
@@ -116,6 +116,7 @@ class Stager:
         self._closed = False
         self._close_future: Any = None
         self._abandoned: set[StageJob] = set()
+        self._fence_hooks: list[Callable[[], Callable[[], Awaitable[None]]]] = []
 
     # -- staging ----------------------------------------------------------------------
 
@@ -256,9 +257,12 @@ class Stager:
         fut = job.future if job is not None else None
         del job
         apply = None if self._closed else self._engine.fence()
+        hooked = [hook() for hook in tuple(self._fence_hooks)]  # their points read now
 
         async def fenced() -> None:
             nonlocal fut
+            for wait in hooked:
+                await wait()
             if fut is not None:
                 try:
                     await wait_future(fut)
@@ -270,6 +274,19 @@ class Stager:
                 apply()
 
         return fenced()
+
+    def add_fence(self, hook: Callable[[], Callable[[], Awaitable[None]]]) -> Callable[[], None]:
+        """Make ``fence()`` also wait for work outside the stager's own stages (a
+        budgeted ``dcp.save``): ``hook`` is called at each ``fence()`` call (caller's
+        thread: it reads its ordering points then) and returns the wait that the fence
+        awaits. Returns the function that removes the hook (idempotent)."""
+        self._fence_hooks.append(hook)
+
+        def remove() -> None:
+            if hook in self._fence_hooks:
+                self._fence_hooks.remove(hook)
+
+        return remove
 
     # -- internals --------------------------------------------------------------------
 

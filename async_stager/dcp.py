@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from ._budget import BudgetStats
 from ._device import caller_cuda_device
 from ._waiting import wait_future_uninterrupted
 from ._worker import clear_locals
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
     from ._lease import Lease
     from ._stager import Stager
 
-__all__ = ["save", "save_staged"]
+__all__ = ["BudgetStats", "save", "save_staged"]
 
 T = TypeVar("T")
 
@@ -65,6 +66,8 @@ def save(
     planner: SavePlanner | None = None,
     process_group: ProcessGroup | None = None,
     no_dist: bool = False,
+    host_budget_bytes: int | None = None,
+    on_budget_stats: Callable[[BudgetStats], None] | None = None,
 ) -> Coroutine[Any, Any, Metadata]:
     """Stage ``state_dict`` with ``stager``, then save the staged copy with DCP; await
     the returned coroutine (or run it as a task) for DCP's ``Metadata``.
@@ -95,8 +98,38 @@ def save(
     released. A coroutine that is dropped without being awaited gives its lease back
     when it is garbage collected.
 
+    ``host_budget_bytes=N``: stage and write in a pipeline that holds at most ``N``
+    bytes of host memory for the tensors (plus the serialized non-tensor values) instead
+    of a full staged copy; the stager's buffer sets are not used. Each write item (a
+    tensor, a DTensor's local shard) is copied into a ring of ``N`` bytes just ahead of
+    DCP's ``FileSystemWriter`` (one thread, its serial loader) and its memory reused as
+    soon as it is written; ``await stager.fence()`` returns once the last copy is
+    enqueued (the sources must not change until then), so it waits as long as the
+    budget forces. ``on_budget_stats`` is called (in the save's thread, before the save
+    returns; an exception from it fails the save) with the
+    BudgetStats (blocked seconds, peak bytes). ``storage_writer`` and ``planner`` must be
+    None (the pipeline brings its own; UnsupportedError otherwise). A tensor bigger than
+    ``N`` raises BudgetTooSmallError at the call, before anything is staged. Cancellation
+    stops the copies; DCP then fails the write on every rank before any metadata is
+    written (no checkpoint becomes visible), the ring is freed, and the cancellation is
+    raised once DCP's thread has returned. docs/concepts.md has the pipeline.
+
     Raises ClosedError (at the call) if the stager is closed.
     """
+    if host_budget_bytes is not None:
+        from ._budget_save import budgeted_save
+
+        return budgeted_save(
+            state_dict,
+            stager=stager,
+            budget=host_budget_bytes,
+            checkpoint_id=checkpoint_id,
+            storage_writer=storage_writer,
+            planner=planner,
+            process_group=process_group,
+            no_dist=no_dist,
+            on_stats=on_budget_stats,
+        )
     # The staging job is submitted now, leased (what ``snapshot`` does on entering),
     # and the caller's CUDA device read now: the coroutine may run in another thread.
     leasing = stager.lease(state_dict)

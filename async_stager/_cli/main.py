@@ -5,6 +5,7 @@
 - ``verify``: check committed checkpoints against their checksums (see verify.py).
 - ``bench-process``: DCP's process writer (``AsyncCheckpointerType.PROCESS``) with our
   DefaultStager against DCP's own, with gloo ranks (``_cli/process.py``).
+- ``bench-budget``: a DCP save within a host-memory budget (``_cli.budget``).
 - ``demo``: stage a small transformer state dict twice and print what each stage did
   (the first allocates host memory; the second reuses it).
 - ``check``: pre-flight: does a checkpoint of a given size fit this machine's limits?
@@ -22,6 +23,7 @@ import torch
 
 from . import bench as _bench
 from .args import add_arguments, options_from_args, scale_argument, unwritable
+from .budget import add_budget_parser, run_budget_bench
 from .check import add_check_parser, run_check
 from .report import BenchError, format_table, require_matplotlib, to_json, write_plot
 from .verify import add_verify_parser, run_verify
@@ -105,6 +107,7 @@ def _parser() -> argparse.ArgumentParser:
             description=_process.__doc__.splitlines()[0] if _process.__doc__ else None,
         )
     )
+    add_budget_parser(sub)
     demo = sub.add_parser("demo", help="stage a small model and print what happened")
     scale_argument(
         demo, 0.25, "model size (1: the transformer workload with AdamW state, see docs/benchmarks.md)"
@@ -135,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             from . import process as _process
 
             return _process.run_cli(ns)
+        if ns.command == "bench-budget":
+            return run_budget_bench(ns, sys.stdout)
         device = _bench.BenchOptions(device=ns.device).resolved_device()
         _bench.check_fits(["transformer"], ns.scale, device)
         asyncio.run(_demo(ns.scale, device))
