@@ -160,6 +160,9 @@ async def test_cancel_while_staging_saves_nothing(anyio_backend: Any, tmp_path: 
             await adcp.save(make_sd(), stager=stager, checkpoint_id=tmp_path / "x", no_dist=True)
         assert scope.cancelled_caught
         assert not (tmp_path / "x").exists()
+        # The stage was submitted at the call; cancelled, its job is abandoned and its
+        # lease goes when the worker is done with it (buffers stay reserved until then).
+        await stager.fence()
         assert leases(stager) == 0
 
 
