@@ -42,7 +42,7 @@ MAX_PLANS = 4
 
 class BufferSet:
     """One generation of host buffers (see module doc). Fields are guarded by the
-    engine's condition variable, except ``cache``/``plans``, which only the worker
+    condition variable of the ``BufferSets`` that holds the set, except ``cache``/``plans``, which only the worker
     thread touches while the set is selected."""
 
     def __init__(self, index: int, *, shared: bool, pinner: Pinner | None) -> None:

@@ -291,7 +291,10 @@ def resolve_options(
     # Everything else is checked before a machine limit is reported.
     opts = StagerOptions(pin_memory=pin_memory, non_blocking=non_blocking, **given)  # type: ignore[arg-type]
     if opts.pin_memory and pinner is None:
-        raise UnsupportedError("pin_memory=True needs CUDA, and no CUDA device is available")
+        raise UnsupportedError(
+            "pin_memory=True needs CUDA, and no CUDA device is available (or the device "
+            "backend cannot pin: Backend.pinner() is None; pass pinner=...)"
+        )
     if opts.non_blocking and not backend.asynchronous:
         raise UnsupportedError("non_blocking=True needs CUDA, and no CUDA device is available")
     if opts.share_memory and not hasattr(os, "memfd_create") and not os.path.isdir("/dev/shm"):

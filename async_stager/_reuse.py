@@ -19,8 +19,10 @@ from typing import Any
 import torch
 
 from ._arena import Block, HostPool
+from ._errors import StagingError
 from ._layout import FINGERPRINT, Plan, identity_layout
 from ._storage_cache import StorageCache
+from ._tree_objects import Interrupt
 
 __all__ = ["overlaps", "plan_holds", "reads_in_pool", "repeats", "take_over"]
 
@@ -187,6 +189,8 @@ def take_over(
         if _inside(pool, storages, nbytes):
             return False
         pairs = [(storages[i], leaves[i].device, block) for i, block in plan.groups]
+    except (Interrupt, StagingError):
+        raise  # a cancelled job or a closed stager (the tick): not a layout question
     except Exception:  # noqa: BLE001 - the slow path validates and names the leaf
         return False
     if not cache.take_over(pairs):
