@@ -26,7 +26,7 @@ import threading
 import time
 import warnings
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -97,17 +97,22 @@ def flatten(state: dict[str, Any]) -> dict[str, Any]:
     return dict(flat)
 
 
+def tensor_chunks(state: dict[str, Any]) -> Iterator[tuple[str, str, torch.Tensor, list[int]]]:
+    """Per tensor of ``state`` as DCP stores it: its manifest key, flattened name,
+    local data and global offsets (non-tensor values skipped)."""
+    for fqn, value in flatten(state).items():
+        found = _chunk(value)
+        if found is not None:
+            local, offsets = found
+            yield key(fqn, offsets), fqn, local, offsets
+
+
 def checksum_state(state: dict[str, Any], *, threads: int = 1) -> dict[str, dict[str, Any]]:
     """Checksum every tensor chunk of a staged (host) state dict; ``threads`` threads
     hash pieces in parallel. Returns the manifest's ``tensors`` table."""
     entries: dict[str, dict[str, Any]] = {}
     work: list[tuple[str, torch.Tensor, int]] = []
-    for fqn, value in flatten(state).items():
-        found = _chunk(value)
-        if found is None:
-            continue
-        local, offsets = found
-        k = key(fqn, offsets)
+    for k, fqn, local, offsets in tensor_chunks(state):
         nbytes = local.numel() * local.element_size()
         entries[k] = {
             "fqn": fqn,
@@ -191,12 +196,7 @@ def verify_flat(step: int | None, tensors: dict[str, dict[str, Any]], loaded: di
     """Check a loaded (``torch.save`` format) state dict against its manifest; returns
     the number of tensors checked. Every tensor must have an entry and match."""
     seen = set()
-    for fqn, value in flatten(loaded).items():
-        found = _chunk(value)
-        if found is None:
-            continue
-        local, offsets = found
-        k = key(fqn, offsets)
+    for k, fqn, local, _ in tensor_chunks(loaded):
         entry = tensors.get(k)
         if entry is None:
             raise IntegrityError(f"tensor {fqn!r} has no checksum", step=step, tensor=fqn)
