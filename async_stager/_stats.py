@@ -18,7 +18,9 @@ class StageStats:
     Sizes are bytes, times are seconds. ``seconds`` runs from the call to the result;
     ``worker_seconds`` is the part spent in the worker thread (walk, cache, enqueue and,
     on the CPU, the copies); ``wait_seconds`` is the part spent polling the completion
-    event from the event loop.
+    event from the event loop. ``fast_path``: the last plan was reused as it was (the
+    same tensors, or new ones of its layout that took its memory over), no new plan
+    made; its storages then count as cache hits.
     """
 
     tensors: int
