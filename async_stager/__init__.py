@@ -8,6 +8,7 @@ event loop. ``DefaultStager`` keeps PyTorch DCP's staging API on the same engine
 from ._checkpoint_stager import CheckpointStager, CheckpointStagerConfig
 from ._checkpointer import Checkpointer, CheckpointerOptions, SaveStats
 from ._default_stager import DefaultStager
+from ._digest import Checksums
 from ._errors import (
     BudgetTooSmallError,
     BuffersHeldError,
@@ -47,6 +48,7 @@ __all__ = [
     "CheckpointStagerConfig",
     "Checkpointer",
     "CheckpointerOptions",
+    "Checksums",
     "ClosedError",
     "CopyError",
     "DefaultStager",

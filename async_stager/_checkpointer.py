@@ -69,8 +69,9 @@ class Checkpointer:
     stages), ``"skip"`` (save returns False at once, nothing staged), ``"coalesce"``
     (save stages now and queues the copy, replacing a queued older one, which is
     dropped; the newest is written next). On several ranks only ``"wait"`` is allowed
-    (a per-rank decision could differ between ranks). ``checksum``: CRC-32 per tensor
-    chunk (see ``_integrity``), ``checksum_threads`` threads. ``stager``: a Stager to
+    (a per-rank decision could differ between ranks). ``checksum``: an XXH3-64 digest
+    per tensor chunk, computed by the copy threads while staging (see ``_integrity``);
+    ``checksum_threads`` threads hash what they could not (chunks copied from a GPU). ``stager``: a Stager to
     use (else one of its own, closed on exit). ``process_group``: a gloo group for the
     checkpoint's collectives (default: the default group if gloo, else a new gloo
     group; constructing it is a collective). ``on_saved``: called on the event loop
@@ -205,7 +206,7 @@ class Checkpointer:
             old.lease.release()  # its buffer set is free for this stage
             self.dropped.append(old.step)
         t1 = time.monotonic()
-        lease = await self.stager.lease(sd)
+        lease = await self.stager.lease(sd, checksums=self.options.checksum)
         del sd
         item = _Staged(step, lease, t1 - t0, time.monotonic() - t1)
         if self._writing >= limit:  # coalesce: queue behind the writes in flight
@@ -298,9 +299,15 @@ class Checkpointer:
 
                 await anyio.to_thread.run_sync(fresh)
             await anyio.to_thread.run_sync(ranks.barrier)
-            # The checksum reads the staged copy in threads of its own while DCP (or
-            # torch.save) writes it; both finish before the lease is released.
-            hashing = _integrity.checksum_in_thread(staged, opts.checksum_threads) if opts.checksum else None
+            # The copy threads hashed what they copied; what they could not (chunks
+            # copied from a device, partial views) is hashed from the staged copy in
+            # threads of its own while DCP (or torch.save) writes it; both finish
+            # before the lease is released.
+            hashing = (
+                _integrity.checksum_in_thread(staged, opts.checksum_threads, item.lease.checksums)
+                if opts.checksum
+                else None
+            )
             try:
                 if opts.format == "dcp":
                     from .dcp import save_staged
@@ -317,7 +324,7 @@ class Checkpointer:
                 if hashing is not None:
                     with anyio.CancelScope(shield=True):
                         await anyio.to_thread.run_sync(futures.wait, [hashing])
-            manifest, checksum_seconds = hashing.result() if hashing is not None else ({}, 0.0)
+            manifest, checksum_seconds, _ = hashing.result() if hashing is not None else ({}, 0.0, 0)
             nbytes = await anyio.to_thread.run_sync(staged_bytes, staged)
         # The lease is released: the staged buffers are free for the next stage.
         t1 = time.monotonic()

@@ -46,8 +46,10 @@ class SaveStats:
     ``stage_seconds``: from ``save`` starting to stage until the staged copy was ready
     (what ``save`` blocked the caller for, besides a ``wait``-policy wait, which is
     ``queued_seconds``). ``write_seconds``: the background write of this rank's files
-    (DCP or ``torch.save``, fsynced), with the checksum running alongside;
-    ``checksum_seconds``: the checksum pass alone (wall time, in its threads);
+    (DCP or ``torch.save``, fsynced), with the checksum of what staging did not hash
+    running alongside; ``checksum_seconds``: that pass alone (wall time, in its
+    threads; about zero when every chunk was hashed by the copy threads, whose time is
+    in ``stage_seconds``);
     ``commit_seconds``: checksums file, fsyncs, rename, ``latest`` and retention.
     ``bytes``: this rank's staged tensor bytes."""
 

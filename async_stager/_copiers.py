@@ -20,7 +20,8 @@ import torch
 
 from ._arena import CudaPinner, Pinner
 from ._device import Backend, Completion, Copier, capturing, cuda_context_devices, pinning_device
-from ._hostcopy import MIN_POOL_BYTES, CopyPool, Schedule, pieces, schedule
+from ._digest import Checksums
+from ._hostcopy import MIN_POOL_BYTES, CopyPool, Schedule, hashed_pieces, schedule
 from ._openmp import omp_threads
 
 __all__ = ["CpuCopier", "CudaCopier", "CudaEvent", "RealBackend", "ScratchCopier"]
@@ -62,8 +63,9 @@ class CpuCopier(Copier):
     Stager leaves one core to the event loop (``loop_friendly_threads``): with every
     core copying, the loop's timers fire late; docs/benchmarks.md has the loop lag and
     the bandwidth of both choices. A program of at least ``MIN_POOL_BYTES`` is copied by
-    the calling thread and ``threads - 1`` helpers claiming pieces (``_hostcopy``);
-    smaller ones by ``_foreach_copy_`` with that many torch threads.
+    the calling thread and ``threads - 1`` helpers claiming pieces (``_hostcopy``),
+    which also hash them when the stage takes checksums; smaller ones by
+    ``_foreach_copy_`` with that many torch threads.
 
     ``begin`` waits (blocking, in the worker) for the accelerator captures it is given:
     a CPU leaf may be a pinned tensor that a ``non_blocking`` device-to-host copy
@@ -74,7 +76,9 @@ class CpuCopier(Copier):
         super().__init__(device)
         self.threads = threads
         n = threads if threads is not None else torch.get_num_threads()
-        self._pool = CopyPool(n - 1) if n > 1 else None
+        # One thread copying still goes through the pool (no helpers: it drains on the
+        # worker), so checksums are hashed piece by piece as they land.
+        self._pool = CopyPool(max(0, n - 1))
 
     def begin(self, capture: Any) -> None:
         if capture is None:
@@ -89,8 +93,9 @@ class CpuCopier(Copier):
             torch._foreach_copy_(dsts, srcs)  # type: ignore[arg-type]
 
     def prepare(self, dsts: Sequence[torch.Tensor]) -> Any:
-        if self._pool is None or self._pool.helpers == 0:
-            return None
+        wanted = self.threads if self.threads is not None else torch.get_num_threads()
+        if self._pool.helpers == 0 and wanted > 1:
+            return None  # no helpers to be had (no OpenMP runtime): torch's own threads
         sched = schedule(dsts)
         n_pieces = sum(max(1, parts) for _, _, parts in sched.items)
         return sched if sched.nbytes >= MIN_POOL_BYTES and n_pieces > 1 else None
@@ -101,13 +106,14 @@ class CpuCopier(Copier):
         srcs: Sequence[torch.Tensor],
         layout: Any,
         tick: Callable[[], None],
+        checksums: Checksums | None = None,
     ) -> None:
-        assert self._pool is not None and isinstance(layout, Schedule)
-        self._pool.run(pieces(layout, dsts, srcs), tick)
+        assert isinstance(layout, Schedule)
+        work, tasks = hashed_pieces(layout, dsts, srcs, checksums)
+        self._pool.run(work, tick, tasks)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
+        self._pool.close()
 
 
 def _storage_key(t: torch.Tensor) -> int:

@@ -44,6 +44,7 @@ from typing import Any, Protocol
 import torch
 
 from ._arena import Pinner
+from ._digest import Checksums
 from ._errors import UnsupportedError
 
 __all__ = [
@@ -206,9 +207,12 @@ class Copier(ABC):
         srcs: Sequence[torch.Tensor],
         layout: Any,
         tick: Callable[[], None],
+        checksums: Checksums | None = None,
     ) -> None:
         """Like ``copy`` for all of ``dsts`` at once, with ``prepare``'s layout;
-        ``tick`` may be called between parts (it raises to cancel)."""
+        ``tick`` may be called between parts (it raises to cancel). ``checksums``: a
+        copier whose copies have landed when this returns (``end()`` gives None) may
+        hash destinations into it as they land; the engine hashes the rest."""
         raise NotImplementedError
 
     def protect(self, srcs: Sequence[torch.Tensor]) -> None:

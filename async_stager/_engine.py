@@ -29,6 +29,7 @@ from ._arena import Arena, Pinner
 from ._buffer_sets import BufferSet, BufferSets
 from ._copiers import RealBackend, ScratchCopier
 from ._device import Backend, Completion, Copier, graph_capture_error
+from ._digest import Checksums
 from ._enqueue import diagnose_copy_error, enqueue, no_torch_function
 from ._errors import ClosedError, StagingError
 from ._interp import gc_paused, gil_interval
@@ -73,6 +74,8 @@ class StageRecord:
     fast_path: bool
     worker_seconds: float
     devices: list[torch.device]
+    #: The digests the copy threads computed (a stage asked for checksums), else None.
+    checksums: Checksums | None = None
 
 
 def build_engine(*, backend: Backend | None = None, pinner: Pinner | None = None, **given: object) -> Engine:
@@ -174,19 +177,21 @@ class Engine:
         lease: bool = False,
         cancel: threading.Event | None = None,
         copy: bool = True,
+        checksums: bool = False,
     ) -> StageRecord:
         """Stage ``sd`` into a free buffer set; returns once the copies are enqueued
-        (on the CPU: done). Raises StagingError subclasses, or Cancelled."""
+        (on the CPU: done, and with ``checksums`` hashed). Raises StagingError
+        subclasses, or Cancelled."""
         with gil_interval(self.options.yield_interval), self._device_context(captures):
             try:
-                return self._run(sd, captures, lease, cancel, copy, allow_fast=True)
+                return self._run(sd, captures, lease, cancel, copy, checksums, allow_fast=True)
             except _PlanStale:
                 pass
             # A leaf changed in a way the fingerprint does not see: the plan is gone;
             # the slow path checks everything. Retried outside the except block, so the
             # failed attempt's frame (and the result it built) is gone: a stale result
             # alive now would skew the buffer set's reachability baseline.
-            return self._run(sd, captures, lease, cancel, copy, allow_fast=False)
+            return self._run(sd, captures, lease, cancel, copy, checksums, allow_fast=False)
 
     def _run(
         self,
@@ -195,6 +200,7 @@ class Engine:
         lease: bool,
         cancel: threading.Event | None,
         copy: bool,
+        checksums: bool,
         *,
         allow_fast: bool,
     ) -> StageRecord:
@@ -269,11 +275,12 @@ class Engine:
             tick()
             completions: list[Completion] = []
             devices: list[torch.device] = []
+            digests = Checksums() if checksums and copy else None
             if copy:
                 try:
                     with no_torch_function():
                         completions, devices = enqueue(
-                            self._copier, plan, leaves, captures, tick, self.latest, track
+                            self._copier, plan, leaves, captures, tick, self.latest, track, digests
                         )
                 except RuntimeError as e:
                     if fast:
@@ -298,6 +305,7 @@ class Engine:
                 fast_path=fast,
                 worker_seconds=time.perf_counter() - t0,
                 devices=devices,
+                checksums=digests,
             )
         except BaseException:
             if held is not None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ._device import Completion, Copier, order_after
+from ._digest import Checksums
 from ._errors import CopyError, StagingError
 from ._hostcopy import GROUP_MAX
 from ._layout import Plan
@@ -62,6 +63,7 @@ def enqueue(
     tick: Callable[[], None],
     latest: dict[torch.device, Completion],
     track: Track,
+    checksums: Checksums | None = None,
 ) -> tuple[list[Completion], list[torch.device]]:
     """Enqueue every program's copies; returns the completions and, pairwise, the
     device each belongs to (CPU programs finish inside and have none). ``latest``
@@ -75,7 +77,12 @@ def enqueue(
     Failure or cancellation (a tick) part way: copies enqueued before that may still
     read the sources and land in the set's buffers, so their sources are protected and
     their completions passed to ``track`` before the error propagates; no later stage
-    (or close) reuses the buffers before they finish."""
+    (or close) reuses the buffers before they finish.
+
+    ``checksums``: the digests of every destination of a program whose copies have
+    landed when it ends (the CPU's): hashed by the copy threads as pieces land, the
+    rest by this thread after the program. A device program's (in flight) are not
+    hashed here."""
     completions: list[Completion] = []
     devices: list[torch.device] = []
     programs = sorted(plan.programs, key=lambda p: p.device.type == "cpu")
@@ -102,7 +109,7 @@ def enqueue(
                         srcs = list(operator.itemgetter(*prog.direct_reps)(leaves))
                     srcs_all.extend(srcs)
                     if prog.direct_layout is not None:
-                        copier.copy_planned(prog.direct_dsts, srcs, prog.direct_layout, tick)
+                        copier.copy_planned(prog.direct_dsts, srcs, prog.direct_layout, tick, checksums)
                     else:
                         copy_chunked(copier, prog.direct_dsts, srcs, tick)
                 copier.protect(srcs_all)
@@ -122,6 +129,10 @@ def enqueue(
                 completions.append(done)
                 devices.append(prog.device)
                 latest[prog.device] = done
+            elif checksums is not None:
+                # Landed: what the copy threads did not hash (small programs, runs).
+                checksums.hash_now(prog.direct_dsts)
+                checksums.hash_now(run.span for run in prog.runs)
     return completions, devices
 
 

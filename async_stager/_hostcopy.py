@@ -34,6 +34,7 @@ Hazards:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import queue
 import threading
@@ -44,13 +45,18 @@ from dataclasses import dataclass
 import torch
 
 from . import _interp
+from ._digest import PIECE_BYTES as DIGEST_PIECE_BYTES
+from ._digest import Checksums, HashTask, hasher
 from ._openmp import helpers_supported, omp_threads, runtime
 
 __all__ = [
+    "FUSE_BYTES",
     "MIN_POOL_BYTES",
     "PIECE_BYTES",
     "CopyPool",
     "Schedule",
+    "Tasks",
+    "hashed_pieces",
     "pieces",
     "schedule",
     "set_thread_priority",
@@ -60,7 +66,7 @@ __all__ = [
 #: of this many bytes), and the last ones decide how evenly the threads end. Of the
 #: sizes compared side by side (guided claims, a ticking loop), 8 MiB came closest to
 #: the bound, smaller pieces lower (see docs/benchmarks.md).
-PIECE_BYTES = 8 << 20
+PIECE_BYTES = DIGEST_PIECE_BYTES
 #: Copies of fewer bytes than this run on the calling thread alone (a pool hand-off
 #: costs tens of microseconds).
 MIN_POOL_BYTES = 2 * PIECE_BYTES
@@ -68,6 +74,9 @@ MIN_POOL_BYTES = 2 * PIECE_BYTES
 #: batched copies: torch parses the tensor lists holding the GIL, a cost per tensor
 #: (one call for tens of thousands of tensors held it for milliseconds).
 GROUP_MAX = 1024
+#: Bytes copied then hashed at a time within a cut piece when checksumming: within a
+#: core's L2, so the hash reads cached bytes (2 MiB measured best of 256 KiB-2 MiB).
+FUSE_BYTES = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -76,11 +85,14 @@ class Schedule:
 
     ``items``: ``(lo, hi, parts)``; ``parts == 0``: destinations ``lo:hi`` copied by one
     ``_foreach_copy_``; otherwise destination ``lo`` (contiguous) cut into ``parts``
-    element ranges. ``nbytes``: the destinations' total bytes.
+    pieces of ``piece`` bytes (the last one the rest). ``nbytes``: the destinations'
+    total bytes.
     """
 
     items: tuple[tuple[int, int, int], ...]
     nbytes: int
+    #: Bytes per cut piece.
+    piece: int = PIECE_BYTES
 
 
 def schedule(dsts: Sequence[torch.Tensor], piece: int = PIECE_BYTES) -> Schedule:
@@ -104,37 +116,128 @@ def schedule(dsts: Sequence[torch.Tensor], piece: int = PIECE_BYTES) -> Schedule
             lo, acc = i + 1, 0
     if lo < len(dsts):
         items.append((lo, len(dsts), 0))
-    return Schedule(tuple(items), total)
+    return Schedule(tuple(items), total, piece)
 
 
 Work = list[tuple[list[torch.Tensor], list[torch.Tensor]]]
+#: Per piece of a Work, per pair of that piece, what to hash once it has landed (see
+#: ``_digest``).
+Tasks = list[list[list[HashTask]]]
 
 
 def pieces(sched: Schedule, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> Work:
-    """The concrete pieces of one stage: ``(dsts, srcs)`` lists, one copy call each.
+    """The concrete pieces of one stage (see ``hashed_pieces``)."""
+    return hashed_pieces(sched, dsts, srcs, None)[0]
+
+
+def hashed_pieces(
+    sched: Schedule,
+    dsts: Sequence[torch.Tensor],
+    srcs: Sequence[torch.Tensor],
+    checksums: Checksums | None,
+) -> tuple[Work, Tasks | None]:
+    """The concrete pieces of one stage: ``(dsts, srcs)`` lists, one copy call each,
+    and (with ``checksums``) what each piece's thread hashes as it copies it.
 
     A destination cut by the schedule is cut the same way in its source only when that
     source is contiguous too (a leaf's layout can differ between stages); else the pair
-    is copied whole, as one piece.
+    is copied whole, as one piece. Cuts fall every ``sched.piece`` bytes (the last
+    piece is the rest); at the digest's piece size each cut piece is one hashed piece,
+    hashed by the thread that copies it. Destinations given no task here are left to
+    ``Checksums.hash_now`` once every piece has landed.
     """
     out: Work = []
+    tasks: Tasks | None = None if checksums is None else []
     for lo, hi, parts in sched.items:
         if parts == 0:
             out.append((list(dsts[lo:hi]), list(srcs[lo:hi])))
+            if tasks is not None and checksums is not None:
+                tasks.append([checksums.tasks(d) for d in dsts[lo:hi]])
             continue
         d, s = dsts[lo], srcs[lo]
         # Same shape, or copy_ must see the pair whole: a pair whose shapes differ
         # (which the plan's fingerprint should already have refused) still reaches
         # copy_'s own shape check instead of being flattened into the wrong layout.
-        if not s.is_contiguous() or s.dtype != d.dtype or s.shape != d.shape:
+        es = d.element_size()
+        if not s.is_contiguous() or s.dtype != d.dtype or s.shape != d.shape or sched.piece % es:
             out.append(([d], [s]))
+            if tasks is not None and checksums is not None:
+                tasks.append([checksums.tasks(d)])
             continue
         df, sf = d.view(-1), s.view(-1)
-        n = df.numel()
-        step = -(-n // parts)
-        for a in range(0, n, step):
+        step = sched.piece // es
+        aligned = checksums is not None and checksums.piece_bytes == sched.piece
+        cut = checksums.tasks(d) if aligned and checksums is not None else []
+        for i, a in enumerate(range(0, df.numel(), step)):
             out.append(([df[a : a + step]], [sf[a : a + step]]))
-    return out
+            if tasks is not None:
+                tasks.append([cut[i : i + 1]])
+    return out, tasks
+
+
+def _copy(d: list[torch.Tensor], s: list[torch.Tensor]) -> None:
+    if len(d) == 1:
+        d[0].copy_(s[0])
+    elif d:
+        torch._foreach_copy_(d, s)  # type: ignore[arg-type]
+
+
+def _fusable(d: torch.Tensor, s: torch.Tensor) -> bool:
+    return d.is_contiguous() and s.is_contiguous() and d.dtype == s.dtype and d.shape == s.shape
+
+
+def _copy_hashing(d: torch.Tensor, s: torch.Tensor, task: HashTask) -> None:
+    """Copy the bytes of ``task`` (a range of contiguous ``d``) from ``s`` in parts of
+    ``FUSE_BYTES``, hashing each part as it lands, while it is in this core's cache."""
+    h = hasher().xxh3_64()
+    es = d.element_size()
+    df, sf = d.view(-1), s.view(-1)
+    first = (task.ptr - d.data_ptr()) // es
+    end = first + task.nbytes // es
+    step = max(1, FUSE_BYTES // es)
+    for a in range(first, end, step):
+        b = min(a + step, end)
+        df[a:b].copy_(sf[a:b])
+        h.update(
+            memoryview((ctypes.c_char * ((b - a) * es)).from_address(task.ptr + (a - first) * es)).cast("B")
+        )
+    task.out[task.index] = int(h.intdigest())
+
+
+def _copy_and_hash(dsts: list[torch.Tensor], srcs: list[torch.Tensor], todo: list[list[HashTask]]) -> None:
+    """Copy one piece's pairs and hash them as they land: a big pair part by part
+    (``_copy_hashing``), small ones in batches of about ``FUSE_BYTES`` (one
+    ``_foreach_copy_`` each, then their hashes), so the hash reads bytes this core
+    just wrote and small tensors still cost one copy call per batch."""
+    bd: list[torch.Tensor] = []
+    bs: list[torch.Tensor] = []
+    bt: list[HashTask] = []
+    acc = 0
+
+    def flush() -> None:
+        nonlocal acc
+        _copy(bd, bs)
+        for task in bt:
+            task.run()
+        bd.clear()
+        bs.clear()
+        bt.clear()
+        acc = 0
+
+    for d, s, ts in zip(dsts, srcs, todo):
+        n = d.numel() * d.element_size()
+        if ts and n > FUSE_BYTES and _fusable(d, s):
+            flush()
+            for task in ts:
+                _copy_hashing(d, s, task)
+            continue
+        bd.append(d)
+        bs.append(s)
+        bt.extend(ts)
+        acc += n
+        if acc >= FUSE_BYTES:
+            flush()
+    flush()
 
 
 class CopyJob:
@@ -148,8 +251,10 @@ class CopyJob:
     together.
     """
 
-    def __init__(self, work: Work, helpers: int) -> None:
+    def __init__(self, work: Work, helpers: int, tasks: Tasks | None = None) -> None:
         self.work = work
+        #: With checksums: per piece, what its thread hashes right after copying it.
+        self.tasks = tasks
         self._pos = 0
         self._div = 2 * (helpers + 1)
         self.stop = False
@@ -186,22 +291,36 @@ class CopyJob:
                     lo, hi = self._claim()
                     if lo >= hi:
                         break
+                    if self.tasks is not None:
+                        self._copy_and_hash(lo, hi)
+                        continue
                     if hi == lo + 1:
-                        d, s = work[lo]
-                    else:
-                        d, s = [], []
-                        for dd, ss in work[lo:hi]:
-                            d += dd
-                            s += ss
-                    if len(d) == 1:
-                        d[0].copy_(s[0])
-                    else:
-                        torch._foreach_copy_(d, s)  # type: ignore[arg-type]
+                        _copy(*work[lo])
+                        continue
+                    # One call for the claim, but never over GROUP_MAX tensors: torch
+                    # parses the lists holding the GIL (ten thousand small tensors
+                    # merged into one call stalled the event loop for milliseconds).
+                    d: list[torch.Tensor] = []
+                    s: list[torch.Tensor] = []
+                    for dd, ss in work[lo:hi]:
+                        if d and len(d) + len(dd) > GROUP_MAX:
+                            _copy(d, s)
+                            d, s = [], []
+                        d += dd
+                        s += ss
+                    _copy(d, s)
         except BaseException as e:  # noqa: BLE001 - handed to the calling thread
             self.stop = True
             with self._lock:
                 if self.error is None:
                     self.error = e
+
+    def _copy_and_hash(self, lo: int, hi: int) -> None:
+        """Copy pieces ``lo:hi`` one at a time, hashing as they land."""
+        assert self.tasks is not None
+        for p in range(lo, hi):
+            d, s = self.work[p]
+            _copy_and_hash(d, s, self.tasks[p])
 
     def check_out(self) -> None:
         """A helper is done with this job."""
@@ -345,17 +464,18 @@ class CopyPool:
             self._inboxes.append(q)
             self._threads.append(t)
 
-    def run(self, work: Work, tick: Callable[[], None] | None = None) -> None:
-        """Copy every piece of ``work``; returns, or raises the first copy error (or
-        what ``tick``, called by this thread between its pieces, raised), only once no
-        piece is being copied any more. Blocks the calling thread."""
+    def run(self, work: Work, tick: Callable[[], None] | None = None, tasks: Tasks | None = None) -> None:
+        """Copy every piece of ``work`` (and hash what ``tasks`` says, see
+        ``hashed_pieces``); returns, or raises the first copy error (or what ``tick``,
+        called by this thread between its pieces, raised), only once no piece is being
+        copied any more. Blocks the calling thread."""
         if not work:
             return
         with self._lock:
             helpers = 0 if self._closed else min(self.helpers, len(work) - 1)
             if helpers > 0:
                 self._start()
-            job = CopyJob(work, helpers)
+            job = CopyJob(work, helpers, tasks)
             for q in self._inboxes[:helpers]:
                 q.put(job)
             try:

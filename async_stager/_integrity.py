@@ -1,15 +1,13 @@
-"""Checksums per tensor chunk: taken from the staged host copy, stored beside the data in
+"""Checksums per tensor chunk: taken while staging, stored beside the data in
 ``checksums.json``, checked against what is read back on restore and by
 ``python -m async_stager verify``.
 
-The hash is CRC-32 (``zlib.crc32``, the IEEE polynomial) over the tensor's bytes in
-row-major (contiguous) order, one CRC per ``PIECE_BYTES`` piece so that big tensors
-spread over threads (zlib releases the GIL on large buffers). CRC-32 detects every
-error of up to 32 consecutive bits in a piece (so any single corrupted byte or torn
-word), every odd number of flipped bits, and misses a random corruption with
-probability 2**-32; it is not cryptographic: it detects accidents (torn writes, bit
-rot, a buffer overwritten while it was written, a file from another step), not
-tampering.
+The digest of a chunk is XXH3-64 per 8 MiB piece of its bytes in row-major order (see
+``_digest``): the copy threads compute it as the bytes land in the host buffers
+(``stager.lease(sd, checksums=True)``); what they could not (a chunk copied from a
+device, a view of part of a storage) is hashed from the staged host copy before it is
+written. Manifests of the first format (CRC-32 per 16 MiB piece, ``zlib.crc32``) are
+still verified.
 
 A chunk is what DCP stores for one tensor on one rank: the whole tensor for a plain
 tensor (offsets all zero), the local shard for a DTensor (its offsets in the global
@@ -34,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ._digest import ALGORITHM, PIECE_BYTES, Checksums, tensor_digest
 from ._errors import IntegrityError
 
 __all__ = [
@@ -49,18 +48,18 @@ __all__ = [
     "write_manifest",
 ]
 
-HASH = "crc32"
+HASH = ALGORITHM
 #: The file each checkpoint folder holds its checksums in.
 MANIFEST = "checksums.json"
-#: Bytes per CRC: big tensors are hashed in pieces of this size, in parallel.
-PIECE_BYTES = 16 * 2**20
-_FORMAT = "async_stager-checksums/1"
+_FORMAT = "async_stager-checksums/2"
+#: The first format: CRC-32 per 16 MiB piece, read (verified) but no longer written.
+_FORMAT_CRC = "async_stager-checksums/1"
+_CRC_PIECE_BYTES = 16 * 2**20
 
 
-def tensor_crcs(t: torch.Tensor, piece_bytes: int = PIECE_BYTES) -> list[int]:
+def tensor_crcs(t: torch.Tensor, piece_bytes: int = _CRC_PIECE_BYTES) -> list[int]:
     """CRC-32 of each ``piece_bytes`` piece of a CPU tensor's bytes in row-major order
-    (one CRC of nothing for an empty tensor). Reads the tensor; a non-contiguous one is
-    copied first."""
+    (one CRC of nothing for an empty tensor): the first manifest format's digest."""
     t = t.detach().resolve_conj().resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
@@ -107,40 +106,33 @@ def tensor_chunks(state: dict[str, Any]) -> Iterator[tuple[str, str, torch.Tenso
             yield key(fqn, offsets), fqn, local, offsets
 
 
-def checksum_state(state: dict[str, Any], *, threads: int = 1) -> dict[str, dict[str, Any]]:
-    """Checksum every tensor chunk of a staged (host) state dict; ``threads`` threads
-    hash pieces in parallel. Returns the manifest's ``tensors`` table."""
+def checksum_state(
+    state: dict[str, Any], *, threads: int = 1, known: Checksums | None = None
+) -> tuple[dict[str, dict[str, Any]], int]:
+    """The manifest's ``tensors`` table for a staged (host) state dict: each chunk's
+    digest from ``known`` (computed while staging), else hashed now, by ``threads``
+    threads. Returns the table and the bytes hashed now."""
     entries: dict[str, dict[str, Any]] = {}
-    work: list[tuple[str, torch.Tensor, int]] = []
+    todo: list[tuple[str, torch.Tensor]] = []
     for k, fqn, local, offsets in tensor_chunks(state):
-        nbytes = local.numel() * local.element_size()
+        digest = known.get(local) if known is not None else None
         entries[k] = {
             "fqn": fqn,
             "offsets": offsets,
             "shape": list(local.shape),
             "dtype": str(local.dtype).removeprefix("torch."),
-            "crc32": [],
+            "digest": digest,
         }
-        t = local.detach().resolve_conj().resolve_neg().contiguous()
-        for start in range(0, max(nbytes, 1), PIECE_BYTES):
-            work.append((k, t, start))
-
-    def piece(item: tuple[str, torch.Tensor, int]) -> int:
-        _, t, start = item
-        n = t.numel() * t.element_size()
-        if n == 0:
-            return zlib.crc32(b"")
-        buf = (ctypes.c_char * n).from_address(t.data_ptr())
-        return zlib.crc32(memoryview(buf).cast("B")[start : start + PIECE_BYTES])
-
-    if threads > 1 and len(work) > 1:
-        with ThreadPoolExecutor(threads, thread_name_prefix="async-stager-crc") as pool:
-            crcs = list(pool.map(piece, work, chunksize=max(1, len(work) // (threads * 8))))
+        if digest is None:
+            todo.append((k, local))
+    if threads > 1 and len(todo) > 1:
+        with ThreadPoolExecutor(threads, thread_name_prefix="async-stager-digest") as pool:
+            digests = list(pool.map(lambda item: tensor_digest(item[1]), todo))
     else:
-        crcs = [piece(w) for w in work]
-    for (k, _, _), crc in zip(work, crcs):
-        entries[k]["crc32"].append(crc)
-    return entries
+        digests = [tensor_digest(t) for _, t in todo]
+    for (k, _), digest in zip(todo, digests):
+        entries[k]["digest"] = digest
+    return entries, sum(t.numel() * t.element_size() for _, t in todo)
 
 
 def write_manifest(folder: Path, step: int, tensors: dict[str, dict[str, Any]]) -> None:
@@ -161,9 +153,20 @@ def read_manifest(folder: Path, step: int | None) -> dict[str, dict[str, Any]]:
         doc = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise IntegrityError(f"{folder}: no readable {MANIFEST} ({exc})", step=step) from exc
-    if doc.get("format") != _FORMAT or doc.get("hash") != HASH:
-        raise IntegrityError(f"{folder}: {MANIFEST} is not an {_FORMAT} {HASH} manifest", step=step)
-    tensors: dict[str, dict[str, Any]] = doc["tensors"]
+    fmt = (doc.get("format"), doc.get("hash"), doc.get("piece_bytes"))
+    if fmt == (_FORMAT_CRC, "crc32", _CRC_PIECE_BYTES):
+        tensors: dict[str, dict[str, Any]] = doc["tensors"]
+        for entry in tensors.values():
+            entry["digest"], entry["hash"] = entry.pop("crc32"), "crc32"
+        return tensors
+    if fmt != (_FORMAT, HASH, PIECE_BYTES):
+        raise IntegrityError(
+            f"{folder}: {MANIFEST} is not an {_FORMAT} {HASH} manifest of {PIECE_BYTES}-byte pieces",
+            step=step,
+        )
+    tensors = doc["tensors"]
+    for entry in tensors.values():
+        entry["hash"] = HASH
     return tensors
 
 
@@ -175,16 +178,15 @@ def _compare(step: int | None, k: str, entry: dict[str, Any], data: torch.Tensor
             step=step,
             tensor=entry["fqn"],
         )
-    got = tensor_crcs(data)
-    if got != entry["crc32"]:
-        bad = (
-            next(i for i, (a, b) in enumerate(zip(got, entry["crc32"])) if a != b)
-            if len(got) == len(entry["crc32"])
-            else 0
-        )
+    crc = entry["hash"] == "crc32"
+    piece = _CRC_PIECE_BYTES if crc else PIECE_BYTES
+    got = tensor_crcs(data) if crc else tensor_digest(data)
+    want = entry["digest"]
+    if got != want:
+        bad = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b) if len(got) == len(want) else 0
         raise IntegrityError(
-            f"tensor {entry['fqn']!r} (offsets {entry['offsets']}): {HASH} mismatch in bytes "
-            f"{bad * PIECE_BYTES}..{min((bad + 1) * PIECE_BYTES, data.numel() * data.element_size())} "
+            f"tensor {entry['fqn']!r} (offsets {entry['offsets']}): {entry['hash']} mismatch in bytes "
+            f"{bad * piece}..{min((bad + 1) * piece, data.numel() * data.element_size())} "
             "of its data: the stored data is not what "
             "was staged (corrupted or torn file)",
             step=step,
@@ -288,23 +290,23 @@ def verify_dcp(
 
 
 def checksum_in_thread(
-    staged: dict[str, Any], threads: int
-) -> futures.Future[tuple[dict[str, dict[str, Any]], float]]:
+    staged: dict[str, Any], threads: int, known: Checksums | None = None
+) -> futures.Future[tuple[dict[str, dict[str, Any]], float, int]]:
     """Start ``checksum_state`` in a new thread (not a daemon: exiting waits for it);
-    the future gives the table and the seconds it took. The caller keeps ``staged``
-    (its lease) until the future is done."""
-    fut: futures.Future[tuple[dict[str, dict[str, Any]], float]] = futures.Future()
+    the future gives the table, the seconds it took and the bytes it hashed (what the
+    stage did not). The caller keeps ``staged`` (its lease) until the future is done."""
+    fut: futures.Future[tuple[dict[str, dict[str, Any]], float, int]] = futures.Future()
 
     def target() -> None:
         if not fut.set_running_or_notify_cancel():
             return
         t0 = time.monotonic()
         try:
-            table = checksum_state(staged, threads=threads)
+            table, hashed = checksum_state(staged, threads=threads, known=known)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter
             fut.set_exception(exc)
         else:
-            fut.set_result((table, time.monotonic() - t0))
+            fut.set_result((table, time.monotonic() - t0, hashed))
 
     threading.Thread(target=target, name="async-stager-checksum", daemon=False).start()
     return fut

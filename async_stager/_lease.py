@@ -17,6 +17,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
+from ._digest import Checksums
 from ._errors import StagingError
 
 __all__ = ["Lease"]
@@ -62,11 +63,12 @@ class Lease(Generic[T]):
     process mapping the arena) is done.
     """
 
-    __slots__ = ("__weakref__", "_finalizer", "_state_dict", "_token")
+    __slots__ = ("__weakref__", "_checksums", "_finalizer", "_state_dict", "_token")
 
     def __init__(self, give_back: Callable[[], None]) -> None:
         self._token = _Token(give_back)
         self._state_dict: Any = None
+        self._checksums: Checksums | None = None
         self._finalizer = weakref.finalize(self, self._token.release)
 
     @property
@@ -79,10 +81,18 @@ class Lease(Generic[T]):
         result: T = self._state_dict
         return result
 
-    def bind(self, state_dict: Any) -> None:
-        """Internal: attach the staged copy this lease protects. Called once by the
-        stager, when the stage completes, before the lease is handed to the caller."""
+    def bind(self, state_dict: Any, checksums: Checksums | None = None) -> None:
+        """Internal: attach the staged copy this lease protects (and the digests its
+        stage computed). Called once by the stager, when the stage completes, before
+        the lease is handed to the caller."""
         self._state_dict = state_dict
+        self._checksums = checksums
+
+    @property
+    def checksums(self) -> Checksums | None:
+        """The digests computed while staging (``stager.lease(sd, checksums=True)``),
+        else None. They describe the bytes as staged, and stay valid after release."""
+        return self._checksums
 
     @property
     def released(self) -> bool:

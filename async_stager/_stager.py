@@ -26,6 +26,7 @@ from typing import Any, Generic, TypeVar
 
 from ._arena import Arena, Pinner
 from ._device import Backend
+from ._digest import hasher
 from ._engine import StageRecord, build_engine
 from ._errors import ClosedError
 from ._jobs import StageJob, drop, job_done, log_stage_end, logged_run
@@ -142,10 +143,12 @@ class Stager:
         """
         return self._start(sd, lease=False)
 
-    def _start(self, sd: Any, *, lease: bool) -> Coroutine[Any, Any, Any]:
+    def _start(self, sd: Any, *, lease: bool, checksums: bool = False) -> Coroutine[Any, Any, Any]:
         """Submit the stage now (the snapshot point) and return the coroutine that
         finishes it: the result (``lease=False``) or a Lease."""
-        job = self._submit(sd, lease=lease, copy=True)
+        if checksums:
+            hasher()  # a missing xxhash fails here, at the call, not in a copy thread
+        job = self._submit(sd, lease=lease, copy=True, checksums=checksums)
         coro = self._leased(job) if lease else self._result(job)
         # A coroutine never awaited (or whose task was cancelled before it started)
         # must stop the job like a cancelled one: abandon it when the coroutine dies.
@@ -159,9 +162,14 @@ class Stager:
         result, staged.result = staged.result, None
         return result
 
-    def lease(self, sd: T) -> Coroutine[Any, Any, Lease[T]]:
+    def lease(self, sd: T, *, checksums: bool = False) -> Coroutine[Any, Any, Lease[T]]:
         """Stage ``sd`` and hold its buffers: await for a ``Lease`` whose
         ``state_dict`` is the staged copy, protected until ``release()``.
+
+        ``checksums=True``: the copy threads also hash what they copy, piece by piece
+        as it lands (XXH3-64 per 8 MiB, see ``Checksums``); ``lease.checksums`` gives
+        the digest of each staged tensor copied from the CPU. Costs a second read of
+        cached bytes (docs/benchmarks.md); needs the ``xxhash`` package.
 
         For handing a result to another task, thread or process: ``lease = await
         stager.lease(sd)``, give the lease to the writer, the writer calls
@@ -170,14 +178,14 @@ class Stager:
 
         Cancellation: as for ``stage()``; a cancelled call leaves no lease behind.
         """
-        return self._start(sd, lease=True)
+        return self._start(sd, lease=True, checksums=checksums)
 
     async def _leased(self, job: StageJob) -> Any:
         staged = await self._complete(job)
         lease = staged.lease
         assert lease is not None
         result, staged.result = staged.result, None
-        lease.bind(result)
+        lease.bind(result, staged.checksums)
         return lease
 
     def snapshot(self, sd: T) -> _Snapshot[T]:
@@ -290,13 +298,20 @@ class Stager:
 
     # -- internals --------------------------------------------------------------------
 
-    def _submit(self, sd: Any, *, lease: bool, copy: bool) -> StageJob:
+    def _submit(self, sd: Any, *, lease: bool, copy: bool, checksums: bool = False) -> StageJob:
         if self._closed:
             raise ClosedError("the stager is closed")
         captures = self._engine.capture()
         job = StageJob(self._engine, self._abandoned)
         run = functools.partial(
-            logged_run, self._engine, sd, captures, lease=lease, cancel=job.cancel, copy=copy
+            logged_run,
+            self._engine,
+            sd,
+            captures,
+            lease=lease,
+            cancel=job.cancel,
+            copy=copy,
+            checksums=checksums,
         )
         # The job runs in the caller's contextvars context (a copy taken now), as
         # asyncio.to_thread does: context variables set by the caller are visible to

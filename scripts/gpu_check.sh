@@ -11,7 +11,10 @@
 #   5. a stage inside a CUDA graph capture is refused, and the capture survives
 #   then one summary table (also in summary.txt).
 #
-# Needs torch with CUDA, anyio, sniffio and pytest; pytest-asyncio, pytest-timeout,
+# Needs torch with CUDA, anyio, sniffio and pytest; xxhash (the Checkpointer's
+# checksums) is installed from wheels/ when that folder is carried (the GPU machine
+# has no index: `pip download xxhash --no-deps --only-binary=:all: --python-version
+# 3.12 --platform manylinux2014_x86_64 -d wheels`, then carry "wheels"); pytest-asyncio, pytest-timeout,
 # hypothesis, trio, uvloop and matplotlib are optional (the GPU machine may lack them):
 # pytest-asyncio is always left out (-p no:asyncio), its and pytest-timeout's ini
 # options are then unknown (ignored config warnings), without pytest-timeout the
@@ -37,6 +40,9 @@ mkdir -p "$OUT_DIR"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 failed=0
 rows=()
+if [ -d wheels ] && ! "$PY" -c "import xxhash" 2>/dev/null; then
+    "$PY" -m pip install --quiet --no-index --no-deps wheels/*.whl || echo "wheels/: install failed"
+fi
 
 note() { echo "[gpu_check $(date -u +%H:%M:%S)] $*" | tee -a "$OUT_DIR/summary.txt"; }
 has() { "$PY" -c "import $1" >/dev/null 2>&1; }

@@ -5,7 +5,8 @@ newest committed checkpoint must verify), prints ``restored STEP DIGEST``, then 
 and saves every step (``RUN`` steps) until it SIGKILLs itself at ``KILL``: ``NAME:K`` is the K-th call
 (from 1, counted after the restore) of one of the functions patched below, so kill
 points fall in each phase: staging (``lease``), writing (``write_item`` and
-``torch_save``: DCP's and torch.save's per-item writes; ``crc32``: the checksum pass),
+``torch_save``: DCP's and torch.save's per-item writes; ``digest``: a piece hashed by the
+copy threads while staging),
 and committing (``fsync``, ``rename``, ``replace``, ``rmtree``). ``none`` trains to the
 end. The training is deterministic (one thread), so ``digest(step)`` is a function of
 the step alone, computed by the parent with ``reference()``.
@@ -104,12 +105,13 @@ def arm(spec: str) -> None:
     import torch.distributed.checkpoint.filesystem as fs
 
     import async_stager
+    from async_stager import _digest
 
     targets = {
         "lease": (async_stager.Stager, "lease"),
         "write_item": (fs, "_write_item"),
         "torch_save": (torch, "save"),
-        "crc32": (zlib, "crc32"),
+        "digest": (_digest, "hash_memory"),
         "fsync": (os, "fsync"),
         "rename": (os, "rename"),
         "replace": (os, "replace"),

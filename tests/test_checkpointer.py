@@ -3,7 +3,6 @@ stats, retention and ``latest``, the commit protocol's leftovers, integrity, Shu
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import signal
@@ -242,7 +241,7 @@ async def test_leftovers_of_a_crash_are_never_restored(tmp_path: Path) -> None:
         w = torch.zeros(3)
         assert await ckpt.restore({"w": w}) == 1 and w.tolist() == [1.0, 1.0, 1.0]
     manifest = json.loads((tmp_path / "step-00000001" / "checksums.json").read_text())
-    assert manifest["hash"] == "crc32" and "w@0" in manifest["tensors"]
+    assert manifest["hash"] == "xxh3_64" and "w@0" in manifest["tensors"]
 
 
 @pytest.mark.anyio
@@ -259,20 +258,6 @@ async def test_shutdown_final_checkpoint_on_sigterm(tmp_path: Path) -> None:
         assert stop.signal == signal.SIGTERM
         assert await stop.final_checkpoint(ckpt, {"app": App(m, opt)}, step=step, deadline=20) == 0
         assert ckpt.steps() == [step]
-
-
-def test_crc_detects_any_single_byte_change() -> None:
-    from async_stager._integrity import tensor_crcs
-
-    t = torch.randn(1000)
-    base = tensor_crcs(t)
-    raw = io.BytesIO()
-    for i in range(0, 4000, 397):
-        u = t.clone()
-        u.view(torch.uint8)[i] ^= 0x80
-        assert tensor_crcs(u) != base
-        raw.write(b"x")
-    assert tensor_crcs(t[::2]) == tensor_crcs(t[::2].contiguous())
 
 
 @pytest.mark.anyio

@@ -25,13 +25,22 @@ SHORT = ["lease:3", "write_item:7", "fsync:9", "rename:2"]
 LONG = [
     *("lease:2", "lease:5"),
     *(f"write_item:{k}" for k in (1, 4, 9, 15)),
-    *(f"crc32:{k}" for k in (1, 6, 11)),
+    *(f"digest:{k}" for k in (1, 6, 11)),
     *(f"fsync:{k}" for k in (1, 3, 5, 8, 12, 17)),
     *(f"rename:{k}" for k in (1, 2, 3, 4, 6)),
     *(f"replace:{k}" for k in (1, 2)),
     *(f"rmtree:{k}" for k in (1, 2, 3)),
 ]
-TORCH_LONG = ["lease:3", "torch_save:2", "crc32:3", "fsync:2", "fsync:4", "rename:1", "rename:3", "replace:1"]
+TORCH_LONG = [
+    "lease:3",
+    "torch_save:2",
+    "digest:3",
+    "fsync:2",
+    "fsync:4",
+    "rename:1",
+    "rename:3",
+    "replace:1",
+]
 
 
 def run_child(directory: Path, fmt: str, spec: str) -> tuple[int, str]:

@@ -255,8 +255,10 @@ def test_helpers_take_the_creating_threads_priority() -> None:
 
 
 @needs_helpers
-@pytest.mark.parametrize("copy_threads, pooled", [(2, True), (1, False)])
-def test_engine_copies_big_cpu_programs_in_pieces(copy_threads: int, pooled: bool) -> None:
+@pytest.mark.parametrize("copy_threads", [2, 1])
+def test_engine_copies_big_cpu_programs_in_pieces(copy_threads: int) -> None:
+    """Big programs go in pieces whatever the thread count (one thread drains them
+    alone, so checksums can hash each piece as it lands)."""
     _wait_no_copy_threads()
     n = MIN_POOL_BYTES // 4 // 2  # float32 + bfloat16 + float32: over the threshold
     sd: dict[str, Any] = {
@@ -270,7 +272,7 @@ def test_engine_copies_big_cpu_programs_in_pieces(copy_threads: int, pooled: boo
         staged = stage_sync(eng, sd)
         assert_same(staged.result, sd)
         (prog,) = eng.sets.recent.plans[next(iter(eng.sets.recent.plans))].programs  # type: ignore[union-attr]
-        assert isinstance(prog.direct_layout, Schedule) == pooled
+        assert isinstance(prog.direct_layout, Schedule)
         del staged, prog  # a reachable result is never overwritten: drop it
         # Cached stage with new values: the fast path, through the same pieces.
         for t in (sd["a"], sd["b"]["c"], sd["b"]["d"]):
@@ -278,7 +280,7 @@ def test_engine_copies_big_cpu_programs_in_pieces(copy_threads: int, pooled: boo
         staged = stage_sync(eng, sd)
         assert staged.fast_path
         assert_same(staged.result, sd)
-        assert len(_copy_threads()) == (copy_threads - 1 if pooled else 0)
+        assert len(_copy_threads()) == copy_threads - 1
     finally:
         eng.close()
     assert not _copy_threads(), "closing the engine stops its copy helpers"
