@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
 from ._copiers import CpuCopier, CudaEvent
+from ._digest import chunk_key, tensor_digest
 from ._errors import BudgetTooSmallError, StagingError, UnsupportedError
 from ._ring import Ring, padded
 from ._waiting import wait_future
@@ -109,9 +110,19 @@ class Pipeline:
     """
 
     def __init__(
-        self, budget: int, *, captures: dict[int, CudaEvent], t0: float, copy_threads: int | None = None
+        self,
+        budget: int,
+        *,
+        captures: dict[int, CudaEvent],
+        t0: float,
+        copy_threads: int | None = None,
+        digests: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         self.budget = budget
+        #: With checksums: each tensor chunk's manifest entry, hashed from its piece as
+        #: it lands (the copier thread; the writer thread for a device's piece, once
+        #: its copy is done), before the writer writes it.
+        self.digests = digests
         self.copy_threads = copy_threads
         self.captures = captures
         self.t0 = t0
@@ -179,9 +190,22 @@ class Pipeline:
         dst, done = got
         if done is not None:
             done.synchronize()
+            self._hash(item, dst)
         self._writer_wait += time.perf_counter() - t0
         self._next = pos + 1
         return dst
+
+    def _hash(self, item: WriteItem, piece: torch.Tensor) -> None:
+        if self.digests is None:
+            return
+        offsets = [int(o) for o in item.index.offset] if item.index.offset is not None else [0] * piece.dim()
+        self.digests[chunk_key(item.index.fqn, offsets)] = {
+            "fqn": item.index.fqn,
+            "offsets": offsets,
+            "shape": list(piece.shape),
+            "dtype": str(piece.dtype).removeprefix("torch."),
+            "digest": tensor_digest(piece),
+        }
 
     def finish(self) -> None:
         """The writer is done (or failed): stop the copier, wait for it, free the ring."""
@@ -221,6 +245,7 @@ class Pipeline:
                                 cap.synchronize()
                             waited_host = True
                         cpu.copy([dst], [src])
+                        self._hash(item, dst)
                     del src
                     self._tensor_bytes += nbytes
                     with self._cond:

@@ -73,8 +73,11 @@ def budgeted_save(
     process_group: Any,
     no_dist: bool,
     on_stats: Callable[[BudgetStats], None] | None,
+    digests: dict[str, dict[str, Any]] | None = None,
 ) -> Coroutine[Any, Any, Metadata]:
-    """Checks and the snapshot point at the call; the save in the coroutine."""
+    """Checks and the snapshot point at the call; the save in the coroutine.
+    ``digests`` (the Checkpointer's): filled with each written chunk's manifest entry
+    (``_integrity``), hashed from its ring piece as it lands, before it is written."""
     t0 = time.perf_counter()
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < ALIGN:
         raise InvalidOptionError(
@@ -99,7 +102,9 @@ def budgeted_save(
         )
     # The snapshot point: the caller's current stream of every device with a context.
     captures = {d: CudaEvent(torch.cuda.current_stream(d)) for d in cuda_context_devices()}
-    pipeline = Pipeline(budget, captures=captures, t0=t0, copy_threads=stager.options.copy_threads)
+    pipeline = Pipeline(
+        budget, captures=captures, t0=t0, copy_threads=stager.options.copy_threads, digests=digests
+    )
     remove = stager.add_fence(pipeline.fence)
     coro = _run(
         pipeline,

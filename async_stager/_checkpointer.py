@@ -16,9 +16,9 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -39,6 +39,8 @@ from ._statefuls import TORCH_FILE, assign, is_stateful, resolve, staged_bytes, 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+    from ._budget import BudgetStats
+
 __all__ = ["Checkpointer", "CheckpointerOptions", "SaveStats"]
 
 _log = logging.getLogger("async_stager.checkpoint")
@@ -47,9 +49,20 @@ _log = logging.getLogger("async_stager.checkpoint")
 @dataclass
 class _Staged:
     step: int
-    lease: Lease[dict[str, Any]]
+    #: The staged copy; None for a budgeted save, which stages as it writes.
+    lease: Lease[dict[str, Any]] | None
     queued: float
     staged: float
+    #: A budgeted save: the ``dcp.save`` pipeline (its snapshot point taken at ``save``),
+    #: the manifest entries it fills, and its BudgetStats once done.
+    pipeline: Coroutine[Any, Any, Any] | None = None
+    digests: dict[str, dict[str, Any]] = field(default_factory=dict)
+    budget: list[BudgetStats] = field(default_factory=list)
+
+    def drop(self) -> None:
+        """Superseded before its write: its staged copy goes (coalesce)."""
+        if self.lease is not None:
+            self.lease.release()
 
 
 class Checkpointer:
@@ -76,6 +89,14 @@ class Checkpointer:
     checkpoint's collectives (default: the default group if gloo, else a new gloo
     group; constructing it is a collective). ``on_saved``: called on the event loop
     with each commit's SaveStats.
+
+    ``host_budget_bytes=N`` (DCP format, policy ``"wait"`` or ``"skip"``): each save
+    stages and writes in a pipeline holding at most ``N`` bytes of host memory for its
+    tensors (``async_stager.dcp.save(..., host_budget_bytes=N)``) instead of a full
+    staged copy; ``save`` then returns once the last piece is copied (the sources may
+    change after that), so it blocks as long as the budget forces, and the write goes
+    on in the background. Checksums are taken from each piece as it lands. At most
+    ``max_in_flight`` such writes at once, so ``max_in_flight * N`` bytes.
     """
 
     def __init__(
@@ -88,6 +109,7 @@ class Checkpointer:
         policy: Policy = "wait",
         checksum: bool = True,
         checksum_threads: int | None = None,
+        host_budget_bytes: int | None = None,
         stager: Stager | None = None,
         process_group: ProcessGroup | None = None,
         on_saved: Callable[[SaveStats], None] | None = None,
@@ -96,7 +118,7 @@ class Checkpointer:
 
         threads = checksum_threads if checksum_threads is not None else max(1, (os.cpu_count() or 2) - 1)
         self.options = CheckpointerOptions(
-            Path(directory), keep, format, max_in_flight, policy, checksum, threads
+            Path(directory), keep, format, max_in_flight, policy, checksum, threads, host_budget_bytes
         )
         self._ranks = Ranks.resolve(process_group)
         if self._ranks.distributed and policy != "wait":
@@ -201,9 +223,12 @@ class Checkpointer:
             while self._writing >= limit:
                 await self._changed.wait()
         sd = resolve(state)
+        if self.options.host_budget_bytes is not None:
+            await self._save_budgeted(tg, sd, step, t0)
+            return True
         if self.options.policy == "coalesce" and self._writing >= limit and self._pending is not None:
             old, self._pending = self._pending, None
-            old.lease.release()  # its buffer set is free for this stage
+            old.drop()  # its buffer set is free for this stage
             self.dropped.append(old.step)
         t1 = time.monotonic()
         lease = await self.stager.lease(sd, checksums=self.options.checksum)
@@ -211,13 +236,38 @@ class Checkpointer:
         item = _Staged(step, lease, t1 - t0, time.monotonic() - t1)
         if self._writing >= limit:  # coalesce: queue behind the writes in flight
             if self._pending is not None:
-                self._pending.lease.release()
+                self._pending.drop()
                 self.dropped.append(self._pending.step)
             self._pending = item
         else:
             self._writing += 1
             tg.start_soon(self._write_task, item)
         return True
+
+    async def _save_budgeted(self, tg: anyio.abc.TaskGroup, sd: dict[str, Any], step: int, t0: float) -> None:
+        """Start a budgeted save's write now (its snapshot point) and wait until it has
+        copied its last piece. Cancellation: only that wait; the write goes on."""
+        from ._budget_save import budgeted_save
+
+        ranks = self._ranks
+        t1 = time.monotonic()
+        item = _Staged(step, None, t1 - t0, 0.0)
+        item.pipeline = budgeted_save(
+            sd,
+            stager=self.stager,
+            budget=self.options.host_budget_bytes or 0,
+            checkpoint_id=str(_commit.tmp_dir(self.options.directory, step)),
+            storage_writer=None,
+            planner=None,
+            process_group=ranks.group,
+            no_dist=not ranks.distributed,
+            on_stats=item.budget.append,
+            digests=item.digests if self.options.checksum else None,
+        )
+        self._writing += 1
+        tg.start_soon(self._write_task, item)
+        await self.stager.fence()
+        item.staged = time.monotonic() - t1
 
     async def fence(self) -> None:
         """Wait until every save so far has read its sources (``Stager.fence``): after
@@ -282,6 +332,33 @@ class Checkpointer:
         if self._on_saved is not None:
             self._on_saved(stats)
 
+    async def _fresh_tmp(self, tmp: Path) -> None:
+        """An empty temporary folder for this step on the coordinator, then a barrier."""
+        if self._ranks.coordinator:
+
+            def fresh() -> None:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+
+            await anyio.to_thread.run_sync(fresh)
+        await anyio.to_thread.run_sync(self._ranks.barrier)
+
+    async def _write_budgeted(self, item: _Staged) -> tuple[dict[str, dict[str, Any]], float, int]:
+        """Run a budgeted save's pipeline into its temporary folder: the manifest
+        entries, the seconds and the tensor bytes it wrote."""
+        pipeline, item.pipeline = item.pipeline, None
+        assert pipeline is not None
+        tmp = _commit.tmp_dir(self.options.directory, item.step)
+        try:
+            await self._fresh_tmp(tmp)
+        except BaseException:
+            pipeline.close()  # never run: its fence hook and ring go now
+            raise
+        t0 = time.monotonic()
+        await pipeline
+        stats = item.budget[0] if item.budget else None
+        return item.digests, time.monotonic() - t0, stats.tensor_bytes if stats is not None else 0
+
     async def _write(self, item: _Staged) -> SaveStats:
         opts, ranks = self.options, self._ranks
         root = opts.directory
@@ -289,22 +366,28 @@ class Checkpointer:
         # Several ranks: one write at a time, so every rank runs the collectives in the
         # same order. One process: writes may overlap; commits are serialized below.
         serial = self._write_lock if ranks.distributed else contextlib.nullcontext()
-        async with serial, item.lease as staged:
+        if item.lease is None:
+            async with serial:
+                t0 = time.monotonic()
+                manifest, _, nbytes = await self._write_budgeted(item)
+            checksum_seconds = 0.0
+        else:
+            manifest, checksum_seconds, nbytes, t0 = await self._write_staged(item, item.lease, serial, tmp)
+        return await self._commit_write(item, manifest, checksum_seconds, nbytes, t0)
+
+    async def _write_staged(
+        self, item: _Staged, lease: Lease[dict[str, Any]], serial: Any, tmp: Path
+    ) -> tuple[dict[str, dict[str, Any]], float, int, float]:
+        opts = self.options
+        async with serial, lease as staged:
             t0 = time.monotonic()
-            if ranks.coordinator:
-
-                def fresh() -> None:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    tmp.mkdir()
-
-                await anyio.to_thread.run_sync(fresh)
-            await anyio.to_thread.run_sync(ranks.barrier)
+            await self._fresh_tmp(tmp)
             # The copy threads hashed what they copied; what they could not (chunks
             # copied from a device, partial views) is hashed from the staged copy in
             # threads of its own while DCP (or torch.save) writes it; both finish
             # before the lease is released.
             hashing = (
-                _integrity.checksum_in_thread(staged, opts.checksum_threads, item.lease.checksums)
+                _integrity.checksum_in_thread(staged, opts.checksum_threads, lease.checksums)
                 if opts.checksum
                 else None
             )
@@ -315,8 +398,8 @@ class Checkpointer:
                     await save_staged(
                         staged,
                         checkpoint_id=str(tmp),
-                        process_group=ranks.group,
-                        no_dist=not ranks.distributed,
+                        process_group=self._ranks.group,
+                        no_dist=not self._ranks.distributed,
                     )
                 else:
                     await anyio.to_thread.run_sync(torch_write, staged, tmp / TORCH_FILE)
@@ -327,6 +410,17 @@ class Checkpointer:
             manifest, checksum_seconds, _ = hashing.result() if hashing is not None else ({}, 0.0, 0)
             nbytes = await anyio.to_thread.run_sync(staged_bytes, staged)
         # The lease is released: the staged buffers are free for the next stage.
+        return manifest, checksum_seconds, nbytes, t0
+
+    async def _commit_write(
+        self,
+        item: _Staged,
+        manifest: dict[str, dict[str, Any]],
+        checksum_seconds: float,
+        nbytes: int,
+        t0: float,
+    ) -> SaveStats:
+        ranks, root = self._ranks, self.options.directory
         t1 = time.monotonic()
         manifests = await anyio.to_thread.run_sync(ranks.gather, manifest)
         error: str | None = None
@@ -345,10 +439,11 @@ class Checkpointer:
             path=str(_commit.step_dir(root, item.step)),
             bytes=nbytes,
             queued_seconds=item.queued,
-            stage_seconds=item.staged,
+            stage_seconds=item.budget[0].fence_seconds if item.budget else item.staged,
             write_seconds=t1 - t0,
             checksum_seconds=checksum_seconds,
             commit_seconds=t2 - t1,
+            budget=item.budget[0] if item.budget else None,
         )
 
     def _commit(self, step: int, manifests: list[dict[str, dict[str, Any]]]) -> None:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from ._errors import InvalidOptionError
+
+if TYPE_CHECKING:
+    from ._budget import BudgetStats
 
 __all__ = ["CheckpointerOptions", "Format", "Policy", "SaveStats"]
 
@@ -25,6 +28,7 @@ class CheckpointerOptions:
     policy: Policy = "wait"
     checksum: bool = True
     checksum_threads: int = 1
+    host_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.keep, int) or isinstance(self.keep, bool) or self.keep < 1:
@@ -37,6 +41,21 @@ class CheckpointerOptions:
             raise InvalidOptionError(f"policy must be 'wait', 'skip' or 'coalesce', got {self.policy!r}")
         if not isinstance(self.checksum_threads, int) or self.checksum_threads < 1:
             raise InvalidOptionError(f"checksum_threads must be an int >= 1, got {self.checksum_threads!r}")
+        budget = self.host_budget_bytes
+        if budget is not None:
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 4096:
+                raise InvalidOptionError(
+                    f"host_budget_bytes must be None or an int >= 4096 (bytes), got {budget!r}"
+                )
+            if self.format != "dcp":
+                raise InvalidOptionError(
+                    "host_budget_bytes needs format='dcp' (a torch.save file is written whole)"
+                )
+            if self.policy == "coalesce":
+                raise InvalidOptionError(
+                    "host_budget_bytes cannot coalesce: a queued save would need a full staged copy; "
+                    "use policy 'wait' or 'skip'"
+                )
 
 
 @dataclass(frozen=True)
@@ -51,7 +70,10 @@ class SaveStats:
     threads; about zero when every chunk was hashed by the copy threads, whose time is
     in ``stage_seconds``);
     ``commit_seconds``: checksums file, fsyncs, rename, ``latest`` and retention.
-    ``bytes``: this rank's staged tensor bytes."""
+    ``bytes``: this rank's staged tensor bytes. ``budget``: with ``host_budget_bytes``,
+    the save's ``dcp.BudgetStats`` (peak ring bytes, blocked seconds); there
+    ``stage_seconds`` is the time until the last piece was copied (the fence), and
+    ``write_seconds`` the whole pipeline, copies included."""
 
     step: int
     path: str
@@ -61,6 +83,7 @@ class SaveStats:
     write_seconds: float
     checksum_seconds: float
     commit_seconds: float
+    budget: BudgetStats | None = None
 
     @property
     def bytes_per_second(self) -> float:

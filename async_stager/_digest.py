@@ -19,14 +19,23 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
 from ._errors import UnsupportedError
 
-__all__ = ["ALGORITHM", "PIECE_BYTES", "Checksums", "HashTask", "hash_memory", "hasher", "tensor_digest"]
+__all__ = [
+    "ALGORITHM",
+    "PIECE_BYTES",
+    "Checksums",
+    "HashTask",
+    "chunk_key",
+    "hash_memory",
+    "hasher",
+    "tensor_digest",
+]
 
 #: The hash of each piece, as named in checkpoint manifests.
 ALGORITHM = "xxh3_64"
@@ -52,6 +61,12 @@ def hasher() -> Any:
                 ) from exc
             _module = xxhash
     return _module
+
+
+def chunk_key(fqn: str, offsets: Sequence[int]) -> str:
+    """A checkpoint manifest's key of one tensor chunk: DCP's flattened name and the
+    chunk's offsets in the global tensor (``model.w@0,0``)."""
+    return f"{fqn}@{','.join(str(o) for o in offsets)}"
 
 
 def _view(ptr: int, nbytes: int) -> memoryview:

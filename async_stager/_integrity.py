@@ -24,7 +24,7 @@ import threading
 import time
 import warnings
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ._digest import ALGORITHM, PIECE_BYTES, Checksums, tensor_digest
+from ._digest import chunk_key as key
 from ._errors import IntegrityError
 
 __all__ = [
@@ -82,10 +83,6 @@ def _chunk(value: Any) -> tuple[torch.Tensor, list[int]] | None:
     if isinstance(value, torch.Tensor):
         return value, [0] * value.dim()
     return None
-
-
-def key(fqn: str, offsets: Sequence[int]) -> str:
-    return f"{fqn}@{','.join(str(o) for o in offsets)}"
 
 
 def flatten(state: dict[str, Any]) -> dict[str, Any]:
