@@ -2,9 +2,11 @@
 training loop with and without checkpoints (docs/benchmarks.md, "Checkpointer").
 
 1. Checksum cost, ``transformer`` workload (async_stager/_cli/workloads.py, scale 1):
-   median of ``--repeats`` warm stages (``Stager.stage``), of the CRC-32 pass over the
-   staged copy (``checksum_state``, with 1 thread and with the Checkpointer's default
-   thread count), and for reference of a torch int64 sum over the same bytes.
+   median of ``--repeats`` warm leases without and with ``checksums=True`` (XXH3-64
+   in the copy threads), interleaved, for the default ``Stager()`` and
+   ``copy_threads=2``; for reference, a second pass over the staged copy after
+   staging: XXH3 (``checksum_state``), CRC-32 (the first manifest format) and a torch
+   int64 sum.
 2. End to end: ``--steps`` training steps of an MLP with AdamW on the CPU, a DCP
    checkpoint every ``--every`` steps, five ways: none; ``Checkpointer`` (``await
    save``); ``Checkpointer`` with the save as a task (staging overlaps the next
@@ -37,7 +39,7 @@ from torch import nn
 
 from async_stager import Checkpointer, SaveStats, Stager
 from async_stager._cli.workloads import build_transformer, count_tensors
-from async_stager._integrity import checksum_state
+from async_stager._integrity import checksum_state, tensor_crcs
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -47,6 +49,10 @@ SAVES: list[SaveStats] = []
 
 def _sums(words: list[torch.Tensor]) -> list[torch.Tensor]:
     return [w.sum() for w in words]
+
+
+def _crcs(tensors: list[torch.Tensor]) -> list[list[int]]:
+    return [tensor_crcs(t) for t in tensors]
 
 
 def median_time(fn: Callable[[], Any], repeats: int) -> float:
@@ -61,35 +67,45 @@ def median_time(fn: Callable[[], Any], repeats: int) -> float:
 async def checksum_cost(repeats: int) -> None:
     sd = build_transformer(1.0, torch.device("cpu"))
     tensors, nbytes = count_tensors(sd)
-    async with Stager() as stager:
-        staged = await stager.stage(sd)
-        del staged
-        stage_times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            staged = await stager.stage(sd)
-            stage_times.append(time.perf_counter() - t0)
-            del staged
-        stage = statistics.median(stage_times)
-        held = await stager.stage(sd)
-        default_threads = max(1, (os.cpu_count() or 2) - 1)
-        crc1 = median_time(functools.partial(checksum_state, held, threads=1), repeats)
-        crcn = median_time(functools.partial(checksum_state, held, threads=default_threads), repeats)
-        flat = [t for t in held["model"].values()] + [
-            v for st in held["optim"]["state"].values() for v in st.values() if isinstance(v, torch.Tensor)
-        ]
-        words = [
-            t.reshape(-1).view(torch.uint8)[: t.numel() * t.element_size() // 8 * 8].view(torch.int64)
-            for t in flat
-        ]
-        summed = median_time(functools.partial(_sums, words), repeats)
-        del held, words, flat
     print(f"transformer workload: {tensors} tensors, {nbytes / 2**20:.0f} MiB, {os.cpu_count()} cores")
-    print(f"  stage (warm, median of {repeats}): {stage * 1e3:.1f} ms, {nbytes / stage / 1e9:.2f} GB/s")
+    for threads in (None, 2):
+        async with Stager(copy_threads=threads) as stager:
+            times: dict[bool, list[float]] = {False: [], True: []}
+            for _ in range(2):  # plans, arenas and pages first
+                for hashed in (False, True):
+                    (await stager.lease(sd, checksums=hashed)).release()
+            for _ in range(repeats):  # interleaved, so both see the same machine
+                for hashed in (False, True):
+                    t0 = time.perf_counter()
+                    lease = await stager.lease(sd, checksums=hashed)
+                    times[hashed].append(time.perf_counter() - t0)
+                    lease.release()
+                    del lease
+            plain, fused = statistics.median(times[False]), statistics.median(times[True])
+            label = f"Stager(copy_threads={threads})"
+            print(
+                f"  {label}: stage {plain * 1e3:.1f} ms, with checksums (XXH3 in the copy threads) "
+                f"{fused * 1e3:.1f} ms: +{100 * (fused / plain - 1):.0f}% of staging"
+            )
+            if threads is None:
+                stage = plain
+                held = await stager.stage(sd)
+    # For reference: a second pass over the staged copy, after staging.
+    xxh = median_time(functools.partial(checksum_state, held, threads=1), repeats)
+    flat = [t for t in held["model"].values()] + [
+        v for st in held["optim"]["state"].values() for v in st.values() if isinstance(v, torch.Tensor)
+    ]
+    crc = median_time(functools.partial(_crcs, flat), repeats)
+    words = [
+        t.reshape(-1).view(torch.uint8)[: t.numel() * t.element_size() // 8 * 8].view(torch.int64)
+        for t in flat
+    ]
+    summed = median_time(functools.partial(_sums, words), repeats)
+    del held, words, flat
     for label, t in (
-        ("crc32, 1 thread", crc1),
-        (f"crc32, {default_threads} threads (default)", crcn),
-        ("int64 sum (reference)", summed),
+        ("xxh3 pass over the staged copy, 1 thread", xxh),
+        ("crc32 pass over the staged copy, 1 thread (the first format)", crc),
+        ("int64 sum over the staged copy (reference)", summed),
     ):
         print(f"  {label}: {t * 1e3:.1f} ms, {nbytes / t / 1e9:.2f} GB/s, {100 * t / stage:.0f}% of staging")
 
