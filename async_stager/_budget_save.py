@@ -21,6 +21,7 @@ from ._budget import BudgetStats, Pipeline, PipelinePlanner, PipelineWriter
 from ._copiers import CudaEvent
 from ._device import caller_cuda_device, cuda_context_devices
 from ._errors import BudgetTooSmallError, ClosedError, InvalidOptionError, UnsupportedError
+from ._options import AUTO, loop_friendly_threads
 from ._ring import ALIGN, padded
 from ._waiting import wait_future, wait_future_uninterrupted
 
@@ -102,8 +103,14 @@ def budgeted_save(
         )
     # The snapshot point: the caller's current stream of every device with a context.
     captures = {d: CudaEvent(torch.cuda.current_stream(d)) for d in cuda_context_devices()}
+    threads = stager.options.copy_threads
     pipeline = Pipeline(
-        budget, captures=captures, t0=t0, copy_threads=stager.options.copy_threads, digests=digests
+        budget,
+        captures=captures,
+        t0=t0,
+        # One core is left to the writer, as by default for the loop.
+        copy_threads=loop_friendly_threads() if threads == AUTO or isinstance(threads, str) else threads,
+        digests=digests,
     )
     remove = stager.add_fence(pipeline.fence)
     coro = _run(

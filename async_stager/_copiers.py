@@ -23,6 +23,7 @@ from ._device import Backend, Completion, Copier, capturing, cuda_context_device
 from ._digest import Checksums
 from ._hostcopy import MIN_POOL_BYTES, CopyPool, Schedule, hashed_pieces, schedule
 from ._openmp import omp_threads
+from ._options import AUTO, auto_copy_threads, loop_friendly_threads
 
 __all__ = ["CpuCopier", "CudaCopier", "CudaEvent", "RealBackend", "ScratchCopier"]
 
@@ -65,17 +66,29 @@ class CpuCopier(Copier):
     the bandwidth of both choices. A program of at least ``MIN_POOL_BYTES`` is copied by
     the calling thread and ``threads - 1`` helpers claiming pieces (``_hostcopy``),
     which also hash them when the stage takes checksums; smaller ones by
-    ``_foreach_copy_`` with that many torch threads.
+    ``_foreach_copy_`` with that many torch threads. ``threads="auto"`` (the
+    ``Stager`` default): the pool has a helper per other core, and each program
+    decides how many join (``auto_copy_threads``); small programs copy with all cores
+    but one.
 
     ``begin`` waits (blocking, in the worker) for the accelerator captures it is given:
     a CPU leaf may be a pinned tensor that a ``non_blocking`` device-to-host copy
     queued on the caller's stream before the call is still filling.
     """
 
-    def __init__(self, device: torch.device, *, threads: int | None = None) -> None:
+    def __init__(self, device: torch.device, *, threads: int | str | None = None) -> None:
         super().__init__(device)
-        self.threads = threads
-        n = threads if threads is not None else torch.get_num_threads()
+        #: ``"auto"``: threads decided per program (``auto_copy_threads``).
+        self.auto = threads == AUTO
+        resolved = loop_friendly_threads() if self.auto else threads
+        assert resolved is None or isinstance(resolved, int)
+        #: Threads for copies outside the pool (small programs, ``copy``).
+        self.threads: int | None = resolved
+        n = (
+            auto_copy_threads(1, 1)
+            if self.auto
+            else (resolved if resolved is not None else torch.get_num_threads())
+        )
         # One thread copying still goes through the pool (no helpers: it drains on the
         # worker), so checksums are hashed piece by piece as they land.
         self._pool = CopyPool(max(0, n - 1))
@@ -107,10 +120,14 @@ class CpuCopier(Copier):
         layout: Any,
         tick: Callable[[], None],
         checksums: Checksums | None = None,
+        first: bool = False,
     ) -> None:
         assert isinstance(layout, Schedule)
         work, tasks = hashed_pieces(layout, dsts, srcs, checksums)
-        self._pool.run(work, tick, tasks)
+        helpers = None
+        if self.auto:
+            helpers = auto_copy_threads(layout.cut_bytes, layout.nbytes, first=first) - 1
+        self._pool.run(work, tick, tasks, helpers)
 
     def close(self) -> None:
         self._pool.close()
@@ -360,7 +377,7 @@ class CudaCopier(ScratchCopier):
 class RealBackend(Backend):
     """CPU copies in the worker; CUDA copies on a dedicated stream per device."""
 
-    def __init__(self, *, non_blocking: bool = False, copy_threads: int | None = None) -> None:
+    def __init__(self, *, non_blocking: bool = False, copy_threads: int | str | None = None) -> None:
         self.non_blocking = non_blocking
         self.copy_threads = copy_threads
 

@@ -208,11 +208,14 @@ class Copier(ABC):
         layout: Any,
         tick: Callable[[], None],
         checksums: Checksums | None = None,
+        first: bool = False,
     ) -> None:
         """Like ``copy`` for all of ``dsts`` at once, with ``prepare``'s layout;
         ``tick`` may be called between parts (it raises to cancel). ``checksums``: a
         copier whose copies have landed when this returns (``end()`` gives None) may
-        hash destinations into it as they land; the engine hashes the rest."""
+        hash destinations into it as they land; the engine hashes the rest.
+        ``first``: the destinations were just mapped (their pages fault as they are
+        written), which more threads absorb faster."""
         raise NotImplementedError
 
     def protect(self, srcs: Sequence[torch.Tensor]) -> None:

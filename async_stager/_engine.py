@@ -280,7 +280,15 @@ class Engine:
                 try:
                     with no_torch_function():
                         completions, devices = enqueue(
-                            self._copier, plan, leaves, captures, tick, self.latest, track, digests
+                            self._copier,
+                            plan,
+                            leaves,
+                            captures,
+                            tick,
+                            self.latest,
+                            track,
+                            digests,
+                            first=misses > 0,
                         )
                 except RuntimeError as e:
                     if fast:

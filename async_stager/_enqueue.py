@@ -64,6 +64,7 @@ def enqueue(
     latest: dict[torch.device, Completion],
     track: Track,
     checksums: Checksums | None = None,
+    first: bool = False,
 ) -> tuple[list[Completion], list[torch.device]]:
     """Enqueue every program's copies; returns the completions and, pairwise, the
     device each belongs to (CPU programs finish inside and have none). ``latest``
@@ -82,7 +83,8 @@ def enqueue(
     ``checksums``: the digests of every destination of a program whose copies have
     landed when it ends (the CPU's): hashed by the copy threads as pieces land, the
     rest by this thread after the program. A device program's (in flight) are not
-    hashed here."""
+    hashed here. ``first``: the plan's memory was mapped by this stage (see
+    ``Copier.copy_planned``)."""
     completions: list[Completion] = []
     devices: list[torch.device] = []
     programs = sorted(plan.programs, key=lambda p: p.device.type == "cpu")
@@ -109,7 +111,9 @@ def enqueue(
                         srcs = list(operator.itemgetter(*prog.direct_reps)(leaves))
                     srcs_all.extend(srcs)
                     if prog.direct_layout is not None:
-                        copier.copy_planned(prog.direct_dsts, srcs, prog.direct_layout, tick, checksums)
+                        copier.copy_planned(
+                            prog.direct_dsts, srcs, prog.direct_layout, tick, checksums, first
+                        )
                     else:
                         copy_chunked(copier, prog.direct_dsts, srcs, tick)
                 copier.protect(srcs_all)

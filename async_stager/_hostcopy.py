@@ -93,6 +93,8 @@ class Schedule:
     nbytes: int
     #: Bytes per cut piece.
     piece: int = PIECE_BYTES
+    #: Bytes of the destinations cut into pieces (big tensors).
+    cut_bytes: int = 0
 
 
 def schedule(dsts: Sequence[torch.Tensor], piece: int = PIECE_BYTES) -> Schedule:
@@ -101,6 +103,7 @@ def schedule(dsts: Sequence[torch.Tensor], piece: int = PIECE_BYTES) -> Schedule
     lo = 0
     acc = 0
     total = 0
+    cut = 0
     for i, d in enumerate(dsts):
         n = d.numel() * d.element_size()
         total += n
@@ -108,6 +111,7 @@ def schedule(dsts: Sequence[torch.Tensor], piece: int = PIECE_BYTES) -> Schedule
             if lo < i:
                 items.append((lo, i, 0))
             items.append((i, i + 1, -(-n // piece)))
+            cut += n
             lo, acc = i + 1, 0
             continue
         acc += n
@@ -116,7 +120,7 @@ def schedule(dsts: Sequence[torch.Tensor], piece: int = PIECE_BYTES) -> Schedule
             lo, acc = i + 1, 0
     if lo < len(dsts):
         items.append((lo, len(dsts), 0))
-    return Schedule(tuple(items), total, piece)
+    return Schedule(tuple(items), total, piece, cut)
 
 
 Work = list[tuple[list[torch.Tensor], list[torch.Tensor]]]
@@ -464,15 +468,23 @@ class CopyPool:
             self._inboxes.append(q)
             self._threads.append(t)
 
-    def run(self, work: Work, tick: Callable[[], None] | None = None, tasks: Tasks | None = None) -> None:
+    def run(
+        self,
+        work: Work,
+        tick: Callable[[], None] | None = None,
+        tasks: Tasks | None = None,
+        helpers: int | None = None,
+    ) -> None:
         """Copy every piece of ``work`` (and hash what ``tasks`` says, see
         ``hashed_pieces``); returns, or raises the first copy error (or what ``tick``,
         called by this thread between its pieces, raised), only once no piece is being
-        copied any more. Blocks the calling thread."""
+        copied any more. ``helpers``: at most this many of the pool's helpers join
+        (None: all). Blocks the calling thread."""
         if not work:
             return
         with self._lock:
-            helpers = 0 if self._closed else min(self.helpers, len(work) - 1)
+            limit = self.helpers if helpers is None else min(self.helpers, helpers)
+            helpers = 0 if self._closed else min(limit, len(work) - 1)
             if helpers > 0:
                 self._start()
             job = CopyJob(work, helpers, tasks)

@@ -27,7 +27,7 @@ import operator
 import os
 import reprlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -38,9 +38,11 @@ if TYPE_CHECKING:
     from ._device import Backend
 
 __all__ = [
+    "AUTO",
     "InvalidOptionError",
     "InvalidOptionTypeError",
     "StagerOptions",
+    "auto_copy_threads",
     "cuda_available",
     "resolve_options",
 ]
@@ -142,6 +144,26 @@ def loop_friendly_threads() -> int:
     return max(1, min(torch.get_num_threads(), usable_cores() - 1))
 
 
+#: ``copy_threads="auto"``: decided per copy program (``auto_copy_threads``).
+AUTO = "auto"
+#: Under ``"auto"``, a program copies with every core when at least this share of its
+#: bytes is in tensors big enough to be cut into pieces (copied without the GIL at
+#: memory bandwidth, where a second thread nearly doubles the speed); else with all
+#: cores but one (the loop's), whose lag is then what a single copy thread costs.
+AUTO_BIG_SHARE = 0.75
+
+
+def auto_copy_threads(big_bytes: int, total_bytes: int, *, first: bool = False) -> int:
+    """Threads for one copy program under ``copy_threads="auto"``: every core for a
+    program mostly of big tensors (``big_bytes`` of ``total_bytes``, see
+    ``AUTO_BIG_SHARE``), or for a first stage into new memory (``first``: page faults,
+    which cores take in parallel), else ``loop_friendly_threads()``. The measured
+    trade-off is in docs/benchmarks.md."""
+    if first or (total_bytes > 0 and big_bytes >= AUTO_BIG_SHARE * total_bytes):
+        return max(1, min(torch.get_num_threads(), usable_cores()))
+    return loop_friendly_threads()
+
+
 def cuda_available() -> bool:
     """True when torch was built with CUDA and a device is visible."""
     return bool(torch.cuda.is_available())
@@ -171,8 +193,8 @@ class StagerOptions:
       event loop then preempts host copies at once (see docs/concepts.md).
     - ``copy_threads``: threads for host-to-host copies, the worker and ``n - 1``
       helpers (see ``_hostcopy``); None: torch's intra-op thread count (what
-      ``DefaultStager`` uses). ``Stager`` never leaves it None: its default, all cores
-      but one, is resolved by ``loop_friendly_threads()`` before the options are made.
+      ``DefaultStager`` uses); ``"auto"`` (``Stager``'s default): decided per copy
+      program, see ``auto_copy_threads``.
     - ``buffer_wait_timeout``: seconds a stage waits for a free buffer set before
       BuffersHeldError; None: for ever.
     - ``preflight``: before host memory is mapped (at ``reserve()``, and at the first
@@ -207,7 +229,7 @@ class StagerOptions:
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES
     yield_interval: float = 0.0002
     worker_nice: int = 5
-    copy_threads: int | None = None
+    copy_threads: int | Literal["auto"] | None = None
     buffer_wait_timeout: float | None = DEFAULT_BUFFER_WAIT_TIMEOUT
     preflight: bool = True
 
@@ -235,10 +257,10 @@ class StagerOptions:
             "buffer_wait_timeout": None
             if self.buffer_wait_timeout is None
             else check_seconds("buffer_wait_timeout", self.buffer_wait_timeout, zero_ok=True),
-            "copy_threads": None
-            if self.copy_threads is None
+            "copy_threads": self.copy_threads
+            if self.copy_threads is None or self.copy_threads == AUTO
             else check_int(
-                "copy_threads", self.copy_threads, 1, MAX_COPY_THREADS, also="or None (the default)"
+                "copy_threads", self.copy_threads, 1, MAX_COPY_THREADS, also="'auto', or None (the default)"
             ),
         }
         for name, value in fields.items():

@@ -22,7 +22,7 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine
 from types import TracebackType
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from ._arena import Arena, Pinner
 from ._device import Backend
@@ -31,7 +31,7 @@ from ._engine import StageRecord, build_engine
 from ._errors import ClosedError
 from ._jobs import StageJob, drop, job_done, log_stage_end, logged_run
 from ._lease import Lease
-from ._options import StagerOptions, loop_friendly_threads
+from ._options import AUTO, StagerOptions
 from ._stats import StageStats
 from ._waiting import Backoff, poll_completion, wait_future, wait_future_uninterrupted
 from ._worker import Worker, WorkerForked, WorkerStopped
@@ -62,8 +62,10 @@ class Stager:
       leased is never overwritten; a stage that finds every set held waits for one.
     - ``buffer_wait_timeout``: seconds such a stage waits before BuffersHeldError
       (None: wait for ever).
-    - ``copy_threads``: threads copying on the host, the worker included (default: all
-      cores but one, which stays free for the event loop).
+    - ``copy_threads``: threads copying on the host, the worker included (default
+      ``"auto"``: every core for a copy program mostly of tensors of 16 MiB or more,
+      and for a first stage into new memory; all cores but one, which stays free for
+      the event loop, otherwise).
     - ``preflight``: check host limits before mapping memory (``reserve()``, the first
       stage into a buffer set) and raise HostLimitError if the state cannot fit.
     - ``on_stage``: called on the event loop thread with each stage's StageStats.
@@ -85,7 +87,7 @@ class Stager:
         scratch_bytes: int = _D.scratch_bytes,
         yield_interval: float = _D.yield_interval,
         worker_nice: int = _D.worker_nice,
-        copy_threads: int | None = None,
+        copy_threads: int | Literal["auto"] | None = None,
         preflight: bool = _D.preflight,
         backoff: Backoff | None = None,
         on_stage: Callable[[StageStats], None] | None = None,
@@ -104,8 +106,8 @@ class Stager:
             scratch_bytes=scratch_bytes,
             yield_interval=yield_interval,
             worker_nice=worker_nice,
-            # Stager's own default: leave one core to the event loop (see docs).
-            copy_threads=copy_threads if copy_threads is not None else loop_friendly_threads(),
+            # Stager's own default: decided per copy program (see docs/benchmarks.md).
+            copy_threads=copy_threads if copy_threads is not None else AUTO,
             preflight=preflight,
         )
         self.options: StagerOptions = self._engine.options

@@ -403,3 +403,59 @@ def test_one_big_tensor_is_copied_in_pieces() -> None:
 def test_the_openmp_runtime_found_is_torchs() -> None:
     omp = _openmp.runtime()
     assert omp is not None and _openmp._controls_torch(omp)
+
+
+def test_auto_copy_threads_rule() -> None:
+    from async_stager._options import AUTO_BIG_SHARE, auto_copy_threads, loop_friendly_threads, usable_cores
+
+    every = max(1, min(torch.get_num_threads(), usable_cores()))
+    assert auto_copy_threads(100, 100) == every
+    assert auto_copy_threads(int(AUTO_BIG_SHARE * 100), 100) == every
+    assert auto_copy_threads(10, 100) == loop_friendly_threads()
+    assert auto_copy_threads(0, 100, first=True) == every
+    assert auto_copy_threads(0, 0) == loop_friendly_threads()
+
+
+def test_stager_default_copy_threads_is_auto_and_checked() -> None:
+    from async_stager import InvalidOptionError, Stager
+
+    assert Stager().options.copy_threads == "auto"
+    assert Stager(copy_threads="auto").options.copy_threads == "auto"
+    assert Stager(copy_threads=1).options.copy_threads == 1
+    with pytest.raises(InvalidOptionError, match="copy_threads"):
+        Stager(copy_threads="fast")  # type: ignore[arg-type]
+
+
+@needs_helpers
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one torch thread: every rule gives one")
+def test_auto_decides_per_program(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under "auto" a program mostly of big (cut) tensors, and any first stage into new
+    memory, copies with every core; a cached program of medium tensors leaves the
+    loop's core free."""
+    from async_stager._options import loop_friendly_threads, usable_cores
+
+    _wait_no_copy_threads()
+    every = max(1, min(torch.get_num_threads(), usable_cores()))
+    asked: list[int | None] = []
+    run = _hostcopy.CopyPool.run
+
+    def spy(self: Any, work: Any, tick: Any = None, tasks: Any = None, helpers: int | None = None) -> None:
+        asked.append(helpers)
+        run(self, work, tick, tasks, helpers)
+
+    monkeypatch.setattr(_hostcopy.CopyPool, "run", spy)
+    big = {f"w{i}": torch.randn(5 << 20) for i in range(3)}  # 20 MiB each: cut
+    medium = {f"m{i}": torch.randn(1 << 20) for i in range(8)}  # 4 MiB each: grouped
+    eng = make_engine(copy_threads="auto")
+    try:
+        for sd in (big, medium):
+            asked.clear()
+            for _ in range(2):  # first (new memory), then cached
+                staged = stage_sync(eng, sd)
+                assert_same(staged.result, sd)
+                del staged
+            assert asked[0] == every - 1, asked  # the first stage: every core
+            want = every - 1 if sd is big else loop_friendly_threads() - 1
+            assert asked[1] == want, (asked, sd is big)
+    finally:
+        eng.close()

@@ -6,14 +6,17 @@ then ``runs`` times cached, the contenders and the one-buffer bound taking turns
 order rotates every run) so a noisy machine slows all of them alike; the medians are
 reported. Loop lag is measured while each contender stages (see ``measure``).
 
-Contenders: ``async_stager`` (``Stager()``: on the CPU it copies with all cores but one,
-leaving one to the event loop), ``async_stager[threads=N]`` (``copy_threads`` = torch's
-thread count, raw throughput; only where that differs), and ``dcp`` (DCP's
-``DefaultStager``, async mode).
+Contenders: ``async_stager`` (``Stager()``, ``copy_threads="auto"``: on the CPU every
+core for programs mostly of big tensors and for a first stage, all cores but one
+otherwise), ``async_stager[threads=N]`` (``copy_threads`` = torch's thread count, raw
+throughput) and ``async_stager[threads=M]`` (all cores but one, the loop's core left
+free: the other end of the frontier), both only where they differ, and ``dcp``
+(DCP's ``DefaultStager``, async mode).
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import os
@@ -223,10 +226,14 @@ def _contender_makers(opts: BenchOptions, device: torch.device) -> list[tuple[st
     if all_threads is None:
         all_threads = not cuda and threads != loop_friendly_threads()
     if all_threads:
-        name = f"{OURS}[threads={threads}]"
-        makers.append(
-            (name, lambda: OursContender(name, copy_threads=threads, share_memory=opts.share_memory))
-        )
+        for n in sorted({threads, loop_friendly_threads()}, reverse=True):
+            name = f"{OURS}[threads={n}]"
+            makers.append(
+                (
+                    name,
+                    functools.partial(OursContender, name, copy_threads=n, share_memory=opts.share_memory),
+                )
+            )
     makers.append(
         (
             OURS_DEFAULT_STAGER,
@@ -412,7 +419,8 @@ def machine_info(device: torch.device) -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch_threads": torch.get_num_threads(),
-        "default_copy_threads": loop_friendly_threads(),
+        "default_copy_threads": "auto",
+        "loop_friendly_threads": loop_friendly_threads(),
         # Other processes on the machine skew every number: the 1-minute load average.
         "loadavg_1min_at_end": _loadavg(),
     }

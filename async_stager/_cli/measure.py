@@ -75,8 +75,8 @@ class Contender(Protocol):
 
 
 class OursContender:
-    """async_stager's ``Stager``; ``copy_threads=None`` keeps the loop-friendly default
-    (all cores but one copy on the CPU), a number overrides it."""
+    """async_stager's ``Stager``; ``copy_threads=None`` keeps its default (``"auto"``,
+    decided per copy program), a number overrides it."""
 
     def __init__(self, name: str, *, copy_threads: int | None = None, share_memory: bool = False) -> None:
         self.name = name
