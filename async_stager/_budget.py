@@ -119,6 +119,8 @@ class Pipeline:
         digests: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         self.budget = budget
+        #: The save's coroutine has started (``_budget_save.abandon`` leaves it alone).
+        self.started = False
         #: With checksums: each tensor chunk's manifest entry, hashed from its piece as
         #: it lands (the copier thread; the writer thread for a device's piece, once
         #: its copy is done), before the writer writes it.

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from ._stager import Stager
 
-__all__ = ["budgeted_save", "largest_tensor"]
+__all__ = ["abandon", "budgeted_save", "largest_tensor"]
 
 
 def _tensors(obj: Any, path: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], torch.Tensor]]:
@@ -124,8 +124,26 @@ def budgeted_save(
         on_stats=on_stats,
     )
     # Never awaited: nothing was staged; the fence must not wait for it.
-    weakref.finalize(coro, _forget, pipeline, remove)
+    _ABANDON[coro] = weakref.finalize(coro, _forget, pipeline, remove)
     return coro
+
+
+#: Per budgeted save not yet awaited: what lets its fence hook and pipeline go.
+_ABANDON: weakref.WeakKeyDictionary[Any, weakref.finalize[Any, Any]] = weakref.WeakKeyDictionary()
+
+
+def abandon(coro: Coroutine[Any, Any, Any]) -> None:
+    """Drop a budgeted save that will never be awaited, now: its fence hook is removed
+    (a ``fence()`` waiting on it returns) and its pipeline stopped. Waiting for the
+    coroutine to be collected is not enough: a traceback that holds a frame holding it
+    would keep every later ``fence()`` waiting. No-op for a save already started."""
+    fin = _ABANDON.pop(coro, None)
+    info = fin.peek() if fin is not None else None
+    if info is None or info[2][0].started:
+        return  # running (or done): it cleans up after itself
+    coro.close()
+    assert fin is not None
+    fin()
 
 
 def _forget(pipeline: Pipeline, remove: Callable[[], None]) -> None:
@@ -147,6 +165,7 @@ async def _run(
 ) -> Metadata:
     from .dcp import _save_blocking
 
+    pipeline.started = True
     fn = functools.partial(
         _save_blocking,
         state_dict,

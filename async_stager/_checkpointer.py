@@ -346,15 +346,12 @@ class Checkpointer:
     async def _write_budgeted(self, item: _Staged) -> tuple[dict[str, dict[str, Any]], float, int]:
         """Run a budgeted save's pipeline into its temporary folder: the manifest
         entries, the seconds and the tensor bytes it wrote."""
-        pipeline, item.pipeline = item.pipeline, None
+        pipeline = item.pipeline
         assert pipeline is not None
         tmp = _commit.tmp_dir(self.options.directory, item.step)
-        try:
-            await self._fresh_tmp(tmp)
-        except BaseException:
-            pipeline.close()  # never run: its fence hook and ring go now
-            raise
+        await self._fresh_tmp(tmp)
         t0 = time.monotonic()
+        item.pipeline = None
         await pipeline
         stats = item.budget[0] if item.budget else None
         return item.digests, time.monotonic() - t0, stats.tensor_bytes if stats is not None else 0
@@ -367,12 +364,28 @@ class Checkpointer:
         # same order. One process: writes may overlap; commits are serialized below.
         serial = self._write_lock if ranks.distributed else contextlib.nullcontext()
         if item.lease is None:
-            async with serial:
-                t0 = time.monotonic()
-                manifest, _, nbytes = await self._write_budgeted(item)
+            try:
+                async with serial:
+                    t0 = time.monotonic()
+                    manifest, _, nbytes = await self._write_budgeted(item)
+            finally:
+                if item.pipeline is not None:
+                    # Never started (failed or cancelled before): its fence hook must
+                    # go now, or the save waiting in fence() would wait for ever.
+                    from ._budget_save import abandon
+
+                    abandon(item.pipeline)
+                    item.pipeline = None
             checksum_seconds = 0.0
         else:
-            manifest, checksum_seconds, nbytes, t0 = await self._write_staged(item, item.lease, serial, tmp)
+            try:
+                manifest, checksum_seconds, nbytes, t0 = await self._write_staged(
+                    item, item.lease, serial, tmp
+                )
+            finally:
+                # Also when cancelled or failed before the write took the lease over
+                # (waiting for the write lock): the buffer set must not stay held.
+                item.lease.release()
         return await self._commit_write(item, manifest, checksum_seconds, nbytes, t0)
 
     async def _write_staged(

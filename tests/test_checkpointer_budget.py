@@ -197,3 +197,31 @@ def test_two_ranks_budgeted_checkpointer_with_dtensors(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step-")) == [
         "step-00000004"
     ]
+
+
+@pytest.mark.anyio
+async def test_a_budgeted_write_failing_before_its_pipeline_starts_does_not_hang_save(tmp_path: Path) -> None:
+    """The pipeline's fence hook is registered at save (the snapshot point); a write that
+    fails before the pipeline runs (here: its temporary folder cannot be made) must let
+    it go at once, or save(), waiting on the fence, would wait for ever."""
+    import shutil
+
+    import anyio
+
+    from async_stager import CheckpointError
+
+    root = tmp_path / "ckpt"
+    async with Checkpointer(root, host_budget_bytes=MiB + 4096) as ckpt:
+        shutil.rmtree(root)
+        root.write_text("not a folder")  # mkdir of the step's temporary folder fails
+        with anyio.fail_after(30):
+            await ckpt.save(state(), step=1)
+            with pytest.raises(CheckpointError):
+                await ckpt.wait()
+            await ckpt.fence()  # nothing left registered
+        root.unlink()
+        root.mkdir()
+        with anyio.fail_after(30):
+            assert await ckpt.save(state(), step=2)
+            await ckpt.wait()
+        assert ckpt.steps() == [2]
