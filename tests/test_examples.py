@@ -38,6 +38,7 @@ def test_every_example_is_tested() -> None:
         "orchestrator.py",
         "dcp_async_save.py",
         "writer_process.py",
+        "budgeted_checkpoint.py",
         "fsdp_training.py",  # under torchrun: tests/test_fsdp_example.py
     }
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
@@ -57,6 +58,13 @@ def test_dcp_async_save_example(tmp_path: Path) -> None:
     out = run_example("dcp_async_save.py", "--steps", "2", "--width", "32", "--out", str(tmp_path))
     assert "loaded step 2: bit-exact" in out
     assert (tmp_path / "step2" / ".metadata").exists()
+
+
+def test_budgeted_checkpoint_example(tmp_path: Path) -> None:
+    out = run_example("budgeted_checkpoint.py", "--out", str(tmp_path), "--width", "256", "--budget-mib", "1")
+    assert "restored step 6: bit-exact" in out
+    peak = float(out.split("(peak ")[1].split(" MiB")[0])
+    assert peak <= 1.0, out
 
 
 def test_writer_process_example(tmp_path: Path) -> None:
