@@ -84,7 +84,7 @@ class Checkpointer:
     dropped; the newest is written next). On several ranks only ``"wait"`` is allowed
     (a per-rank decision could differ between ranks). ``checksum``: an XXH3-64 digest
     per tensor chunk, computed by the copy threads while staging (see ``_integrity``);
-    ``checksum_threads`` threads hash what they could not (chunks copied from a GPU). ``stager``: a Stager to
+    ``checksum_threads`` threads hash what they could not (small chunks copied from a GPU). ``stager``: a Stager to
     use (else one of its own, closed on exit). ``process_group``: a gloo group for the
     checkpoint's collectives (default: the default group if gloo, else a new gloo
     group; constructing it is a collective). ``on_saved``: called on the event loop

@@ -24,6 +24,7 @@ from ._digest import Checksums
 from ._hostcopy import MIN_POOL_BYTES, CopyPool, Schedule, hashed_pieces, schedule
 from ._openmp import omp_threads
 from ._options import AUTO, auto_copy_threads, loop_friendly_threads
+from ._wordhash import device_pairs, piece_count, piece_hashes, raw_bytes
 
 __all__ = ["CpuCopier", "CudaCopier", "CudaEvent", "RealBackend", "ScratchCopier"]
 
@@ -314,6 +315,9 @@ class CudaCopier(ScratchCopier):
         with torch.cuda.device(device):
             self.stream = torch.cuda.Stream(device=device)
         self._ctx: contextlib.ExitStack | None = None
+        # Made at the first stage that takes checksums; see hash_sources.
+        self._hash_stream: torch.cuda.Stream | None = None
+        self._hashing = False
 
     def capture(self) -> Any:
         return CudaEvent(torch.cuda.current_stream(self.stream.device_index))
@@ -334,12 +338,48 @@ class CudaCopier(ScratchCopier):
         if dsts:
             torch._foreach_copy_(list(dsts), list(srcs), non_blocking=self.non_blocking)
 
+    def hash_sources(
+        self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], checksums: Checksums
+    ) -> None:
+        # The hashes run on a second stream, so the SMs hash while the copy engine
+        # copies: the hash stream waits for the copy stream's wait on the capture (the
+        # sources as of the call); end() makes the copy stream wait for the hash
+        # stream, so the stage's one completion covers both. Its temporaries are
+        # allocated with the hash stream current (reused only in its order); the
+        # sources are recorded on it (the allocator keeps them until it is done).
+        pairs = device_pairs(dsts, srcs)
+        if not pairs:
+            return
+        if self._hash_stream is None:
+            with torch.cuda.device(self.device):
+                self._hash_stream = torch.cuda.Stream(device=self.device)
+        stream = self._hash_stream
+        total = sum(piece_count(d.numel() * d.element_size()) for d, _ in pairs)
+        # Pinned (torch's caching host allocator), so the result's copy is
+        # asynchronous; the Checksums keep it until it is read.
+        host = torch.empty(total, dtype=torch.int64, pin_memory=True)
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            stream.wait_stream(self.stream)
+            self._hashing = True
+            out = torch.empty(total, dtype=torch.int64, device=self.device)
+            start = 0
+            for d, src in pairs:
+                pieces = piece_count(d.numel() * d.element_size())
+                if checksums.add_device(d, host, start):
+                    src.record_stream(stream)
+                    piece_hashes(raw_bytes(src), out[start : start + pieces])
+                start += pieces
+            host.copy_(out, non_blocking=True)
+
     def protect(self, srcs: Sequence[torch.Tensor]) -> None:
         for s in srcs:
             if s.device.type == "cuda":
                 s.record_stream(self.stream)
 
     def end(self) -> Completion | None:
+        if self._hashing and self._hash_stream is not None:
+            self._hashing = False
+            self.stream.wait_stream(self._hash_stream)
         done = CudaEvent(self.stream)
         ctx, self._ctx = self._ctx, None
         if ctx is not None:
@@ -372,6 +412,8 @@ class CudaCopier(ScratchCopier):
         self.release_scratch()
         # A blocking event, not stream.synchronize(): the wait sleeps.
         CudaEvent(self.stream).synchronize()
+        if self._hash_stream is not None:
+            CudaEvent(self._hash_stream).synchronize()
 
 
 class RealBackend(Backend):

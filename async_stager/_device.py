@@ -172,7 +172,8 @@ class Copier(ABC):
 
     Call order for one stage, all on the worker thread except ``capture`` and
     ``fence_point`` (the caller's thread, at the call) and ``fence`` (any thread):
-    ``begin(capture)``, any number of ``copy``, ``protect``, then ``end()``.
+    ``begin(capture)``, ``hash_sources`` (a stage taking checksums), any number of
+    ``copy``, ``protect``, then ``end()``.
     """
 
     #: True when small storages should first be gathered on the device (one fused
@@ -217,6 +218,16 @@ class Copier(ABC):
         ``first``: the destinations were just mapped (their pages fault as they are
         written), which more threads absorb faster."""
         raise NotImplementedError
+
+    def hash_sources(
+        self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], checksums: Checksums
+    ) -> None:
+        """Enqueue, on the device, the WSUM64 digest (``_wordhash``) of every source
+        that a device can hash before it is copied (``device_pairs``), recorded in
+        ``checksums`` for its destination ``dsts[i]``; the digests land in host memory
+        by the time ``end()``'s completion fires. Called right after ``begin``, so the
+        hashes read the values as of the capture, like the copies. Default: nothing
+        (the destinations are hashed from the host copy later)."""
 
     def protect(self, srcs: Sequence[torch.Tensor]) -> None:
         """Keep the sources' memory from being reused until the copies finish."""

@@ -13,6 +13,9 @@ buffer overwritten while it was written, a file from another step), not tamperin
 a random corruption of a piece goes unnoticed with probability about 2**-64. It
 releases the GIL while hashing, so copy threads hash in parallel with the event loop.
 It comes from the ``xxhash`` package, imported only when checksums are asked for.
+
+Sources on a GPU are hashed there instead, before their copy, with WSUM64 (see
+``_wordhash``); ``Checksums`` holds both kinds and says which each digest is.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ ALGORITHM = "xxh3_64"
 PIECE_BYTES = 8 << 20
 
 _module: Any = None
+_MASK64 = (1 << 64) - 1
 _lock = threading.Lock()
 
 
@@ -132,26 +136,33 @@ class Checksums:
     """The digests one stage computed while copying, by host destination.
 
     Filled by the copy threads (each slot by exactly one thread, before the stage
-    returns), read-only afterwards. ``get(t)`` gives the digest of a staged tensor
-    whose bytes are one whole destination the copy threads hashed; None for anything
-    else (a view of part of a storage, a non-contiguous layout, a copy that ran on a
-    device stream): compute those with ``tensor_digest``. The digests describe the
-    bytes as staged; who owns the buffers is unchanged (the stage's lease)."""
+    returns) and, for sources on a device, by the device itself (``add_device``: the
+    digest lands with the copies, before the stage returns); read-only afterwards.
+    ``get(t)`` gives the digest of a staged tensor whose bytes are one whole
+    destination hashed while staging, ``algorithm_of(t)`` which hash it is
+    (``xxh3_64`` from the copy threads, ``wsum64`` from a device, see ``_wordhash``);
+    None for anything else (a view of part of a storage, a non-contiguous layout, a
+    small tensor copied from a device): compute those with ``compute``. The digests
+    describe the bytes as staged; who owns the buffers is unchanged (the stage's
+    lease)."""
 
     algorithm = ALGORITHM
     piece_bytes = PIECE_BYTES
 
     def __init__(self) -> None:
         self._by_region: dict[tuple[int, int], list[int | None]] = {}
+        # Digests a device computes: (host int64 tensor its hashes land in, start,
+        # end), read once the stage's copies have landed.
+        self._device: dict[tuple[int, int], tuple[torch.Tensor, int, int]] = {}
 
     def __len__(self) -> int:
-        return len(self._by_region)
+        return len(self._by_region) + len(self._device)
 
     def tasks(self, dst: torch.Tensor) -> list[HashTask]:
         """The hash tasks for every piece of host destination ``dst`` (none when it
         is not hashable in memory order, or is already covered)."""
         region = _region(dst)
-        if region is None or region in self._by_region:
+        if region is None or region in self._by_region or region in self._device:
             return []
         ptr, n = region
         out: list[int | None] = [None] * -(-n // self.piece_bytes)
@@ -161,6 +172,18 @@ class Checksums:
             for i, a in enumerate(range(0, n, self.piece_bytes))
         ]
 
+    def add_device(self, dst: torch.Tensor, hashes: torch.Tensor, start: int) -> bool:
+        """Record that a device computes the WSUM64 digest of host destination ``dst``
+        into ``hashes[start : start + pieces]`` (host int64 memory that its copies fill
+        by the time the stage completes). False, and nothing recorded, when ``dst``
+        is not hashable in memory order or is already covered."""
+        region = _region(dst)
+        if region is None or region in self._by_region or region in self._device:
+            return False
+        pieces = -(-region[1] // self.piece_bytes)
+        self._device[region] = (hashes, start, start + pieces)
+        return True
+
     def hash_now(self, dsts: Iterable[torch.Tensor]) -> None:
         """Hash the destinations not covered yet, on this thread (their copies have
         landed)."""
@@ -169,10 +192,28 @@ class Checksums:
                 task.run()
 
     @staticmethod
-    def compute(t: torch.Tensor) -> list[int]:
-        """The digest of any CPU tensor, computed now (reads it once): what ``get``
-        returns for a staged tensor, for checking a copy read back later."""
-        return tensor_digest(t)
+    def compute(t: torch.Tensor, algorithm: str = ALGORITHM) -> list[int]:
+        """The digest of any tensor, computed now (reads it once): what ``get``
+        returns for a staged tensor hashed with ``algorithm`` (``xxh3_64``, of a CPU
+        tensor; ``wsum64``, of a tensor on any device), for checking a copy read back
+        later."""
+        if algorithm == ALGORITHM:
+            return tensor_digest(t)
+        from ._wordhash import ALGORITHM as WSUM64
+        from ._wordhash import wsum64_digest
+
+        if algorithm == WSUM64:
+            return wsum64_digest(t)
+        raise ValueError(f"unknown checksum algorithm {algorithm!r}")
+
+    def algorithm_of(self, t: torch.Tensor) -> str | None:
+        """Which hash ``get(t)`` is (None when ``get(t)`` is None)."""
+        region = _region(t)
+        if region is not None and region in self._device:
+            from ._wordhash import ALGORITHM as WSUM64
+
+            return WSUM64
+        return ALGORITHM if self.get(t) is not None else None
 
     def get(self, t: torch.Tensor) -> list[int] | None:
         """The digest of staged tensor ``t``, if the stage computed it (see above)."""
@@ -181,6 +222,10 @@ class Checksums:
             if t.device.type == "cpu" and t.numel() == 0:
                 return [hash_memory(0, 0)]
             return None
+        device = self._device.get(region)
+        if device is not None:
+            hashes, lo, hi = device
+            return [int(h) & _MASK64 for h in hashes[lo:hi].tolist()]
         out = self._by_region.get(region)
         if out is None or any(h is None for h in out):
             return None

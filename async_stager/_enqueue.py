@@ -82,8 +82,9 @@ def enqueue(
 
     ``checksums``: the digests of every destination of a program whose copies have
     landed when it ends (the CPU's): hashed by the copy threads as pieces land, the
-    rest by this thread after the program. A device program's (in flight) are not
-    hashed here. ``first``: the plan's memory was mapped by this stage (see
+    rest by this thread after the program. A device program hashes its big direct
+    sources on the device (``Copier.hash_sources``); the rest of it is hashed from the
+    host copy later, by the caller. ``first``: the plan's memory was mapped by this stage (see
     ``Copier.copy_planned``)."""
     completions: list[Completion] = []
     devices: list[torch.device] = []
@@ -96,6 +97,27 @@ def enqueue(
                 # Hazard: from begin() to end() the copier may hold a stream context on
                 # this thread; end() must run whatever happens.
                 copier.begin(order_after(prog.device, captures))
+                direct: list[torch.Tensor] = []
+                if prog.direct:
+                    if prog.direct_whole:
+                        direct = sources(prog.direct, leaves)
+                    elif len(prog.direct_reps) == 1:
+                        direct = [leaves[prog.direct_reps[0]]]
+                    else:
+                        direct = list(operator.itemgetter(*prog.direct_reps)(leaves))
+                    srcs_all.extend(direct)
+                    if checksums is not None:
+                        # Before any copy of this program: a device hashes the sources
+                        # as of the capture, on its own stream (the CPU's copy threads
+                        # hash as pieces land instead: a no-op there).
+                        # A whole storage copied for its views: the results are the
+                        # views, hashed from the host copy; not worth a device hash.
+                        pairs = [
+                            (d, src)
+                            for d, src, unit in zip(prog.direct_dsts, direct, prog.direct)
+                            if not unit.whole
+                        ]
+                        copier.hash_sources([d for d, _ in pairs], [src for _, src in pairs], checksums)
                 for run in prog.runs:
                     for views, units in run.groups:
                         srcs = sources(units, leaves)
@@ -103,13 +125,7 @@ def enqueue(
                         copy_chunked(copier, views, srcs, tick)
                     copier.copy([run.span], [run.scratch])
                 if prog.direct:
-                    if prog.direct_whole:
-                        srcs = sources(prog.direct, leaves)
-                    elif len(prog.direct_reps) == 1:
-                        srcs = [leaves[prog.direct_reps[0]]]
-                    else:
-                        srcs = list(operator.itemgetter(*prog.direct_reps)(leaves))
-                    srcs_all.extend(srcs)
+                    srcs = direct
                     if prog.direct_layout is not None:
                         copier.copy_planned(
                             prog.direct_dsts, srcs, prog.direct_layout, tick, checksums, first

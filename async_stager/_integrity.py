@@ -4,10 +4,12 @@
 
 The digest of a chunk is XXH3-64 per 8 MiB piece of its bytes in row-major order (see
 ``_digest``): the copy threads compute it as the bytes land in the host buffers
-(``stager.lease(sd, checksums=True)``); what they could not (a chunk copied from a
-device, a view of part of a storage) is hashed from the staged host copy before it is
-written. Manifests of the first format (CRC-32 per 16 MiB piece, ``zlib.crc32``) are
-still verified.
+(``stager.lease(sd, checksums=True)``). A tensor of 1 MiB or more copied from a GPU is
+hashed on the GPU before its copy, with WSUM64 (``_wordhash``: torch operations, so the
+CPU recomputes it on restore), and its entry names that hash (manifest format 3). What
+neither took (a small tensor from a device, a view of part of a storage) is hashed
+from the staged host copy before it is written. Manifests of the first format (CRC-32
+per 16 MiB piece, ``zlib.crc32``) are still verified.
 
 A chunk is what DCP stores for one tensor on one rank: the whole tensor for a plain
 tensor (offsets all zero), the local shard for a DTensor (its offsets in the global
@@ -35,6 +37,8 @@ import torch
 from ._digest import ALGORITHM, PIECE_BYTES, Checksums, tensor_digest
 from ._digest import chunk_key as key
 from ._errors import IntegrityError
+from ._wordhash import ALGORITHM as WSUM64
+from ._wordhash import wsum64_digest
 
 __all__ = [
     "HASH",
@@ -53,6 +57,9 @@ HASH = ALGORITHM
 #: The file each checkpoint folder holds its checksums in.
 MANIFEST = "checksums.json"
 _FORMAT = "async_stager-checksums/2"
+#: Format 2 plus a per-entry ``hash`` where it is not the document's (``wsum64``: a
+#: digest its device took before the copy, see ``_wordhash``).
+_FORMAT_MIXED = "async_stager-checksums/3"
 #: The first format: CRC-32 per 16 MiB piece, read (verified) but no longer written.
 _FORMAT_CRC = "async_stager-checksums/1"
 _CRC_PIECE_BYTES = 16 * 2**20
@@ -122,6 +129,9 @@ def checksum_state(
         }
         if digest is None:
             todo.append((k, local))
+        elif known is not None and (algorithm := known.algorithm_of(local)) != HASH:
+            # Hashed on its device (WSUM64): named per entry (format 3).
+            entries[k]["hash"] = algorithm
     if threads > 1 and len(todo) > 1:
         with ThreadPoolExecutor(threads, thread_name_prefix="async-stager-digest") as pool:
             digests = list(pool.map(lambda item: tensor_digest(item[1]), todo))
@@ -135,7 +145,10 @@ def checksum_state(
 def write_manifest(folder: Path, step: int, tensors: dict[str, dict[str, Any]]) -> None:
     """Write ``checksums.json`` into ``folder`` and fsync it (the folder is fsynced by
     the commit)."""
-    doc = {"format": _FORMAT, "hash": HASH, "piece_bytes": PIECE_BYTES, "step": step, "tensors": tensors}
+    # Format 2 while every entry is XXH3 (what earlier versions read); 3 when some
+    # entry names its own hash (a digest taken on a device).
+    fmt = _FORMAT_MIXED if any("hash" in e for e in tensors.values()) else _FORMAT
+    doc = {"format": fmt, "hash": HASH, "piece_bytes": PIECE_BYTES, "step": step, "tensors": tensors}
     path = folder / MANIFEST
     with open(path, "w", encoding="utf-8") as f:
         json.dump(doc, f, sort_keys=True)
@@ -156,14 +169,21 @@ def read_manifest(folder: Path, step: int | None) -> dict[str, dict[str, Any]]:
         for entry in tensors.values():
             entry["digest"], entry["hash"] = entry.pop("crc32"), "crc32"
         return tensors
-    if fmt != (_FORMAT, HASH, PIECE_BYTES):
+    if fmt not in ((_FORMAT, HASH, PIECE_BYTES), (_FORMAT_MIXED, HASH, PIECE_BYTES)):
         raise IntegrityError(
-            f"{folder}: {MANIFEST} is not an {_FORMAT} {HASH} manifest of {PIECE_BYTES}-byte pieces",
+            f"{folder}: {MANIFEST} is not an {_FORMAT} or {_FORMAT_MIXED} {HASH} manifest of "
+            f"{PIECE_BYTES}-byte pieces",
             step=step,
         )
     tensors = doc["tensors"]
-    for entry in tensors.values():
-        entry["hash"] = HASH
+    mixed = fmt[0] == _FORMAT_MIXED
+    for k, entry in tensors.items():
+        algorithm = entry.get("hash", HASH) if mixed else HASH
+        if algorithm not in (HASH, WSUM64):
+            raise IntegrityError(
+                f"{folder}: {MANIFEST} names an unknown hash {algorithm!r} for {k}", step=step
+            )
+        entry["hash"] = algorithm
     return tensors
 
 
@@ -175,9 +195,14 @@ def _compare(step: int | None, k: str, entry: dict[str, Any], data: torch.Tensor
             step=step,
             tensor=entry["fqn"],
         )
-    crc = entry["hash"] == "crc32"
-    piece = _CRC_PIECE_BYTES if crc else PIECE_BYTES
-    got = tensor_crcs(data) if crc else tensor_digest(data)
+    algorithm = entry["hash"]
+    piece = _CRC_PIECE_BYTES if algorithm == "crc32" else PIECE_BYTES
+    if algorithm == "crc32":
+        got = tensor_crcs(data)
+    elif algorithm == WSUM64:
+        got = wsum64_digest(data)
+    else:
+        got = tensor_digest(data)
     want = entry["digest"]
     if got != want:
         bad = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b) if len(got) == len(want) else 0

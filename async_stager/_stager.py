@@ -169,9 +169,11 @@ class Stager:
         ``state_dict`` is the staged copy, protected until ``release()``.
 
         ``checksums=True``: the copy threads also hash what they copy, piece by piece
-        as it lands (XXH3-64 per 8 MiB, see ``Checksums``); ``lease.checksums`` gives
-        the digest of each staged tensor copied from the CPU. Costs a second read of
-        cached bytes (docs/benchmarks.md); needs the ``xxhash`` package.
+        as it lands (XXH3-64 per 8 MiB, see ``Checksums``), and a GPU hashes each
+        source of 1 MiB or more before copying it (WSUM64, on a second stream);
+        ``lease.checksums`` gives the digest of each staged tensor so hashed. Costs a
+        second read of cached bytes on the CPU (docs/benchmarks.md); needs the
+        ``xxhash`` package.
 
         For handing a result to another task, thread or process: ``lease = await
         stager.lease(sd)``, give the lease to the writer, the writer calls

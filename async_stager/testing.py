@@ -18,7 +18,9 @@ leaves (``host_copies=True``) run it before they copy (they wait for the capture
 a fence queues a wait for the copies on the stream read at the call. A stream can be
 marked ``capturing`` (a CUDA graph capture underway): captures and fences on it raise
 ``UnsupportedError``. The device scratch for gathering small storages can be limited
-(``scratch_limit``), which makes the copier fall back to direct copies.
+(``scratch_limit``), which makes the copier fall back to direct copies. A stage that
+takes checksums has the fake device hash its big sources (WSUM64, as a GPU would,
+``device_hashes`` counts them) when the completion fires, before the copies.
 
 ``FakePinner`` records pin registrations (and can refuse them), so tests check that
 pinning happens once per arena and that close unpins everything.
@@ -43,7 +45,9 @@ import torch
 from ._arena import Pinner
 from ._copiers import CpuCopier, ScratchCopier
 from ._device import Backend, Completion, Copier
+from ._digest import Checksums
 from ._errors import PinningError
+from ._wordhash import device_pairs, piece_count, piece_hashes, raw_bytes
 
 __all__ = [
     "Backend",
@@ -278,6 +282,32 @@ class FakeCopier(ScratchCopier):
         self._backend.launches += 1
         self._ops.append(lambda: torch._foreach_copy_([w.view() for w in where], s))
 
+    def hash_sources(
+        self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], checksums: Checksums
+    ) -> None:
+        # Like the CUDA copier's hash stream: the hashes run when the completion
+        # fires, after the captured stream's work and before the copies (which a
+        # real device may overlap with them), into host memory the Checksums keep.
+        pairs = device_pairs(dsts, srcs)
+        if not pairs:
+            return
+        total = sum(piece_count(d.numel() * d.element_size()) for d, _ in pairs)
+        host = torch.empty(total, dtype=torch.int64)
+        todo: list[tuple[torch.Tensor, int, int]] = []
+        start = 0
+        for d, src in pairs:
+            pieces = piece_count(d.numel() * d.element_size())
+            if checksums.add_device(d, host, start):
+                todo.append((src, start, pieces))
+            start += pieces
+        self._backend.device_hashes += len(todo)
+
+        def run() -> None:
+            for src, lo, n in todo:
+                piece_hashes(raw_bytes(src), host[lo : lo + n])
+
+        self._ops.append(run)
+
     def protect(self, srcs: Sequence[torch.Tensor]) -> None:
         # The pending copies already keep their sources alive until they fire (as
         # record_stream does on CUDA); only the count is recorded, for tests.
@@ -361,6 +391,8 @@ class FakeBackend(Backend):
         self.host_device_ = host_device
         self.copies_seen = 0
         self.launches = 0
+        #: Sources whose digest was computed on the fake device (``hash_sources``).
+        self.device_hashes = 0
         self.captures = 0
         #: What each ``begin`` was ordered after (a capture, a tuple of them, None).
         self.begun: list[Any] = []

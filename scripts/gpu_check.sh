@@ -9,6 +9,8 @@
 #   4. a snapshot under a side stream: producer still running, pinned CPU leaf being
 #      filled, fence read at the call
 #   5. a stage inside a CUDA graph capture is refused, and the capture survives
+#   6. checksums on the GPU: staging time with and without (WSUM64 before the copy),
+#      digests equal to the host copy's
 #   then one summary table (also in summary.txt).
 #
 # Needs torch with CUDA, anyio, sniffio and pytest; xxhash (the Checkpointer's
@@ -72,7 +74,7 @@ done
 
 # -- 1. tests --------------------------------------------------------------------------
 t0=$(now)
-pytest_args=(tests/test_cuda.py tests/test_device_ordering.py tests/test_checkpointer.py::test_cuda_state_round_trip
+pytest_args=(tests/test_cuda.py tests/test_device_ordering.py tests/test_device_checksums.py tests/test_checkpointer.py::test_cuda_state_round_trip
     tests/test_reliability_input.py::test_two_cuda_devices_in_one_state_dict_are_refused -q -rfEs -p no:asyncio
     -p no:cacheprovider --junitxml "$OUT_DIR/pytest.xml"
     -W "ignore::pytest.PytestConfigWarning" -W "ignore::pytest.PytestUnknownMarkWarning")
@@ -147,6 +149,7 @@ if [ "$cuda_ok" -ne 1 ]; then
     row "fresh tensors re-staged" skipped 0 "no CUDA"
     row "side-stream snapshot" skipped 0 "no CUDA"
     row "graph capture refused" skipped 0 "no CUDA"
+    row "checksums on the GPU" skipped 0 "no CUDA"
 else
 check "fresh tensors re-staged" 40 '
 import asyncio, os, time, torch
@@ -256,6 +259,51 @@ async def main():
     ok = refused == ["stage", "fence"] and replay_ok and usable and "thread_local" in msg
     print(f"refused: {refused}; replay ok: {replay_ok}; usable after: {usable}")
     print(("ok" if ok else "FAILED") + f" | refused {refused}, graph replays, stager usable after")
+
+asyncio.run(main())
+'
+
+check "checksums on the GPU" 60 '
+import asyncio, os, statistics, time, torch
+from async_stager import Checksums, Stager
+
+scale = float(os.environ["GPU_CHECK_SCALE"])
+h = max(64, int(512 * scale ** 0.5))
+g = torch.Generator(device="cuda").manual_seed(0)
+def p(*shape):
+    return torch.randn(*shape, device="cuda", generator=g)
+# The bench transformer layout: per layer 4 h*h and 2 h*4h matrices, norms, biases; Adam
+# state twice over; a vocabulary embedding.
+sd = {"emb": p(8192, h)}
+for i in range(8):
+    for name, shape in (("q", (h, h)), ("k", (h, h)), ("v", (h, h)), ("o", (h, h)), ("up", (4 * h, h)), ("down", (h, 4 * h))):
+        for kind in ("w", "m", "v2"):
+            sd[f"{i}.{name}.{kind}"] = p(*shape)
+    for j in range(8):
+        sd[f"{i}.norm{j}"] = p(h)
+nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+
+async def main():
+    async with Stager() as stager:
+        plain, summed = [], []
+        for r in range(9):
+            for with_sums in ((False, True) if r % 2 else (True, False)):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                lease = await stager.lease(sd, checksums=with_sums)
+                (summed if with_sums else plain).append(time.perf_counter() - t)
+                if with_sums and r == 0:
+                    sums = lease.checksums
+                    on_gpu = [k for k, v in lease.state_dict.items() if sums.algorithm_of(v) == "wsum64"]
+                    bad = [k for k in on_gpu if sums.get(lease.state_dict[k]) != Checksums.compute(lease.state_dict[k], "wsum64")]
+                lease.release()
+        a, b = statistics.median(plain[1:]), statistics.median(summed[1:])
+        cost = 100 * (b / a - 1)
+        print(f"plain {[round(x * 1e3, 2) for x in plain]} ms; with checksums {[round(x * 1e3, 2) for x in summed]} ms")
+        ok = not bad and len(on_gpu) > 0
+        print(("ok" if ok else "FAILED") + f" | {nbytes / 2**20:.0f} MiB in {len(sd)} tensors: stage {a * 1e3:.2f} ms, "
+              f"with checksums {b * 1e3:.2f} ms ({cost:+.1f}%), {len(on_gpu)} hashed on the GPU, "
+              f"{len(bad)} digests differ from the host copy")
 
 asyncio.run(main())
 '

@@ -1,0 +1,235 @@
+"""WSUM64: a checksum made of torch operations only, so the device that holds the data
+computes it (a GPU at memory bandwidth, before the device-to-host copy) and any device
+recomputes it identically afterwards (the CPU, on restore).
+
+Definition, per ``PIECE_BYTES`` piece of a tensor's bytes in row-major order (the same
+pieces as the XXH3 digest of ``_digest``): zero-pad the piece to a multiple of 4 bytes,
+read it as little-endian signed 32-bit words ``w[j]`` and take
+
+    h = L * LEN_MUL + sum_j w[j] * A[j % COLS] * B[j // COLS]   (mod 2**64)
+
+with ``L`` the piece's bytes and ``A``, ``B`` fixed odd 64-bit constants (SplitMix64
+of a fixed seed). All arithmetic is int64 with wraparound, so the order of the sums
+does not matter: a GPU's parallel reduction and the CPU's give the same value. The
+digest is the list of the pieces' ``h`` as unsigned integers (an empty tensor: one
+``h`` of nothing, 0).
+
+What it detects (not tampering: it is linear and its constants are public): any change
+confined to one 32-bit word, always (every multiplier is odd, so a nonzero difference
+times it is nonzero mod 2**64); a change of the length; and any other accident (a torn
+or zeroed range, swapped words, a file from another step) except with probability
+about 2**-32 in the worst case (two sign-bit flips) and far less for typical ones. It
+is weaker than XXH3 and used only where XXH3 cannot run: on an accelerator.
+
+Cost: one multiply-and-sum over int64 products, about five bytes of memory traffic per
+byte hashed; temporary device memory of at most ``2 * GROUP_BYTES`` bytes per call (the
+products of ``GROUP_BYTES`` of input at a time), allocated on the current stream.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "ALGORITHM",
+    "COLS",
+    "GROUP_BYTES",
+    "MIN_DEVICE_BYTES",
+    "device_pairs",
+    "digest_tensor",
+    "piece_count",
+    "piece_hashes",
+    "raw_bytes",
+    "wsum64_digest",
+]
+
+#: The name of this checksum in checkpoint manifests.
+ALGORITHM = "wsum64"
+#: Bytes per piece (must equal ``_digest.PIECE_BYTES``; a test keeps them in step).
+PIECE_BYTES = 8 << 20
+#: Words per row: ``A`` has this many constants, ``B`` one per row of a piece.
+COLS = 4096
+_ROWS = PIECE_BYTES // 4 // COLS
+#: Input bytes multiplied at once (bounds the int64 products held in memory).
+GROUP_BYTES = 32 << 20
+_MASK = (1 << 64) - 1
+#: Sources of fewer bytes are not hashed on their device: a hash costs a few kernel
+#: launches (microseconds of the worker's time each), more than hashing a small tensor
+#: from its host copy later; the bytes are in the big ones.
+MIN_DEVICE_BYTES = 1 << 20
+#: SplitMix64's increment, also the length's multiplier.
+LEN_MUL = 0x9E3779B97F4A7C15
+
+
+def _signed(x: int) -> int:
+    x &= _MASK
+    return x - (1 << 64) if x >> 63 else x
+
+
+def _splitmix(seed: int, n: int) -> list[int]:
+    out = []
+    state = seed
+    for _ in range(n):
+        state = (state + LEN_MUL) & _MASK
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+        z ^= z >> 31
+        out.append(_signed(z | 1))
+    return out
+
+
+_CONSTANTS = _splitmix(0x5EED_57A6_E5, COLS + _ROWS)
+_A_VALUES = _CONSTANTS[:COLS]
+_B_VALUES = _CONSTANTS[COLS:]
+_LEN_MUL = _signed(LEN_MUL)
+_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_lock = threading.Lock()
+
+
+def _tables_on(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``A`` (COLS,), ``B`` (rows, 1) and the tail word's byte weights (3,) as int64
+    tensors on ``device``, made once per device (36 KiB).
+
+    Hazard (CUDA): made by a synchronous upload on a new, idle stream (torch's streams
+    do not synchronize with the legacy default stream), so the host waits only for the
+    upload, never for work queued by training, and the tables are ready for every
+    stream once it returns. An upload on the caller's stream would wait for whatever
+    it still has queued; an asynchronous one would race the first hash on another
+    stream."""
+    found = _tables.get(device)
+    if found is None:
+        with _lock:
+            found = _tables.get(device)
+            if found is None:
+                values = [_A_VALUES, _B_VALUES, [1, 1 << 8, 1 << 16]]
+                if device.type == "cuda":
+                    with torch.cuda.device(device):
+                        side = torch.cuda.Stream(device=device)
+                        with torch.cuda.stream(side):
+                            made = [torch.tensor(v, dtype=torch.int64, device=device) for v in values]
+                        side.synchronize()
+                else:
+                    made = [torch.tensor(v, dtype=torch.int64, device=device) for v in values]
+                found = _tables[device] = (made[0], made[1].view(_ROWS, 1), made[2])
+    return found
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of contiguous tensor ``t`` as a 1-D uint8 view of its storage (any
+    dtype, no copy); the caller has resolved lazy conjugate/negative bits."""
+    nbytes = t.numel() * t.element_size()
+    out = torch.empty(0, dtype=torch.uint8, device=t.device)
+    out.set_(t.untyped_storage(), t.storage_offset() * t.element_size(), (nbytes,), (1,))
+    return out
+
+
+def _whole_pieces(words: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[p]`` = the hash sum of whole piece ``p`` of ``words`` (int32, a multiple of
+    a piece long), without the length term; GROUP_BYTES of input at a time."""
+    a, b, _ = _tables_on(words.device)
+    per_piece = COLS * _ROWS
+    group = max(1, GROUP_BYTES // PIECE_BYTES)
+    pieces = words.numel() // per_piece
+    for lo in range(0, pieces, group):
+        hi = min(pieces, lo + group)
+        block = words[lo * per_piece : hi * per_piece].view(hi - lo, _ROWS, COLS)
+        if words.device.type == "cpu":
+            # The CPU multiplies int64 by int64 far faster than it promotes int32.
+            prod = block.to(torch.int64)
+            prod.mul_(a)
+        else:
+            prod = torch.mul(block, a)  # int32 * int64 -> int64, one kernel
+        rows = prod.sum(dim=2)  # (pieces, rows)
+        del prod
+        torch.sum(rows * b.view(1, _ROWS), dim=1, out=out[lo:hi])
+
+
+def _last_piece(u8: torch.Tensor) -> torch.Tensor:
+    """The hash sum of one piece of fewer than PIECE_BYTES bytes (0-dim int64), without
+    the length term."""
+    a, b, weights = _tables_on(u8.device)
+    n = u8.numel()
+    whole = n // 4
+    words = u8[: whole * 4].view(torch.int32)
+    full_rows, rest = divmod(whole, COLS)
+    total = torch.zeros((), dtype=torch.int64, device=u8.device)
+    if full_rows:
+        rows = torch.mul(words[: full_rows * COLS].view(full_rows, COLS), a).sum(dim=1)
+        total += (rows * b[:full_rows, 0]).sum()
+    if rest:
+        total += torch.mul(words[full_rows * COLS :], a[:rest]).sum() * b[full_rows, 0]
+    tail = n - whole * 4
+    if tail:
+        # The zero-padded last word: little-endian bytes, at most 24 bits, so positive.
+        word = (u8[whole * 4 :].to(torch.int64) * weights[:tail]).sum()
+        j = whole
+        total += word * _signed(_A_VALUES[j % COLS] * _B_VALUES[j // COLS])
+    return total
+
+
+def piece_count(nbytes: int) -> int:
+    """Pieces (digest entries) of ``nbytes`` bytes: at least one."""
+    return max(1, -(-nbytes // PIECE_BYTES))
+
+
+def piece_hashes(u8: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The WSUM64 of every piece of ``u8`` (1-D uint8, on any device), as an int64
+    tensor on that device (signed; ``& (2**64 - 1)`` gives the digest's values), into
+    ``out`` when given (``piece_count`` entries). Only enqueues work on the current
+    stream: nothing waits for the device."""
+    n = u8.numel()
+    pieces = piece_count(n)
+    if out is None:
+        out = torch.empty(pieces, dtype=torch.int64, device=u8.device)
+    whole = n // PIECE_BYTES
+    if whole:
+        _whole_pieces(u8[: whole * PIECE_BYTES].view(torch.int32), out[:whole])
+        out[:whole] += _signed(PIECE_BYTES * LEN_MUL)
+    rest = n - whole * PIECE_BYTES
+    if rest or n == 0:
+        out[whole] = _last_piece(u8[whole * PIECE_BYTES :]) + _signed(rest * LEN_MUL)
+    return out
+
+
+def device_pairs(
+    dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], min_bytes: int | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (host destination, source) pairs whose source's bytes are the destination's
+    bytes exactly (same dtype and shape, both contiguous, no lazy bits) and at least
+    ``min_bytes`` (default ``MIN_DEVICE_BYTES``): what a device can hash before it
+    copies. The rest are hashed from the host copy."""
+    floor = MIN_DEVICE_BYTES if min_bytes is None else min_bytes
+    out = []
+    for d, s in zip(dsts, srcs):
+        if s.numel() * s.element_size() < floor:
+            continue
+        if s.dtype != d.dtype or s.shape != d.shape or not (s.is_contiguous() and d.is_contiguous()):
+            continue
+        if s.is_conj() or s.is_neg() or d.is_conj() or d.is_neg():
+            continue
+        out.append((d, s))
+    return out
+
+
+def digest_tensor(hashes: torch.Tensor) -> list[int]:
+    """``piece_hashes``'s result as the digest: unsigned 64-bit integers (reads the
+    tensor: on a device, this waits for it)."""
+    return [int(h) & _MASK for h in hashes.tolist()]
+
+
+def wsum64_digest(t: torch.Tensor) -> list[int]:
+    """The WSUM64 digest of any tensor (on any device), computed now: its values in
+    row-major order (a contiguous copy first only when it is not contiguous or has lazy
+    bits)."""
+    d = t.detach()
+    if d.is_conj():
+        d = d.resolve_conj()
+    if d.is_neg():
+        d = d.resolve_neg()
+    if not d.is_contiguous():
+        d = d.contiguous()
+    return digest_tensor(piece_hashes(raw_bytes(d)))

@@ -1,0 +1,233 @@
+"""Checksums taken on the device that holds the data: WSUM64 (``_wordhash``), a hash
+made of torch operations, computed before the device-to-host copy and recomputed
+identically on the CPU on restore. The fake device (``FakeBackend``) runs the same
+code path on CPU tensors; the CUDA tests at the end run it on a GPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from async_stager import Checkpointer, Checksums, IntegrityError, Stager, _digest, _wordhash
+from async_stager.__main__ import main as cli_main
+from async_stager._integrity import checksum_state
+from async_stager.testing import FakeBackend
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
+
+MiB = 1 << 20
+
+
+def reference(data: bytes) -> list[int]:
+    """WSUM64 as its docstring defines it, in numpy's unsigned (wrapping) arithmetic."""
+    np = pytest.importorskip("numpy")
+    a = np.array(_wordhash._A_VALUES, dtype=np.int64).view(np.uint64)
+    b = np.array(_wordhash._B_VALUES, dtype=np.int64).view(np.uint64)
+    size = _wordhash.PIECE_BYTES
+    out = []
+    for piece in [data[i : i + size] for i in range(0, len(data), size)] or [b""]:
+        padded = piece + b"\0" * (-len(piece) % 4)
+        w = np.frombuffer(padded, dtype="<i4").astype(np.int64).view(np.uint64)
+        j = np.arange(len(w))
+        with np.errstate(over="ignore"):
+            h = np.uint64(len(piece)) * np.uint64(_wordhash.LEN_MUL) + (
+                w * (a[j % _wordhash.COLS] * b[j // _wordhash.COLS])
+            ).sum(dtype=np.uint64)
+        out.append(int(h))
+    return out
+
+
+def raw(t: torch.Tensor) -> bytes:
+    """A CPU tensor's bytes in row-major order."""
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_piece_size_is_the_digests() -> None:
+    assert _wordhash.PIECE_BYTES == _digest.PIECE_BYTES
+    assert _wordhash.PIECE_BYTES % (4 * _wordhash.COLS) == 0
+
+
+@pytest.mark.parametrize(
+    "n", [0, 1, 3, 4, 5, 4 * 4096 + 2, 8 * MiB - 1, 8 * MiB, 8 * MiB + 3, 3 * 8 * MiB + 12345]
+)
+def test_wsum64_matches_its_definition(n: int) -> None:
+    t = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    assert _wordhash.wsum64_digest(t) == reference(t.numpy().tobytes())
+    assert len(_wordhash.wsum64_digest(t)) == _wordhash.piece_count(n)
+
+
+def test_wsum64_of_any_dtype_and_layout_is_of_its_row_major_bytes() -> None:
+    g = torch.Generator().manual_seed(1)
+    for t in (
+        torch.randn(3, 5, generator=g).half(),
+        torch.tensor(2.5),
+        torch.randn(100, 64, generator=g).t(),
+        torch.randint(0, 2, (7,), generator=g).bool(),
+        torch.randn(9, generator=g, dtype=torch.complex64),
+    ):
+        assert _wordhash.wsum64_digest(t) == reference(raw(t))
+
+
+def test_wsum64_detects_word_changes_swaps_and_zeroed_ranges() -> None:
+    t = torch.randn(3 * MiB // 4, generator=torch.Generator().manual_seed(2))
+    base = _wordhash.wsum64_digest(t)
+    u8 = t.view(torch.uint8)
+    for i in (
+        list(range(0, 64)) + list(range(u8.numel() - 64, u8.numel())) + list(range(7, u8.numel(), 65537))
+    ):
+        for bit in (0x01, 0x80):
+            u = t.clone()
+            u.view(torch.uint8)[i] ^= bit
+            assert _wordhash.wsum64_digest(u) != base, (i, bit)
+    u = t.clone()
+    u[10], u[4096 + 10] = t[4096 + 10].item(), t[10].item()  # same column, other row
+    assert _wordhash.wsum64_digest(u) != base
+    u = t.clone()
+    u[1000:5000] = 0  # a torn range
+    assert _wordhash.wsum64_digest(u) != base
+    u = t.clone()
+    u.view(torch.uint8)[3] ^= 0x80
+    u.view(torch.uint8)[4 * 77 + 3] ^= 0x80  # two sign flips
+    assert _wordhash.wsum64_digest(u) != base
+    zeros = torch.zeros(100, dtype=torch.uint8)
+    assert _wordhash.wsum64_digest(zeros) != _wordhash.wsum64_digest(zeros[:99])  # the length counts
+
+
+def device_state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(3)
+    return {
+        "big": torch.randn(5 * MiB, generator=g),  # 20 MiB: three pieces
+        "mid": torch.randn(MiB // 2, generator=g).bfloat16(),  # 1 MiB: hashed on the device
+        "small": [torch.randn(33, generator=g) for _ in range(10)],  # host-hashed later
+        "strided": torch.randn(1024, 1024, generator=g)[:, 1],  # not hashable on the device
+    }
+
+
+async def test_fake_device_hashes_big_sources_as_of_the_call() -> None:
+    backend = FakeBackend(polls=3)  # the copies land after a few polls
+    sd = device_state()
+    stream = backend.stream(torch.device("cpu"))
+    stream.enqueue(lambda: sd["big"].add_(1))  # a producer still queued at the call
+    expected_big = sd["big"] + 1
+    async with Stager(backend=backend) as stager:
+        coro = stager.lease(sd, checksums=True)
+        stream.enqueue(lambda: sd["big"].mul_(-1))  # queued after the call: not staged
+        lease = await coro
+        staged = lease.state_dict
+        sums = lease.checksums
+        assert isinstance(sums, Checksums)
+        assert backend.device_hashes == 2
+        assert torch.equal(staged["big"], expected_big)
+        for name in ("big", "mid"):
+            assert sums.algorithm_of(staged[name]) == "wsum64"
+            digest = sums.get(staged[name])
+            assert digest == Checksums.compute(staged[name], "wsum64") == reference(raw(staged[name]))
+        assert len(sums.get(staged["big"]) or []) == 3
+        for t in staged["small"] + [staged["strided"]]:
+            assert sums.get(t) is None and sums.algorithm_of(t) is None
+        table, hashed_now = checksum_state(staged, known=sums)
+        assert table["big@0"]["hash"] == "wsum64" and table["mid@0"]["hash"] == "wsum64"
+        assert "hash" not in table["small.0@0"] and "hash" not in table["strided@0"]
+        assert hashed_now == 10 * 33 * 4 + 1024 * 4
+        lease.release()
+
+
+async def test_without_checksums_nothing_is_hashed_on_the_device() -> None:
+    backend = FakeBackend()
+    async with Stager(backend=backend) as stager:
+        lease = await stager.lease(device_state())
+        assert lease.checksums is None and backend.device_hashes == 0
+        lease.release()
+
+
+async def test_checkpointer_stores_and_verifies_device_digests(tmp_path: Path, capsys: Any) -> None:
+    w = torch.arange(float(MiB // 2))  # 2 MiB: hashed on the (fake) device
+    b = torch.arange(16.0)
+    async with Checkpointer(tmp_path, keep=3, stager=Stager(backend=FakeBackend(delay=0.01))) as ckpt:
+        for step in (1, 2):
+            w += 10_000_000
+            b += 1
+            await ckpt.save({"layer": {"w": w, "b": b}}, step=step)
+        await ckpt.wait()
+    manifest = json.loads((tmp_path / "step-00000002" / "checksums.json").read_text())
+    assert manifest["format"] == "async_stager-checksums/3"
+    assert manifest["tensors"]["layer.w@0"]["hash"] == "wsum64"
+    assert "hash" not in manifest["tensors"]["layer.b@0"]
+    assert cli_main(["verify", str(tmp_path)]) == 0
+    # A flipped byte inside the device-hashed tensor is found on restore.
+    path = tmp_path / "step-00000002" / "__0_0.distcp"
+    data = bytearray(path.read_bytes())
+    i = data.find(torch.tensor([20_000_123.0]).numpy().tobytes())
+    assert i >= 0
+    data[i] ^= 0x01
+    path.write_bytes(bytes(data))
+    async with Checkpointer(tmp_path) as ckpt:
+        out = {"layer": {"w": torch.empty(MiB // 2), "b": torch.empty(16)}}
+        with pytest.raises(IntegrityError) as info:
+            await ckpt.restore(out, fallback=False)
+        assert info.value.step == 2 and info.value.tensor == "layer.w" and "wsum64" in str(info.value)
+        assert await ckpt.restore(out) == 1
+        assert torch.equal(out["layer"]["w"], torch.arange(float(MiB // 2)) + 10_000_000)
+    capsys.readouterr()
+    assert cli_main(["verify", str(tmp_path)]) == 1
+
+
+async def test_a_cpu_state_keeps_writing_format_2(tmp_path: Path) -> None:
+    async with Checkpointer(tmp_path, stager=Stager()) as ckpt:
+        await ckpt.save({"w": torch.randn(2 * MiB)}, step=1)
+        await ckpt.wait()
+    manifest = json.loads((tmp_path / "step-00000001" / "checksums.json").read_text())
+    assert manifest["format"] == "async_stager-checksums/2"
+    assert all("hash" not in e for e in manifest["tensors"].values())
+
+
+async def test_an_unknown_hash_in_a_manifest_is_not_trusted(tmp_path: Path) -> None:
+    async with Checkpointer(tmp_path, stager=Stager(backend=FakeBackend())) as ckpt:
+        await ckpt.save({"w": torch.randn(2 * MiB)}, step=1)
+        await ckpt.wait()
+    path = tmp_path / "step-00000001" / "checksums.json"
+    doc = json.loads(path.read_text())
+    doc["tensors"]["w@0"]["hash"] = "md5"
+    path.write_text(json.dumps(doc))
+    async with Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(IntegrityError, match="unknown hash 'md5'"):
+            await ckpt.restore({"w": torch.empty(2 * MiB)}, fallback=False)
+
+
+# -- on a GPU -------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+async def test_cuda_sources_are_hashed_on_the_gpu_before_the_copy() -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sd: dict[str, Any] = {
+        "big": torch.randn(5 * MiB, device="cuda", generator=g),
+        "bf16": torch.randn(3 * MiB, device="cuda", generator=g).bfloat16(),
+        "small": [torch.randn(40, device="cuda", generator=g) for _ in range(50)],
+    }
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    async with Stager() as stager:
+        for round_ in range(3):
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(50_000_000)  # the producer is still busy at the call
+                sd["big"].add_(1)
+            torch.cuda.current_stream().wait_stream(side)
+            expected = sd["big"].clone()
+            lease = await stager.lease(sd, checksums=True)
+            sd["big"].mul_(-1)  # after the call, on the current stream: not staged
+            staged = lease.state_dict
+            sums = lease.checksums
+            assert sums is not None
+            assert torch.equal(staged["big"], expected.cpu()), round_
+            for name in ("big", "bf16"):
+                assert sums.algorithm_of(staged[name]) == "wsum64"
+                assert sums.get(staged[name]) == Checksums.compute(staged[name], "wsum64"), (round_, name)
+            assert sums.get(staged["big"]) == _wordhash.wsum64_digest(expected)  # GPU == CPU
+            assert all(sums.get(t) is None for t in staged["small"])
+            lease.release()
+            sd["big"].mul_(-1)
