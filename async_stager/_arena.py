@@ -348,19 +348,27 @@ class HostPool:
         free = self._free[arena]
         new_free: list[tuple[int, int]] = []
         k = 0
+        npending = len(pending)
+        used = 0
+        frombuffer = torch.frombuffer
+        mm = arena.mm
+        u8 = torch.uint8
         for off, size in free:
-            while k < len(pending):
+            while k < npending:
                 i = pending[k]
-                n = align(sizes[i])
+                nb = sizes[i]
+                n = align(nb)
                 if n > size:
                     break
-                out[i] = Block(arena, off, sizes[i], arena.block_tensor(off, sizes[i]))
-                self._used[arena] += n
+                # arena.block_tensor, inlined (nb > 0: zero-byte requests never pend).
+                out[i] = Block(arena, off, nb, frombuffer(mm, dtype=u8, count=nb, offset=off))
+                used += n
                 off += n
                 size -= n
                 k += 1
             if size:
                 new_free.append((off, size))
+        self._used[arena] += used
         self._free[arena] = new_free
         return pending[k:]
 

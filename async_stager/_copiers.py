@@ -24,7 +24,7 @@ from ._digest import Checksums
 from ._hostcopy import MIN_POOL_BYTES, CopyPool, Schedule, hashed_pieces, schedule
 from ._openmp import omp_threads
 from ._options import AUTO, auto_copy_threads, loop_friendly_threads
-from ._wordhash import device_pairs, piece_count, piece_hashes, raw_bytes
+from ._wordhash import Tables, device_pairs, make_tables, piece_count, piece_hashes, raw_bytes
 
 __all__ = ["CpuCopier", "CudaCopier", "CudaEvent", "RealBackend", "ScratchCopier"]
 
@@ -317,7 +317,12 @@ class CudaCopier(ScratchCopier):
         self._ctx: contextlib.ExitStack | None = None
         # Made at the first stage that takes checksums; see hash_sources.
         self._hash_stream: torch.cuda.Stream | None = None
+        self._tables: Tables | None = None
         self._hashing = False
+        self._capture: CudaEvent | None = None
+        #: Stages whose device hash could not be had (device memory ran out): their
+        #: destinations were hashed from the host copy instead.
+        self.hash_fallbacks = 0
 
     def capture(self) -> Any:
         return CudaEvent(torch.cuda.current_stream(self.stream.device_index))
@@ -327,6 +332,7 @@ class CudaCopier(ScratchCopier):
         ctx.enter_context(torch.cuda.device(self.device))
         ctx.enter_context(torch.cuda.stream(self.stream))
         self._ctx = ctx
+        self._capture = capture
         if capture is not None:
             capture.wait(self.stream)
         else:
@@ -342,11 +348,17 @@ class CudaCopier(ScratchCopier):
         self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], checksums: Checksums
     ) -> None:
         # The hashes run on a second stream, so the SMs hash while the copy engine
-        # copies: the hash stream waits for the copy stream's wait on the capture (the
-        # sources as of the call); end() makes the copy stream wait for the hash
-        # stream, so the stage's one completion covers both. Its temporaries are
-        # allocated with the hash stream current (reused only in its order); the
-        # sources are recorded on it (the allocator keeps them until it is done).
+        # copies: the hash stream waits for the stage's capture itself (the sources
+        # as of the call; not for earlier stages' copies still on the copy stream);
+        # end() makes the copy stream wait for the hash stream, so the stage's one
+        # completion covers both. Temporaries and the constant tables are made with the
+        # hash stream current (used and reused only in its order); the sources are
+        # recorded on it (the allocator keeps them until it is done). Hazard: torch
+        # hands streams out from a pool, so this stream may be one that other work
+        # also uses; that serializes, it cannot reorder.
+        #
+        # A device hash is an optimization: when it cannot be had (device memory runs
+        # out), nothing is recorded and the host copy is hashed later instead.
         pairs = device_pairs(dsts, srcs)
         if not pairs:
             return
@@ -354,22 +366,35 @@ class CudaCopier(ScratchCopier):
             with torch.cuda.device(self.device):
                 self._hash_stream = torch.cuda.Stream(device=self.device)
         stream = self._hash_stream
-        total = sum(piece_count(d.numel() * d.element_size()) for d, _ in pairs)
-        # Pinned (torch's caching host allocator), so the result's copy is
-        # asynchronous; the Checksums keep it until it is read.
+        sizes = [piece_count(d.numel() * d.element_size()) for d, _ in pairs]
+        total = sum(sizes)
+        # Pinned (torch's caching host allocator, which keeps the block until the copy
+        # into it is done), so the result's copy is asynchronous; the Checksums keep it
+        # until it is read.
         host = torch.empty(total, dtype=torch.int64, pin_memory=True)
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            stream.wait_stream(self.stream)
+            if self._capture is not None:
+                self._capture.wait(stream)
+            else:
+                stream.wait_stream(torch.cuda.default_stream(self.device))
             self._hashing = True
-            out = torch.empty(total, dtype=torch.int64, device=self.device)
-            start = 0
-            for d, src in pairs:
-                pieces = piece_count(d.numel() * d.element_size())
-                if checksums.add_device(d, host, start):
+            try:
+                if self._tables is None:
+                    self._tables = make_tables(self.device)
+                out = torch.empty(total, dtype=torch.int64, device=self.device)
+                start = 0
+                for (_, src), pieces in zip(pairs, sizes):
                     src.record_stream(stream)
-                    piece_hashes(raw_bytes(src), out[start : start + pieces])
-                start += pieces
-            host.copy_(out, non_blocking=True)
+                    piece_hashes(raw_bytes(src), out[start : start + pieces], self._tables)
+                    start += pieces
+                host.copy_(out, non_blocking=True)
+            except torch.OutOfMemoryError:
+                self.hash_fallbacks += 1
+                return
+        start = 0
+        for (d, _), pieces in zip(pairs, sizes):
+            checksums.add_device(d, host, start)
+            start += pieces
 
     def protect(self, srcs: Sequence[torch.Tensor]) -> None:
         for s in srcs:
@@ -381,6 +406,7 @@ class CudaCopier(ScratchCopier):
             self._hashing = False
             self.stream.wait_stream(self._hash_stream)
         done = CudaEvent(self.stream)
+        self._capture = None
         ctx, self._ctx = self._ctx, None
         if ctx is not None:
             ctx.close()

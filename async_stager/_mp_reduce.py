@@ -271,7 +271,7 @@ def _rebuild_tensor(
     cls: type[torch.Tensor] | None,
 ) -> torch.Tensor:
     t = torch.empty(0, dtype=dtype).set_(storage, storage_offset, size, stride)
-    # The sender's lazy bits, in _plan._with_math_bits's order.
+    # The sender's lazy bits, in _plan._hosts_and_units's order.
     if bits & 1:
         t = t.conj()
     if bits & 2:

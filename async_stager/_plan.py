@@ -148,7 +148,7 @@ def _reserve(
         blocks = bufset.pool.allocate([g.storage.nbytes() for g in missing], prefault=prefault)
         for g, b in zip(missing, blocks):
             g.block = b
-            bufset.cache.insert(g.storage, g.device, b)
+        bufset.cache.insert_many([(g.storage, g.device, b) for g, b in zip(missing, blocks)])
     if reads and _keep_apart(bufset, groups, reads, prefault=prefault):
         bufset.forget_plans()
     return len(missing)
@@ -160,7 +160,11 @@ def _hosts_and_units(
     """Per unique tensor its host view (the source's layout on the group's block, with
     its conj/neg bits); per non-empty storage its copy unit (typed when one plain
     contiguous leaf covers it exactly, else the whole storage as bytes); the
-    whole-storage checks for the fingerprint; and the host bytes."""
+    whole-storage checks for the fingerprint; and the host bytes.
+
+    Hazard: a byte-for-byte copy of a storage does not apply a view's lazy conjugate
+    and negative bits, so the host view must carry them too (conj first, then neg), or
+    the staged values come out silently conjugated or negated."""
     host_u: list[Any] = [None] * len(uniq)
     units: list[Unit] = []
     whole_checks: list[tuple[int, int, int]] = []
@@ -169,14 +173,35 @@ def _hosts_and_units(
     for n, g in enumerate(groups.values()):
         block = g.block
         assert block is not None
-        base = block.tensor.untyped_storage()
+        size = block.nbytes
+        base_t = block.tensor
+        base: torch.UntypedStorage | None = None
+        rep_bits = 0
         for u in g.members:
             t = uniq[u]
-            # Also for an empty storage (zero-byte block): an empty view may still sit
-            # at a nonzero offset, and set_ keeps it.
-            h = torch.empty(0, dtype=t.dtype).set_(base, t.storage_offset(), t.size(), t.stride())
-            host_u[u] = _with_math_bits(t, h)
-        size = block.nbytes
+            bits = int(t.is_conj()) | (int(t.is_neg()) << 1)
+            if u == g.members[0]:
+                rep_bits = bits
+            dtype = t.dtype
+            es = t.element_size()
+            if size and not size % es:
+                # The block's bytes typed, then the source's layout on them: half the
+                # cost of a new tensor set_ on the storage (two small allocations per
+                # tensor add up at tens of thousands of tensors).
+                typed = base_t if dtype is torch.uint8 else base_t.view(dtype)
+                h = typed.as_strided(t.size(), t.stride(), t.storage_offset())
+            else:
+                # An empty storage (zero-byte block): an empty view may still sit at a
+                # nonzero offset, and set_ keeps it; or bytes that are no whole number
+                # of elements.
+                if base is None:
+                    base = base_t.untyped_storage()
+                h = torch.empty(0, dtype=dtype).set_(base, t.storage_offset(), t.size(), t.stride())
+            if bits & 1:
+                h = h.conj()
+            if bits & 2:
+                h = torch._neg_view(h)
+            host_u[u] = h
         nbytes += size
         rep_u = g.members[0]
         t = uniq[rep_u]
@@ -185,7 +210,7 @@ def _hosts_and_units(
             and t.storage_offset() == 0
             and t.numel() * t.element_size() == size
             and t.is_contiguous()
-            and not _math_bits(t)
+            and not rep_bits
             and t.dtype in _TYPED_COPY_DTYPES
         )
         if size:
@@ -368,19 +393,3 @@ _TYPED_COPY_DTYPES = frozenset(
     )
     if hasattr(torch, name)
 )
-
-
-def _math_bits(t: torch.Tensor) -> int:
-    """A view's lazy conjugate (1) and negative (2) bits. Hazard: a byte-for-byte copy
-    of its storage does not apply them, so the host view must carry them too, or the
-    staged values come out silently conjugated or negated."""
-    return int(t.is_conj()) | (int(t.is_neg()) << 1)
-
-
-def _with_math_bits(src: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
-    bits = _math_bits(src)
-    if bits & 1:
-        host = host.conj()
-    if bits & 2:
-        host = torch._neg_view(host)
-    return host

@@ -184,7 +184,7 @@ class _Exporter(pickle.Pickler):
                 requires_grad,
                 param,
                 # Hazard: the lazy conjugate/negative bits of a staged view (see
-                # _plan._with_math_bits) are not in its bytes: a reference without them
+                # _plan._hosts_and_units) are not in its bytes: a reference without them
                 # reads z where the source was z.conj(), x where it was -x.
                 int(t.is_conj()) | (int(t.is_neg()) << 1),
             )
@@ -347,7 +347,7 @@ class _Attacher(pickle.Unpickler):
             ]
             storage = self._storage(slot, offset, nbytes)
             t = torch.empty(0, dtype=getattr(torch, dtype)).set_(storage, storage_offset, size, stride)
-            # The exported view's lazy bits, in _plan._with_math_bits's order.
+            # The exported view's lazy bits, in _plan._hosts_and_units's order.
             if math_bits & 1:
                 t = t.conj()
             if math_bits & 2:

@@ -81,6 +81,28 @@ class StorageCache:
         )
         self._by_block[id(block)] = key
 
+    def insert_many(self, pairs: Sequence[tuple[torch.UntypedStorage, torch.device, Block]]) -> None:
+        """``insert`` for each (storage, device, block), in bulk (``map``): a plan of
+        tens of thousands of small storages inserts them all at once."""
+        entries = self._entries
+        by_block = self._by_block
+        storages = [p[0] for p in pairs]
+        keys = list(map(operator.attrgetter("_cdata"), storages))
+        for key in keys:
+            old = entries.get(key)
+            if old is not None:
+                by_block.pop(id(old.block), None)
+        made = map(
+            CacheEntry,
+            map(StorageWeakRef, storages),
+            map(torch.UntypedStorage.data_ptr, storages),
+            map(torch.UntypedStorage.nbytes, storages),
+            [p[1] for p in pairs],
+            [p[2] for p in pairs],
+        )
+        entries.update(zip(keys, made))
+        by_block.update(zip(map(id, (p[2] for p in pairs)), keys))
+
     def take_over(self, pairs: Sequence[tuple[torch.UntypedStorage, torch.device, Block]]) -> bool:
         """Hand each ``block`` to the new source ``storage`` (all or nothing); returns
         whether it did. Only when every block's current source has died (a live

@@ -58,7 +58,10 @@ def check_tensor(t: torch.Tensor) -> None:
         st = t.untyped_storage()
         if st.data_ptr() == 0:
             raise UnsupportedTensorError(f"storage was freed (data_ptr 0) but the tensor has {n} elements")
-        extent = t.storage_offset() + 1 + sum((s - 1) * abs(d) for s, d in zip(t.shape, t.stride()))
+        if t.is_contiguous():
+            extent = t.storage_offset() + n  # the common case, without the sum
+        else:
+            extent = t.storage_offset() + 1 + sum((s - 1) * abs(d) for s, d in zip(t.shape, t.stride()))
         if extent * t.element_size() > st.nbytes():
             raise UnsupportedTensorError(
                 f"storage holds {st.nbytes()} bytes but the tensor needs "

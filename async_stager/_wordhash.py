@@ -40,6 +40,7 @@ __all__ = [
     "MIN_DEVICE_BYTES",
     "device_pairs",
     "digest_tensor",
+    "make_tables",
     "piece_count",
     "piece_hashes",
     "raw_bytes",
@@ -54,7 +55,7 @@ PIECE_BYTES = 8 << 20
 COLS = 4096
 _ROWS = PIECE_BYTES // 4 // COLS
 #: Input bytes multiplied at once (bounds the int64 products held in memory).
-GROUP_BYTES = 32 << 20
+GROUP_BYTES = 16 << 20
 _MASK = (1 << 64) - 1
 #: Sources of fewer bytes are not hashed on their device: a hash costs a few kernel
 #: launches (microseconds of the worker's time each), more than hashing a small tensor
@@ -62,6 +63,11 @@ _MASK = (1 << 64) - 1
 MIN_DEVICE_BYTES = 1 << 20
 #: SplitMix64's increment, also the length's multiplier.
 LEN_MUL = 0x9E3779B97F4A7C15
+
+
+_M1 = 0xBF58476D1CE4E5B9
+_M2 = 0x94D049BB133111EB
+_SEED = 0x5EED_57A6_E5
 
 
 def _signed(x: int) -> int:
@@ -75,46 +81,61 @@ def _splitmix(seed: int, n: int) -> list[int]:
     for _ in range(n):
         state = (state + LEN_MUL) & _MASK
         z = state
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+        z = ((z ^ (z >> 30)) * _M1) & _MASK
+        z = ((z ^ (z >> 27)) * _M2) & _MASK
         z ^= z >> 31
         out.append(_signed(z | 1))
     return out
 
 
-_CONSTANTS = _splitmix(0x5EED_57A6_E5, COLS + _ROWS)
+_CONSTANTS = _splitmix(_SEED, COLS + _ROWS)
 _A_VALUES = _CONSTANTS[:COLS]
 _B_VALUES = _CONSTANTS[COLS:]
 _LEN_MUL = _signed(LEN_MUL)
-_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+#: The constants on one device: ``A`` (COLS,), ``B`` (rows, 1) and the tail word's byte
+#: weights (3,), int64.
+Tables = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+_tables: dict[torch.device, Tables] = {}
 _lock = threading.Lock()
 
 
-def _tables_on(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``A`` (COLS,), ``B`` (rows, 1) and the tail word's byte weights (3,) as int64
-    tensors on ``device``, made once per device (36 KiB).
+def _lsr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
 
-    Hazard (CUDA): made by a synchronous upload on a new, idle stream (torch's streams
-    do not synchronize with the legacy default stream), so the host waits only for the
-    upload, never for work queued by training, and the tables are ready for every
-    stream once it returns. An upload on the caller's stream would wait for whatever
-    it still has queued; an asynchronous one would race the first hash on another
-    stream."""
+
+def make_tables(device: torch.device) -> Tables:
+    """The constants, computed on ``device`` by kernels on its current stream (SplitMix64
+    in int64 ops, equal to ``_A_VALUES`` and ``_B_VALUES``): no upload, so nothing waits
+    for the device. Hazard (CUDA): ready only in that stream's order; another stream
+    must not use them before it has waited for this one (a copier makes its own, on its
+    hash stream)."""
+    i = torch.arange(1, COLS + _ROWS + 1, dtype=torch.int64, device=device)
+    z = i * _signed(LEN_MUL) + _signed(_SEED)
+    z = (z ^ _lsr(z, 30)) * _signed(_M1)
+    z = (z ^ _lsr(z, 27)) * _signed(_M2)
+    z = (z ^ _lsr(z, 31)) | 1
+    weights = torch.bitwise_left_shift(
+        torch.ones(3, dtype=torch.int64, device=device),
+        torch.arange(0, 24, 8, dtype=torch.int64, device=device),
+    )
+    return z[:COLS], z[COLS:].view(_ROWS, 1), weights
+
+
+def _tables_on(device: torch.device) -> Tables:
+    """The constants on ``device`` for callers that wait for their result (the CPU, and
+    ``wsum64_digest``, which reads the hashes back): made once per device. On CUDA they
+    are made on the current stream and synchronized once, so every stream may use them
+    afterwards."""
     found = _tables.get(device)
     if found is None:
         with _lock:
             found = _tables.get(device)
             if found is None:
-                values = [_A_VALUES, _B_VALUES, [1, 1 << 8, 1 << 16]]
+                made = make_tables(device)
                 if device.type == "cuda":
-                    with torch.cuda.device(device):
-                        side = torch.cuda.Stream(device=device)
-                        with torch.cuda.stream(side):
-                            made = [torch.tensor(v, dtype=torch.int64, device=device) for v in values]
-                        side.synchronize()
-                else:
-                    made = [torch.tensor(v, dtype=torch.int64, device=device) for v in values]
-                found = _tables[device] = (made[0], made[1].view(_ROWS, 1), made[2])
+                    torch.cuda.current_stream(device).synchronize()
+                found = _tables[device] = made
     return found
 
 
@@ -127,10 +148,10 @@ def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _whole_pieces(words: torch.Tensor, out: torch.Tensor) -> None:
+def _whole_pieces(words: torch.Tensor, out: torch.Tensor, tables: Tables) -> None:
     """``out[p]`` = the hash sum of whole piece ``p`` of ``words`` (int32, a multiple of
     a piece long), without the length term; GROUP_BYTES of input at a time."""
-    a, b, _ = _tables_on(words.device)
+    a, b, _ = tables
     per_piece = COLS * _ROWS
     group = max(1, GROUP_BYTES // PIECE_BYTES)
     pieces = words.numel() // per_piece
@@ -148,10 +169,10 @@ def _whole_pieces(words: torch.Tensor, out: torch.Tensor) -> None:
         torch.sum(rows * b.view(1, _ROWS), dim=1, out=out[lo:hi])
 
 
-def _last_piece(u8: torch.Tensor) -> torch.Tensor:
+def _last_piece(u8: torch.Tensor, tables: Tables) -> torch.Tensor:
     """The hash sum of one piece of fewer than PIECE_BYTES bytes (0-dim int64), without
     the length term."""
-    a, b, weights = _tables_on(u8.device)
+    a, b, weights = tables
     n = u8.numel()
     whole = n // 4
     words = u8[: whole * 4].view(torch.int32)
@@ -176,22 +197,28 @@ def piece_count(nbytes: int) -> int:
     return max(1, -(-nbytes // PIECE_BYTES))
 
 
-def piece_hashes(u8: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def piece_hashes(
+    u8: torch.Tensor, out: torch.Tensor | None = None, tables: Tables | None = None
+) -> torch.Tensor:
     """The WSUM64 of every piece of ``u8`` (1-D uint8, on any device), as an int64
     tensor on that device (signed; ``& (2**64 - 1)`` gives the digest's values), into
     ``out`` when given (``piece_count`` entries). Only enqueues work on the current
-    stream: nothing waits for the device."""
+    stream: nothing waits for the device. ``tables``: ``make_tables``'s, made on this
+    stream (default: the shared ones of ``_tables_on``). ``u8`` must start at a
+    multiple of 4 bytes in its storage (``device_pairs`` checks it)."""
+    if tables is None:
+        tables = _tables_on(u8.device)
     n = u8.numel()
     pieces = piece_count(n)
     if out is None:
         out = torch.empty(pieces, dtype=torch.int64, device=u8.device)
     whole = n // PIECE_BYTES
     if whole:
-        _whole_pieces(u8[: whole * PIECE_BYTES].view(torch.int32), out[:whole])
+        _whole_pieces(u8[: whole * PIECE_BYTES].view(torch.int32), out[:whole], tables)
         out[:whole] += _signed(PIECE_BYTES * LEN_MUL)
     rest = n - whole * PIECE_BYTES
     if rest or n == 0:
-        out[whole] = _last_piece(u8[whole * PIECE_BYTES :]) + _signed(rest * LEN_MUL)
+        out[whole] = _last_piece(u8[whole * PIECE_BYTES :], tables) + _signed(rest * LEN_MUL)
     return out
 
 
@@ -211,6 +238,8 @@ def device_pairs(
             continue
         if s.is_conj() or s.is_neg() or d.is_conj() or d.is_neg():
             continue
+        if s.storage_offset() * s.element_size() % 4:
+            continue  # its bytes cannot be read as int32 words in place
         out.append((d, s))
     return out
 
@@ -230,6 +259,6 @@ def wsum64_digest(t: torch.Tensor) -> list[int]:
         d = d.resolve_conj()
     if d.is_neg():
         d = d.resolve_neg()
-    if not d.is_contiguous():
-        d = d.contiguous()
+    if not d.is_contiguous() or d.storage_offset() * d.element_size() % 4:
+        d = d.clone(memory_format=torch.contiguous_format)  # contiguous, and 4-byte aligned
     return digest_tensor(piece_hashes(raw_bytes(d)))

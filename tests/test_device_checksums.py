@@ -231,3 +231,31 @@ async def test_cuda_sources_are_hashed_on_the_gpu_before_the_copy() -> None:
             assert all(sums.get(t) is None for t in staged["small"])
             lease.release()
             sd["big"].mul_(-1)
+
+
+def test_tables_made_on_a_device_equal_the_constants() -> None:
+    a, b, w = _wordhash.make_tables(torch.device("cpu"))
+    assert a.tolist() == _wordhash._A_VALUES and b.view(-1).tolist() == _wordhash._B_VALUES
+    assert w.tolist() == [1, 256, 65536]
+    assert all(v & 1 for v in a.tolist() + b.view(-1).tolist())
+
+
+async def test_views_not_on_a_word_boundary_are_hashed_from_the_host_copy() -> None:
+    # A bf16 view one element into a flat buffer: its bytes start 2 bytes into the
+    # storage, so they cannot be read as int32 words in place.
+    flat = torch.randn(MiB + 1, generator=torch.Generator().manual_seed(5)).bfloat16()
+    view = flat[1:]
+    assert _wordhash.wsum64_digest(view) == reference(raw(view))
+    assert _wordhash.device_pairs([view.clone()], [view]) == []
+    backend = FakeBackend()
+    async with Stager(backend=backend) as stager:
+        lease = await stager.lease({"v": view, "w": torch.randn(MiB)}, checksums=True)
+        sums = lease.checksums
+        assert sums is not None
+        staged = lease.state_dict
+        assert torch.equal(staged["v"], view)
+        assert sums.algorithm_of(staged["w"]) == "wsum64"
+        assert sums.get(staged["v"]) is None  # left to the host copy
+        table, _ = checksum_state(staged, known=sums)
+        assert table["v@0"]["digest"] == _digest.tensor_digest(view)
+        lease.release()
