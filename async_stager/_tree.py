@@ -42,29 +42,36 @@ _Parameter = torch.nn.Parameter
 _TICK_EVERY = 256
 
 
+_strided = torch.strided
+
+
 def check_tensor(t: torch.Tensor) -> None:
-    """Raise UnsupportedTensorError (path ()) if ``t`` cannot be staged faithfully."""
-    if t.is_nested:
-        raise UnsupportedTensorError("nested tensors are not supported")
-    if t.layout is not torch.strided:
-        raise UnsupportedTensorError(f"{t.layout} tensors are not supported (only strided)")
-    if t.is_quantized:
-        raise UnsupportedTensorError("quantized tensors are not supported")
-    dev = t.device
-    if dev.type == "meta":
+    """Raise UnsupportedTensorError (path ()) if ``t`` cannot be staged faithfully.
+
+    Runs once per leaf on every slow-path stage (tens of thousands of times for a state
+    of many small tensors): the common case reads as few attributes as it can."""
+    if t.layout is not _strided or t.is_nested or t.is_quantized or t.is_meta:
+        if t.is_nested:
+            raise UnsupportedTensorError("nested tensors are not supported")
+        if t.layout is not _strided:
+            raise UnsupportedTensorError(f"{t.layout} tensors are not supported (only strided)")
+        if t.is_quantized:
+            raise UnsupportedTensorError("quantized tensors are not supported")
         raise UnsupportedTensorError("meta tensors have no data to stage")
     n = t.numel()
     if n:
-        st = t.untyped_storage()
-        if st.data_ptr() == 0:
-            raise UnsupportedTensorError(f"storage was freed (data_ptr 0) but the tensor has {n} elements")
+        nbytes = t.untyped_storage().nbytes()
         if t.is_contiguous():
             extent = t.storage_offset() + n  # the common case, without the sum
         else:
             extent = t.storage_offset() + 1 + sum((s - 1) * abs(d) for s, d in zip(t.shape, t.stride()))
-        if extent * t.element_size() > st.nbytes():
+        if extent * t.element_size() > nbytes:
+            if t.untyped_storage().data_ptr() == 0:
+                raise UnsupportedTensorError(
+                    f"storage was freed (data_ptr 0) but the tensor has {n} elements"
+                )
             raise UnsupportedTensorError(
-                f"storage holds {st.nbytes()} bytes but the tensor needs "
+                f"storage holds {nbytes} bytes but the tensor needs "
                 f"{extent * t.element_size()} (was it resized?)"
             )
 
@@ -176,6 +183,8 @@ class Walk(ObjectWalk):
             return
         if type(t) is _Tensor or type(t) is _Parameter:
             check_tensor(t)
+            if t.is_cpu:
+                return  # nothing to agree on (reading t.device makes an object)
             dev = t.device
         else:
             try:
