@@ -233,42 +233,47 @@ class Engine:
             if not fast:
                 # Drop what the failed fast attempt built before the set is re-watched.
                 result = walk = None
-                collect = Walk((), validate=True, tick=tick)
-                collect.rebuild(sd)
-                with gc_paused(), no_torch_function():
-                    plan, hits, misses = make_plan(
-                        self._copier,
-                        self.options,
-                        bufset,
-                        sig,
-                        collect.leaves,
-                        tick,
-                        prefault=not copy,
-                        preflight=self._preflight(bufset, reserve=not copy),
-                    )
-                # Remembered and watched before the walk below builds the result: the
-                # baseline of ``held`` must count the stager's references only.
-                bufset.remember(plan)
-                bufset.watch()
-                walk = Walk(plan.hosts, validate=False, tick=tick)
-                result = walk.rebuild(sd)
-                leaves = walk.leaves
-                # Hazard: the copies read the second walk's leaves into the plan of the
-                # first. Their memory may differ (an object's __getstate__ may make new
-                # tensors each call), their layout may not: another thread may have
-                # changed the state dict between the walks (a (1,)-tensor swapped in
-                # for a (4,)-tensor would even broadcast silently), and then the stage
-                # is refused.
-                with no_torch_function():
-                    holds = plan_holds(plan, leaves, tick, planned=collect.leaves, pool=bufset.pool)
-                if not holds:
-                    result = walk = None
-                    bufset.forget_plan(sig)
+                # The cyclic GC paused for the whole slow path, not only make_plan:
+                # the walks and checks make objects per leaf too, and collections
+                # scanning a heap that grows with every plan doubled the first stage
+                # of 20k tensors in a process already holding other plans.
+                with gc_paused():
+                    collect = Walk((), validate=True, tick=tick)
+                    collect.rebuild(sd)
+                    with no_torch_function():
+                        plan, hits, misses = make_plan(
+                            self._copier,
+                            self.options,
+                            bufset,
+                            sig,
+                            collect.leaves,
+                            tick,
+                            prefault=not copy,
+                            preflight=self._preflight(bufset, reserve=not copy),
+                        )
+                    # Remembered and watched before the walk below builds the result: the
+                    # baseline of ``held`` must count the stager's references only.
+                    bufset.remember(plan)
                     bufset.watch()
-                    raise StagingError(
-                        "the state dict changed while it was being staged: "
-                        "do not mutate it until stage() returns"
-                    )
+                    walk = Walk(plan.hosts, validate=False, tick=tick)
+                    result = walk.rebuild(sd)
+                    leaves = walk.leaves
+                    # Hazard: the copies read the second walk's leaves into the plan of the
+                    # first. Their memory may differ (an object's __getstate__ may make new
+                    # tensors each call), their layout may not: another thread may have
+                    # changed the state dict between the walks (a (1,)-tensor swapped in
+                    # for a (4,)-tensor would even broadcast silently), and then the stage
+                    # is refused.
+                    with no_torch_function():
+                        holds = plan_holds(plan, leaves, tick, planned=collect.leaves, pool=bufset.pool)
+                    if not holds:
+                        result = walk = None
+                        bufset.forget_plan(sig)
+                        bufset.watch()
+                        raise StagingError(
+                            "the state dict changed while it was being staged: "
+                            "do not mutate it until stage() returns"
+                        )
             else:
                 assert plan is not None
                 hits = plan.storages
