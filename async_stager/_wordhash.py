@@ -38,6 +38,7 @@ __all__ = [
     "COLS",
     "GROUP_BYTES",
     "MIN_DEVICE_BYTES",
+    "OFFLOAD_BYTES",
     "device_pairs",
     "digest_tensor",
     "make_tables",
@@ -250,11 +251,26 @@ def digest_tensor(hashes: torch.Tensor) -> list[int]:
     return [int(h) & _MASK for h in hashes.tolist()]
 
 
+#: A CPU tensor of at least this many bytes is hashed on the current CUDA device when
+#: this process already uses CUDA (a restore read back into host memory): the CPU
+#: hashes WSUM64 at about 0.4 GB/s per thread, a GPU at its memory bandwidth plus the
+#: upload.
+OFFLOAD_BYTES = 8 << 20
+
+
 def wsum64_digest(t: torch.Tensor) -> list[int]:
     """The WSUM64 digest of any tensor (on any device), computed now: its values in
     row-major order (a contiguous copy first only when it is not contiguous or has lazy
-    bits)."""
+    bits). A big CPU tensor goes to the GPU for it when CUDA is already initialised
+    (``OFFLOAD_BYTES``); never creates a CUDA context."""
     d = t.detach()
+    if (
+        d.device.type == "cpu"
+        and d.numel() * d.element_size() >= OFFLOAD_BYTES
+        and torch.cuda.is_available()
+        and torch.cuda.is_initialized()
+    ):
+        d = d.to(torch.device("cuda", torch.cuda.current_device()))
     if d.is_conj():
         d = d.resolve_conj()
     if d.is_neg():

@@ -259,3 +259,12 @@ async def test_views_not_on_a_word_boundary_are_hashed_from_the_host_copy() -> N
         table, _ = checksum_state(staged, known=sums)
         assert table["v@0"]["digest"] == _digest.tensor_digest(view)
         lease.release()
+
+
+@pytest.mark.cuda
+def test_a_restore_read_into_host_memory_is_hashed_on_the_gpu_identically() -> None:
+    torch.cuda.init()
+    t = torch.randint(0, 256, (3 * 8 * MiB + 5,), dtype=torch.uint8)
+    assert t.numel() >= _wordhash.OFFLOAD_BYTES
+    assert _wordhash.wsum64_digest(t) == reference(raw(t))  # hashed on the GPU
+    assert _wordhash.wsum64_digest(t.cuda()) == reference(raw(t))
