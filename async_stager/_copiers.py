@@ -24,7 +24,7 @@ from ._digest import Checksums
 from ._hostcopy import MIN_POOL_BYTES, CopyPool, Schedule, hashed_pieces, schedule
 from ._openmp import omp_threads
 from ._options import AUTO, auto_copy_threads, loop_friendly_threads
-from ._wordhash import Tables, device_pairs, make_tables, piece_count, piece_hashes, raw_bytes
+from ._wordhash import Tables, device_pairs, hash_layout, make_tables, piece_hashes, raw_bytes
 
 __all__ = ["CpuCopier", "CudaCopier", "CudaEvent", "RealBackend", "ScratchCopier"]
 
@@ -366,8 +366,7 @@ class CudaCopier(ScratchCopier):
             with torch.cuda.device(self.device):
                 self._hash_stream = torch.cuda.Stream(device=self.device)
         stream = self._hash_stream
-        sizes = [piece_count(d.numel() * d.element_size()) for d, _ in pairs]
-        total = sum(sizes)
+        layout, total = hash_layout(pairs)
         # Pinned (torch's caching host allocator, which keeps the block until the copy
         # into it is done), so the result's copy is asynchronous; the Checksums keep it
         # until it is read.
@@ -382,19 +381,15 @@ class CudaCopier(ScratchCopier):
                 if self._tables is None:
                     self._tables = make_tables(self.device)
                 out = torch.empty(total, dtype=torch.int64, device=self.device)
-                start = 0
-                for (_, src), pieces in zip(pairs, sizes):
+                for _, src, start, pieces in layout:
                     src.record_stream(stream)
                     piece_hashes(raw_bytes(src), out[start : start + pieces], self._tables)
-                    start += pieces
                 host.copy_(out, non_blocking=True)
             except torch.OutOfMemoryError:
                 self.hash_fallbacks += 1
                 return
-        start = 0
-        for (d, _), pieces in zip(pairs, sizes):
+        for d, _, start, _ in layout:
             checksums.add_device(d, host, start)
-            start += pieces
 
     def protect(self, srcs: Sequence[torch.Tensor]) -> None:
         for s in srcs:

@@ -11,7 +11,7 @@ the arena (``_arena.HostPool``) decides whether *memory* can.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +29,20 @@ class CacheEntry:
     nbytes: int
     device: torch.device
     block: Block
+
+
+def _entries(
+    storages: Sequence[torch.UntypedStorage], devices: Sequence[torch.device], blocks: Sequence[Block]
+) -> Iterator[CacheEntry]:
+    """A cache entry per (storage, device, block), made in bulk (``map``)."""
+    return map(
+        CacheEntry,
+        map(StorageWeakRef, storages),
+        map(torch.UntypedStorage.data_ptr, storages),
+        map(torch.UntypedStorage.nbytes, storages),
+        devices,
+        blocks,
+    )
 
 
 class StorageCache:
@@ -92,15 +106,7 @@ class StorageCache:
             old = entries.get(key)
             if old is not None:
                 by_block.pop(id(old.block), None)
-        made = map(
-            CacheEntry,
-            map(StorageWeakRef, storages),
-            map(torch.UntypedStorage.data_ptr, storages),
-            map(torch.UntypedStorage.nbytes, storages),
-            [p[1] for p in pairs],
-            [p[2] for p in pairs],
-        )
-        entries.update(zip(keys, made))
+        entries.update(zip(keys, _entries(storages, [p[1] for p in pairs], [p[2] for p in pairs])))
         by_block.update(zip(map(id, (p[2] for p in pairs)), keys))
 
     def take_over(self, pairs: Sequence[tuple[torch.UntypedStorage, torch.device, Block]]) -> bool:
@@ -126,15 +132,7 @@ class StorageCache:
             return False
         for k in keys:
             del entries[k]
-        made = map(
-            CacheEntry,
-            map(StorageWeakRef, storages),
-            map(torch.UntypedStorage.data_ptr, storages),
-            map(torch.UntypedStorage.nbytes, storages),
-            [p[1] for p in pairs],
-            blocks,
-        )
-        entries.update(zip(new_keys, made))
+        entries.update(zip(new_keys, _entries(storages, [p[1] for p in pairs], blocks)))
         self._by_block.update(zip(map(id, blocks), new_keys))
         return True
 

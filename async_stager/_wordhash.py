@@ -41,6 +41,7 @@ __all__ = [
     "OFFLOAD_BYTES",
     "device_pairs",
     "digest_tensor",
+    "hash_layout",
     "make_tables",
     "piece_count",
     "piece_hashes",
@@ -243,6 +244,20 @@ def device_pairs(
             continue  # its bytes cannot be read as int32 words in place
         out.append((d, s))
     return out
+
+
+def hash_layout(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor, int, int]], int]:
+    """Where each pair's hashes go in one int64 result buffer: per (destination,
+    source), its first slot and its piece count; and the buffer's length."""
+    out = []
+    start = 0
+    for d, src in pairs:
+        pieces = piece_count(d.numel() * d.element_size())
+        out.append((d, src, start, pieces))
+        start += pieces
+    return out, start
 
 
 def digest_tensor(hashes: torch.Tensor) -> list[int]:

@@ -47,7 +47,7 @@ from ._copiers import CpuCopier, ScratchCopier
 from ._device import Backend, Completion, Copier
 from ._digest import Checksums
 from ._errors import PinningError
-from ._wordhash import device_pairs, piece_count, piece_hashes, raw_bytes
+from ._wordhash import device_pairs, hash_layout, piece_hashes, raw_bytes
 
 __all__ = [
     "Backend",
@@ -291,15 +291,9 @@ class FakeCopier(ScratchCopier):
         pairs = device_pairs(dsts, srcs)
         if not pairs:
             return
-        total = sum(piece_count(d.numel() * d.element_size()) for d, _ in pairs)
+        layout, total = hash_layout(pairs)
         host = torch.empty(total, dtype=torch.int64)
-        todo: list[tuple[torch.Tensor, int, int]] = []
-        start = 0
-        for d, src in pairs:
-            pieces = piece_count(d.numel() * d.element_size())
-            if checksums.add_device(d, host, start):
-                todo.append((src, start, pieces))
-            start += pieces
+        todo = [(src, lo, n) for d, src, lo, n in layout if checksums.add_device(d, host, lo)]
         self._backend.device_hashes += len(todo)
 
         def run() -> None:
