@@ -33,7 +33,7 @@ from ._jobs import StageJob, drop, job_done, log_stage_end, logged_run
 from ._lease import Lease
 from ._options import AUTO, StagerOptions
 from ._stats import StageStats
-from ._waiting import Backoff, poll_completion, wait_future, wait_future_uninterrupted
+from ._waiting import Backoff, poll_completion, prepare_backend, wait_future, wait_future_uninterrupted
 from ._worker import Worker, WorkerForked, WorkerStopped
 
 __all__ = ["Stager"]
@@ -111,6 +111,7 @@ class Stager:
             preflight=preflight,
         )
         self.options: StagerOptions = self._engine.options
+        prepare_backend()
         self._worker = Worker(nice=self.options.worker_nice)
         self._backoff = backoff if backoff is not None else Backoff()
         self._on_stage = on_stage

@@ -27,9 +27,22 @@ import sniffio
 from ._device import Completion
 from ._errors import UnsupportedError
 
-__all__ = ["Backoff", "poll_completion", "wait_future", "wait_future_uninterrupted"]
+__all__ = ["Backoff", "poll_completion", "prepare_backend", "wait_future", "wait_future_uninterrupted"]
 
 T = TypeVar("T")
+
+
+def prepare_backend() -> None:
+    """Load anyio's backend for the event loop running in this thread, if one is: anyio
+    imports it at its first use, which would otherwise be the first stage's wait (about
+    20 ms, once per process, on the first checkpoint's critical path). A no-op outside
+    an event loop."""
+    try:
+        lib = sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        return
+    if lib in ("asyncio", "trio"):
+        anyio.current_time()  # any call of the backend imports it
 
 
 def _threadsafe(fn: Callable[[], Any]) -> Callable[[], None]:
