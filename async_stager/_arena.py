@@ -350,9 +350,7 @@ class HostPool:
         k = 0
         npending = len(pending)
         used = 0
-        frombuffer = torch.frombuffer
-        mm = arena.mm
-        u8 = torch.uint8
+        block_tensor = arena.block_tensor
         for off, size in free:
             while k < npending:
                 i = pending[k]
@@ -360,8 +358,7 @@ class HostPool:
                 n = align(nb)
                 if n > size:
                     break
-                # arena.block_tensor, inlined (nb > 0: zero-byte requests never pend).
-                out[i] = Block(arena, off, nb, frombuffer(mm, dtype=u8, count=nb, offset=off))
+                out[i] = Block(arena, off, nb, block_tensor(off, nb))
                 used += n
                 off += n
                 size -= n

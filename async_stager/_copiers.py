@@ -24,7 +24,7 @@ from ._digest import Checksums
 from ._hostcopy import MIN_POOL_BYTES, CopyPool, Schedule, hashed_pieces, schedule
 from ._openmp import omp_threads
 from ._options import AUTO, auto_copy_threads, loop_friendly_threads
-from ._wordhash import Tables, device_pairs, hash_layout, make_tables, piece_hashes, raw_bytes
+from ._wordhash import Tables, hash_layout, make_tables, piece_hashes, raw_bytes
 
 __all__ = ["CpuCopier", "CudaCopier", "CudaEvent", "RealBackend", "ScratchCopier"]
 
@@ -359,14 +359,13 @@ class CudaCopier(ScratchCopier):
         #
         # A device hash is an optimization: when it cannot be had (device memory runs
         # out), nothing is recorded and the host copy is hashed later instead.
-        pairs = device_pairs(dsts, srcs)
-        if not pairs:
+        layout, total = hash_layout(dsts, srcs)
+        if not layout:
             return
         if self._hash_stream is None:
             with torch.cuda.device(self.device):
                 self._hash_stream = torch.cuda.Stream(device=self.device)
         stream = self._hash_stream
-        layout, total = hash_layout(pairs)
         # Pinned (torch's caching host allocator, which keeps the block until the copy
         # into it is done), so the result's copy is asynchronous; the Checksums keep it
         # until it is read.

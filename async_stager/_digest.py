@@ -28,6 +28,8 @@ from typing import Any
 import torch
 
 from ._errors import UnsupportedError
+from ._wordhash import ALGORITHM as WSUM64
+from ._wordhash import wsum64_digest
 
 __all__ = [
     "ALGORITHM",
@@ -199,9 +201,6 @@ class Checksums:
         later."""
         if algorithm == ALGORITHM:
             return tensor_digest(t)
-        from ._wordhash import ALGORITHM as WSUM64
-        from ._wordhash import wsum64_digest
-
         if algorithm == WSUM64:
             return wsum64_digest(t)
         raise ValueError(f"unknown checksum algorithm {algorithm!r}")
@@ -210,8 +209,6 @@ class Checksums:
         """Which hash ``get(t)`` is (None when ``get(t)`` is None)."""
         region = _region(t)
         if region is not None and region in self._device:
-            from ._wordhash import ALGORITHM as WSUM64
-
             return WSUM64
         return ALGORITHM if self.get(t) is not None else None
 

@@ -77,23 +77,6 @@ def _signed(x: int) -> int:
     return x - (1 << 64) if x >> 63 else x
 
 
-def _splitmix(seed: int, n: int) -> list[int]:
-    out = []
-    state = seed
-    for _ in range(n):
-        state = (state + LEN_MUL) & _MASK
-        z = state
-        z = ((z ^ (z >> 30)) * _M1) & _MASK
-        z = ((z ^ (z >> 27)) * _M2) & _MASK
-        z ^= z >> 31
-        out.append(_signed(z | 1))
-    return out
-
-
-_CONSTANTS = _splitmix(_SEED, COLS + _ROWS)
-_A_VALUES = _CONSTANTS[:COLS]
-_B_VALUES = _CONSTANTS[COLS:]
-_LEN_MUL = _signed(LEN_MUL)
 #: The constants on one device: ``A`` (COLS,), ``B`` (rows, 1) and the tail word's byte
 #: weights (3,), int64.
 Tables = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -108,7 +91,8 @@ def _lsr(z: torch.Tensor, k: int) -> torch.Tensor:
 
 def make_tables(device: torch.device) -> Tables:
     """The constants, computed on ``device`` by kernels on its current stream (SplitMix64
-    in int64 ops, equal to ``_A_VALUES`` and ``_B_VALUES``): no upload, so nothing waits
+    in int64 ops: the i-th constant, i from 1, is SplitMix64's output for state
+    ``_SEED + i * LEN_MUL``, made odd): no upload, so nothing waits
     for the device. Hazard (CUDA): ready only in that stream's order; another stream
     must not use them before it has waited for this one (a copier makes its own, on its
     hash stream)."""
@@ -189,8 +173,8 @@ def _last_piece(u8: torch.Tensor, tables: Tables) -> torch.Tensor:
     if tail:
         # The zero-padded last word: little-endian bytes, at most 24 bits, so positive.
         word = (u8[whole * 4 :].to(torch.int64) * weights[:tail]).sum()
-        j = whole
-        total += word * _signed(_A_VALUES[j % COLS] * _B_VALUES[j // COLS])
+        r, c = divmod(whole, COLS)  # the word's index; r < rows in a partial piece
+        total += word * (a[c] * b[r, 0])
     return total
 
 
@@ -247,13 +231,14 @@ def device_pairs(
 
 
 def hash_layout(
-    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, int, int]], int]:
-    """Where each pair's hashes go in one int64 result buffer: per (destination,
-    source), its first slot and its piece count; and the buffer's length."""
+    """The pairs a device hashes (``device_pairs``) and where their hashes go in one
+    int64 result buffer: per (destination, source), its first slot and its piece
+    count; and the buffer's length (0: nothing to hash)."""
     out = []
     start = 0
-    for d, src in pairs:
+    for d, src in device_pairs(dsts, srcs):
         pieces = piece_count(d.numel() * d.element_size())
         out.append((d, src, start, pieces))
         start += pieces

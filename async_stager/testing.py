@@ -47,7 +47,7 @@ from ._copiers import CpuCopier, ScratchCopier
 from ._device import Backend, Completion, Copier
 from ._digest import Checksums
 from ._errors import PinningError
-from ._wordhash import device_pairs, hash_layout, piece_hashes, raw_bytes
+from ._wordhash import hash_layout, piece_hashes, raw_bytes
 
 __all__ = [
     "Backend",
@@ -288,10 +288,9 @@ class FakeCopier(ScratchCopier):
         # Like the CUDA copier's hash stream: the hashes run when the completion
         # fires, after the captured stream's work and before the copies (which a
         # real device may overlap with them), into host memory the Checksums keep.
-        pairs = device_pairs(dsts, srcs)
-        if not pairs:
+        layout, total = hash_layout(dsts, srcs)
+        if not layout:
             return
-        layout, total = hash_layout(pairs)
         host = torch.empty(total, dtype=torch.int64)
         todo = [(src, lo, n) for d, src, lo, n in layout if checksums.add_device(d, host, lo)]
         self._backend.device_hashes += len(todo)

@@ -22,11 +22,31 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 MiB = 1 << 20
 
 
+def splitmix(seed: int, n: int) -> list[int]:
+    """SplitMix64's first ``n`` outputs from ``seed``, made odd, as unsigned ints: the
+    constants WSUM64 defines, computed independently of the library."""
+    mask = (1 << 64) - 1
+    out = []
+    state = seed
+    for _ in range(n):
+        state = (state + _wordhash.LEN_MUL) & mask
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        z ^= z >> 31
+        out.append(z | 1)
+    return out
+
+
+ROWS = _wordhash.PIECE_BYTES // 4 // _wordhash.COLS
+CONSTANTS = splitmix(0x5EED_57A6_E5, _wordhash.COLS + ROWS)
+
+
 def reference(data: bytes) -> list[int]:
     """WSUM64 as its docstring defines it, in numpy's unsigned (wrapping) arithmetic."""
     np = pytest.importorskip("numpy")
-    a = np.array(_wordhash._A_VALUES, dtype=np.int64).view(np.uint64)
-    b = np.array(_wordhash._B_VALUES, dtype=np.int64).view(np.uint64)
+    a = np.array(CONSTANTS[: _wordhash.COLS], dtype=np.uint64)
+    b = np.array(CONSTANTS[_wordhash.COLS :], dtype=np.uint64)
     size = _wordhash.PIECE_BYTES
     out = []
     for piece in [data[i : i + size] for i in range(0, len(data), size)] or [b""]:
@@ -235,7 +255,8 @@ async def test_cuda_sources_are_hashed_on_the_gpu_before_the_copy() -> None:
 
 def test_tables_made_on_a_device_equal_the_constants() -> None:
     a, b, w = _wordhash.make_tables(torch.device("cpu"))
-    assert a.tolist() == _wordhash._A_VALUES and b.view(-1).tolist() == _wordhash._B_VALUES
+    signed = [c - (1 << 64) if c >> 63 else c for c in CONSTANTS]
+    assert a.tolist() == signed[: _wordhash.COLS] and b.view(-1).tolist() == signed[_wordhash.COLS :]
     assert w.tolist() == [1, 256, 65536]
     assert all(v & 1 for v in a.tolist() + b.view(-1).tolist())
 
