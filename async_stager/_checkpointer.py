@@ -1,68 +1,48 @@
 """Checkpointer: stage, write, commit, retain, verify and restore, as one awaitable.
 
-``save`` stages the state (a lease on the Stager's buffers) and returns; a background
-task checksums the staged copy and writes it (DCP or ``torch.save``) into a temporary
-folder, the coordinator commits it (see ``_commit``), applies retention and tells the
-callbacks and iterators. ``restore`` verifies the newest committed checkpoint and loads
-it in place, falling back to older ones that verify.
+``save`` takes its snapshot at the call (a lease on the Stager's buffers) and returns
+once staged; a background task checksums the staged copy and writes it (DCP or
+``torch.save``) into a temporary folder of its own, then commits it in call order (see
+``_commit``), applies retention and tells the callbacks and iterators (``_ckptwrite``).
+``restore`` verifies the newest commit and loads every saved value into the state in
+place, falling back to older commits that verify.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
-import shutil
-import threading
 import time
+import weakref
 from collections.abc import Callable, Coroutine
-from concurrent import futures
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import anyio.to_thread
+import anyio.abc
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from . import _commit, _integrity
 from ._ckptdist import Ranks
 from ._ckptoptions import CheckpointerOptions, Format, Policy, SaveStats
-from ._errors import CheckpointError, ClosedError, IntegrityError, InvalidOptionError
-from ._lease import Lease
+from ._ckptwrite import SaveItem, Writer
+from ._errors import CheckpointError, ClosedError, IntegrityError, InvalidOptionError, InvalidOptionTypeError
 from ._stager import Stager
-from ._statefuls import TORCH_FILE, assign, is_stateful, resolve, staged_bytes, torch_write
+from ._statefuls import TORCH_FILE, apply_loaded, check_torch_restorable, load_dcp, resolve
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
-
-    from ._budget import BudgetStats
 
 __all__ = ["Checkpointer", "CheckpointerOptions", "SaveStats"]
 
 _log = logging.getLogger("async_stager.checkpoint")
 
 
-@dataclass
-class _Staged:
-    step: int
-    #: The staged copy; None for a budgeted save, which stages as it writes.
-    lease: Lease[dict[str, Any]] | None
-    queued: float
-    staged: float
-    #: A budgeted save: the ``dcp.save`` pipeline (its snapshot point taken at ``save``),
-    #: the manifest entries it fills, and its BudgetStats once done.
-    pipeline: Coroutine[Any, Any, Any] | None = None
-    digests: dict[str, dict[str, Any]] = field(default_factory=dict)
-    budget: list[BudgetStats] = field(default_factory=list)
-
-    def drop(self) -> None:
-        """Superseded before its write: its staged copy goes (coalesce)."""
-        if self.lease is not None:
-            self.lease.release()
+async def _returns(value: bool) -> bool:
+    return value
 
 
 class Checkpointer:
@@ -74,29 +54,39 @@ class Checkpointer:
     ``state_dict``/``load_state_dict``: a module, an optimizer, a ``get_state_dict``
     wrapper), whose ``state_dict()`` is called at the save, as DCP does.
 
-    Options: ``keep`` committed checkpoints are kept (older ones are deleted after a
-    newer commit); ``format`` ``"dcp"`` (a folder per step, loadable by plain
-    ``torch.distributed.checkpoint.load``) or ``"torch"`` (one ``torch.save`` file,
-    one process only); ``max_in_flight`` background writes at most; ``policy`` when a
-    save comes while that many are writing: ``"wait"`` (save waits for a slot, then
-    stages), ``"skip"`` (save returns False at once, nothing staged), ``"coalesce"``
-    (save stages now and queues the copy, replacing a queued older one, which is
-    dropped; the newest is written next). On several ranks only ``"wait"`` is allowed
-    (a per-rank decision could differ between ranks). ``checksum``: an XXH3-64 digest
-    per tensor chunk, computed by the copy threads while staging (see ``_integrity``);
-    ``checksum_threads`` threads hash what they could not (small chunks copied from a GPU). ``stager``: a Stager to
-    use (else one of its own, closed on exit). ``process_group``: a gloo group for the
-    checkpoint's collectives (default: the default group if gloo, else a new gloo
-    group; constructing it is a collective). ``on_saved``: called on the event loop
-    with each commit's SaveStats.
+    Order is commit order: saves commit in the order they were called; ``steps()``,
+    ``latest`` and retention follow commit order, not step numbers (a lower step saved
+    after a higher one is the newest checkpoint; saving a step again replaces it).
+
+    Options: ``keep`` newest commits are kept (older ones are deleted after a newer
+    commit; the newest is never deleted); ``format`` ``"dcp"`` (a folder per step,
+    loadable by plain ``torch.distributed.checkpoint.load``) or ``"torch"`` (one
+    ``torch.save`` file, one process only; values that ``torch.load(weights_only=True)``
+    cannot rebuild are refused at ``save``); ``max_in_flight`` background writes at
+    most; ``policy`` when a save comes while that many are in flight: ``"wait"`` (save
+    stages, then waits for a write slot), ``"skip"`` (save returns False at once,
+    nothing staged), ``"coalesce"`` (save stages and queues the copy; once staged it
+    replaces a queued older one, which is dropped; the newest is written next). On
+    several ranks only ``"wait"`` is allowed. ``checksum``: every stored byte is covered
+    by ``checksums.json`` (tensors hashed while staging, see ``_integrity``; other
+    stored values and files hashed as written, see ``_stored``); ``checksum_threads``
+    threads hash what staging could not. ``stager``: a Stager to use (else one of its
+    own, with enough buffer sets for ``max_in_flight`` and ``policy``, closed on exit).
+    ``process_group``: a gloo group for the checkpoint's collectives (default: the
+    default group if gloo, else a new gloo group; constructing it is a collective).
+    ``on_saved``: called on the event loop with each commit's SaveStats; an exception
+    it raises is logged (``async_stager.checkpoint``), never raised into the caller.
 
     ``host_budget_bytes=N`` (DCP format, policy ``"wait"`` or ``"skip"``): each save
     stages and writes in a pipeline holding at most ``N`` bytes of host memory for its
     tensors (``async_stager.dcp.save(..., host_budget_bytes=N)``) instead of a full
     staged copy; ``save`` then returns once the last piece is copied (the sources may
-    change after that), so it blocks as long as the budget forces, and the write goes
-    on in the background. Checksums are taken from each piece as it lands. At most
-    ``max_in_flight`` such writes at once, so ``max_in_flight * N`` bytes.
+    change after that). At most ``max_in_flight`` such writes at once.
+
+    A folder this process cannot write opens for restore only (``save`` raises
+    CheckpointError). Other Checkpointers (other processes) may use the same folder:
+    none deletes another live one's temporary folders, and commits are serialized by a
+    lock file.
     """
 
     def __init__(
@@ -125,17 +115,32 @@ class Checkpointer:
             raise InvalidOptionError(f"policy must be 'wait' on several ranks, got {policy!r}")
         if self._ranks.distributed and format != "dcp":
             raise InvalidOptionError("format 'torch' is for one process; use 'dcp' on several ranks")
+        # Buffer sets a save needs: one per write in flight, one for the save staging
+        # next, and with "coalesce" one for the queued save it may replace.
+        self._sets = max_in_flight + (2 if policy == "coalesce" else 1)
+        if stager is not None and host_budget_bytes is None and stager.options.max_buffer_sets < self._sets:
+            raise InvalidOptionError(
+                f"the stager has max_buffer_sets={stager.options.max_buffer_sets}; a Checkpointer with "
+                f"max_in_flight={max_in_flight} and policy {policy!r} needs {self._sets} "
+                f"(Stager(max_buffer_sets={self._sets}))"
+            )
         self._stager = stager
         self._own_stager = stager is None
         self._on_saved = on_saved
         self._tg: anyio.abc.TaskGroup | None = None
+        self._writer: Writer | None = None
+        self._session: _commit.Session | None = None
+        self._read_only = False
+        self._seq = 0
+        self._items: list[SaveItem] = []
         self._writing = 0
-        self._pending: _Staged | None = None
-        self._changed = anyio.Event()
+        self._changed: anyio.Event | None = None
         self._failure: BaseException | None = None
         self._streams: list[MemoryObjectSendStream[SaveStats]] = []
-        self._write_lock = anyio.Lock()
-        self._commit_lock = threading.Lock()
+        self._write_lock: anyio.Lock | None = None
+        self._leave_at: float | None = None
+        self._closing = False
+        self._abandoned = False
         self.dropped: list[int] = []
         """Steps not written: skipped (``"skip"``) or superseded (``"coalesce"``)."""
         self.last: SaveStats | None = None
@@ -144,17 +149,23 @@ class Checkpointer:
     # -- lifecycle --------------------------------------------------------------------
 
     async def __aenter__(self) -> Checkpointer:
-        root = self.options.directory
-        if self._ranks.coordinator:
-
-            def prepare() -> None:
-                root.mkdir(parents=True, exist_ok=True)
-                _commit.clean_stale(root)
-
-            await anyio.to_thread.run_sync(prepare)
-        await anyio.to_thread.run_sync(self._ranks.barrier)
+        """Open the folder: take a writer lock and remove what dead writers left (or, if
+        it cannot be written, open it for restore only), then the ranks meet."""
+        if self._tg is not None:
+            raise CheckpointError("this Checkpointer is already open")
+        self._closing = False
+        root, ranks = self.options.directory, self._ranks
+        token = ""
+        if ranks.coordinator:
+            self._session = await anyio.to_thread.run_sync(_commit.Session.open, root)
+            token = self._session.token if self._session is not None else ""
+        token = await anyio.to_thread.run_sync(ranks.broadcast, token)
+        self._read_only = not token
+        self._writer = Writer(self.options, ranks, token)
+        self._changed = anyio.Event()
+        self._write_lock = anyio.Lock()
         if self._stager is None:
-            self._stager = Stager()
+            self._stager = Stager(max_buffer_sets=self._sets)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         return self
@@ -162,24 +173,49 @@ class Checkpointer:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool | None:
-        """Waits for the writes in flight (shielded: a checkpoint being written is
-        committed, not abandoned), then closes; raises a write's failure not yet raised."""
-        assert self._tg is not None
-        tg, self._tg = self._tg, None
+        """Wait for the writes in flight (shielded: a checkpoint being written is
+        committed, not abandoned; but not past a deadline ``Shutdown.final_checkpoint``
+        missed), then close; raises a write's failure not yet raised."""
+        if self._tg is None:
+            return None
+        tg = self._tg
+        self._closing = True  # no new saves; the queued ones still start
         try:
-            with anyio.CancelScope(shield=True):
+            with anyio.CancelScope(shield=True) as scope:
+                if self._leave_at is not None:
+                    scope.deadline = self._leave_at
                 await self._drain()
-                for s in self._streams:
-                    s.close()
+            if scope.cancelled_caught:
+                self._abandon()
         finally:
-            await tg.__aexit__(None, None, None)  # no writes left: returns at once
+            for s in self._streams:
+                s.close()
+            await tg.__aexit__(None, None, None)  # nothing left in flight: returns at once
+            self._tg = None
             with anyio.CancelScope(shield=True):
-                if self._own_stager and self._stager is not None:
+                # An abandoned write's thread may still read the staged buffers: they
+                # stay mapped until the process exits.
+                if self._own_stager and self._stager is not None and not self._abandoned:
                     await self._stager.aclose()
                     self._stager = None
+                if self._session is not None:
+                    await anyio.to_thread.run_sync(self._session.close)
+                    self._session = None
         if exc is None:
             self._raise_failure()
         return None
+
+    def _abandon(self) -> None:
+        """The exit deadline passed: stop waiting for the saves in flight. Their
+        threads go on until the process exits; their folders are left for the next
+        open to remove (their writer lock is released when this Checkpointer closes)."""
+        self._abandoned = True
+        for item in self._items:
+            if item.phase == "writing":
+                item.scope.cancel()
+            else:
+                self._end(item)
+        _log.warning("left the Checkpointer with saves unfinished (a shutdown deadline passed)")
 
     @property
     def stager(self) -> Stager:
@@ -188,75 +224,192 @@ class Checkpointer:
         return self._stager
 
     def _check_open(self) -> anyio.abc.TaskGroup:
-        if self._tg is None:
+        if self._tg is None or self._closing:
             raise ClosedError("the Checkpointer is not open: use it as `async with Checkpointer(...)`")
         return self._tg
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = anyio.Event()
+
+    async def _changes(self) -> None:
+        assert self._changed is not None
+        await self._changed.wait()
 
     def _raise_failure(self) -> None:
         failure, self._failure = self._failure, None
         if failure is not None:
             raise failure
 
+    def _leave_by(self, deadline: float) -> None:
+        """Make leaving the block stop waiting for writes at ``deadline`` (anyio clock):
+        ``Shutdown.final_checkpoint`` after it missed its deadline."""
+        self._leave_at = deadline
+
     # -- saving -----------------------------------------------------------------------
 
-    async def save(self, state: dict[str, Any], *, step: int) -> bool:
-        """Stage ``state`` as checkpoint ``step`` and return once it is staged (the
-        sources may change after this returns); the write runs in the background.
-        Returns False if the ``"skip"`` policy skipped it. Raises the failure of an
-        earlier background write (once), ClosedError if not open.
+    def save(self, state: dict[str, Any], *, step: int) -> Coroutine[Any, Any, bool]:
+        """Save ``state`` as checkpoint ``step``: await the returned coroutine, which
+        returns once the state is staged (the sources may change after that, or after
+        ``await fence()``); the write runs in the background. Returns False if the
+        ``"skip"`` policy skipped it.
 
-        Every rank calls it with the same step. Cancellation: while waiting for a slot
-        or staging, nothing was saved; once staged, the write goes on."""
-        tg = self._check_open()
+        The snapshot point is this call (``state_dict()`` of each Stateful is called
+        now), so ``create_task(ckpt.save(...)); await ckpt.fence()`` saves the values as
+        of the call. With ``"wait"``, when a staged save already waits for a write slot,
+        the stage waits for a buffer set: ``fence()`` covers it either way.
+
+        Raises at the call: InvalidOptionTypeError/InvalidOptionError for a ``step``
+        that is not an int >= 0, the failure of an earlier background write (once),
+        CheckpointError for a read-only folder or a value the format cannot restore,
+        ClosedError if not open.
+
+        Cancellation: before it returns, nothing is saved for this call (its stage is
+        abandoned, a budgeted save's pipeline cancelled); once it returned, the write
+        goes on and commits."""
+        self._check_open()
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise InvalidOptionTypeError(
+                f"save(step=...) must be an int >= 0, got {step!r} ({type(step).__name__})"
+            )
+        if step < 0:
+            raise InvalidOptionError(f"save(step=...) must be an int >= 0, got {step}")
+        if self._read_only:
+            raise CheckpointError(
+                f"{self.options.directory} is not writable: this Checkpointer is open for restore only",
+                step=step,
+            )
         self._raise_failure()
-        _commit.step_name(step)
+        opts = self.options
         t0 = time.monotonic()
-        limit = self.options.max_in_flight
-        if self.options.policy == "skip" and self._writing >= limit:
+        if opts.policy == "skip" and len(self._items) >= opts.max_in_flight:
             self.dropped.append(step)
-            return False
-        if self.options.policy == "wait":
-            while self._writing >= limit:
-                await self._changed.wait()
+            return _returns(False)
         sd = resolve(state)
-        if self.options.host_budget_bytes is not None:
-            await self._save_budgeted(tg, sd, step, t0)
-            return True
-        if self.options.policy == "coalesce" and self._writing >= limit and self._pending is not None:
-            old, self._pending = self._pending, None
-            old.drop()  # its buffer set is free for this stage
-            self.dropped.append(old.step)
-        t1 = time.monotonic()
-        lease = await self.stager.lease(sd, checksums=self.options.checksum)
-        del sd
-        item = _Staged(step, lease, t1 - t0, time.monotonic() - t1)
-        if self._writing >= limit:  # coalesce: queue behind the writes in flight
-            if self._pending is not None:
-                self._pending.drop()
-                self.dropped.append(self._pending.step)
-            self._pending = item
-        else:
-            self._writing += 1
-            tg.start_soon(self._write_task, item)
-        return True
+        if opts.format == "torch":
+            check_torch_restorable(sd)
+        item = SaveItem(self._seq, step, anyio.Event(), anyio.Event(), sd=sd)
+        self._seq += 1
+        self._items.append(item)
+        if opts.host_budget_bytes is None:
+            self._submit_ready()
+        coro = self._run_save(item, t0)
+        # A coroutine never awaited (or whose task was cancelled before it started)
+        # must not hold a buffer set or a place in the commit order.
+        weakref.finalize(coro, self._forget, weakref.ref(item))
+        return coro
 
-    async def _save_budgeted(self, tg: anyio.abc.TaskGroup, sd: dict[str, Any], step: int, t0: float) -> None:
-        """Start a budgeted save's write now (its snapshot point) and wait until it has
-        copied its last piece. Cancellation: only that wait; the write goes on."""
+    def _forget(self, ref: weakref.ref[SaveItem]) -> None:
+        item = ref()
+        if item is not None and item.phase in ("deferred", "staging"):
+            self._end(item)
+
+    def _holders(self) -> int:
+        return sum(1 for i in self._items if i.phase == "staging" or i.lease is not None)
+
+    def _submit_ready(self) -> None:
+        """Submit the stages of deferred saves, oldest first, while buffer sets are free:
+        the snapshot point of each."""
+        free = self._sets - self._holders()
+        for item in self._items:
+            if free <= 0:
+                break
+            if item.phase == "deferred" and item.sd is not None:
+                item.stage = self.stager.lease(item.sd, checksums=self.options.checksum)
+                item.sd = None
+                item.phase = "staging"
+                free -= 1
+
+    def _pump(self) -> None:
+        """Start the writes of queued saves, oldest first, while slots are free."""
+        tg = self._tg
+        for item in self._items:
+            if self._writing >= self.options.max_in_flight or tg is None:
+                break
+            if item.phase == "queued":
+                self._start_write(tg, item)
+
+    def _start_write(self, tg: anyio.abc.TaskGroup, item: SaveItem) -> None:
+        item.phase = "writing"
+        self._writing += 1
+        tg.start_soon(self._write_task, item)
+
+    def _end(self, item: SaveItem, *, dropped: bool = False) -> None:
+        """An item leaves: committed, failed, dropped or abandoned (idempotent)."""
+        if item.phase == "done":
+            return
+        if item.phase == "writing":
+            self._writing -= 1
+        item.phase = "done"
+        item.release()
+        item.read.set()
+        item.done.set()
+        if item in self._items:
+            self._items.remove(item)
+        if dropped:
+            self.dropped.append(item.step)
+        if not self._abandoned:
+            self._submit_ready()
+            self._pump()
+        self._notify()
+
+    async def _run_save(self, item: SaveItem, t0: float) -> bool:
+        try:
+            if self.options.host_budget_bytes is not None:
+                await self._run_budgeted(item, t0)
+                return True
+            while item.phase == "deferred":
+                await self._changes()
+            if item.phase == "done":  # abandoned at exit
+                raise ClosedError("the Checkpointer closed before this save was staged")
+            stage = item.stage
+            assert stage is not None
+            t1 = time.monotonic()
+            item.queued = t1 - t0
+            item.stage = None
+            item.lease = await stage
+            del stage
+            item.staged = time.monotonic() - t1
+            item.phase = "queued"
+            item.read.set()
+            self._pump()
+            if item.phase == "queued" and self.options.policy == "coalesce":
+                for older in [i for i in self._items if i.phase == "queued" and i.seq < item.seq]:
+                    self._end(older, dropped=True)  # replaced, now that this one is staged
+            else:
+                while item.phase == "queued":
+                    await self._changes()
+            self._notify()
+            return True
+        except BaseException:
+            if item.phase in ("deferred", "staging", "queued"):
+                self._end(item)
+            raise
+
+    async def _run_budgeted(self, item: SaveItem, t0: float) -> None:
+        """Wait for a write slot, build the pipeline (its snapshot point), start the
+        write and wait until its last piece is copied. Cancellation: before that, the
+        pipeline is cancelled and nothing is committed."""
         from ._budget_save import budgeted_save
 
-        ranks = self._ranks
+        assert self._writer is not None and self._tg is not None
+        while not (
+            self._writing < self.options.max_in_flight
+            and next((i for i in self._items if i.phase == "deferred"), None) is item
+        ):
+            if item.phase == "done":  # abandoned at exit
+                raise ClosedError("the Checkpointer closed before this save started")
+            await self._changes()
+        tg = self._tg
         t1 = time.monotonic()
-        item = _Staged(step, None, t1 - t0, 0.0)
+        item.queued = t1 - t0
+        ranks = self._ranks
         item.pipeline = budgeted_save(
-            sd,
+            item.sd or {},
             stager=self.stager,
             budget=self.options.host_budget_bytes or 0,
-            checkpoint_id=str(_commit.tmp_dir(self.options.directory, step)),
+            checkpoint_id=str(self._writer.tmp(item)),
             storage_writer=None,
             planner=None,
             process_group=ranks.group,
@@ -264,25 +417,39 @@ class Checkpointer:
             on_stats=item.budget.append,
             digests=item.digests if self.options.checksum else None,
         )
-        self._writing += 1
-        tg.start_soon(self._write_task, item)
-        await self.stager.fence()
+        self._start_write(tg, item)
+        try:
+            await self.stager.fence()
+        except BaseException:
+            item.scope.cancel()  # the sources may change from now: nothing is saved
+            raise
         item.staged = time.monotonic() - t1
+        item.read.set()
 
-    async def fence(self) -> None:
-        """Wait until every save so far has read its sources (``Stager.fence``): after
-        this the sources may change. Cancellation: only the wait."""
-        await self.stager.fence()
+    def fence(self) -> Coroutine[Any, Any, None]:
+        """Wait until every save called so far has read its sources: after this, they
+        may change. The ordering points are read at this call (``Stager.fence``).
+        Cancellation: only the wait."""
+        stager_fence = self.stager.fence()
+        pending = [i.read for i in self._items if not i.read.is_set()]
+
+        async def fenced() -> None:
+            await stager_fence
+            for read in pending:
+                await read.wait()
+
+        return fenced()
 
     async def wait(self) -> None:
         """Wait until every save so far is committed (or failed); raises the first
         failure not yet raised. Cancellation: only the wait; the writes go on."""
+        self._check_open()
         await self._drain()
         self._raise_failure()
 
     async def _drain(self) -> None:
-        while self._writing or self._pending is not None:
-            await self._changed.wait()
+        for item in list(self._items):
+            await item.done.wait()
 
     def saved(self) -> MemoryObjectReceiveStream[SaveStats]:
         """An async iterator of the SaveStats of every commit from now on; it ends when
@@ -291,36 +458,72 @@ class Checkpointer:
         self._streams.append(send)
         return receive
 
-    async def _write_task(self, item: _Staged) -> None:
+    async def _write_task(self, item: SaveItem) -> None:
         from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
+        writer = self._writer
+        assert writer is not None and self._write_lock is not None
+        stats: SaveStats | None = None
         try:
-            while True:
-                try:
-                    stats = await self._write(item)
-                except (Exception, CheckpointException) as group:  # noqa: BLE001 - kept for the next save/wait
-                    exc: BaseException = group
-                    while len(getattr(exc, "exceptions", ())) == 1:  # a task group's wrapper
-                        exc = exc.exceptions[0]  # type: ignore[attr-defined]
-                    _log.error("checkpoint step %d failed: %s", item.step, exc)
-                    if self._failure is None:
-                        self._failure = (
-                            exc
-                            if isinstance(exc, CheckpointError)
-                            else CheckpointError(f"checkpoint step {item.step} failed: {exc}", step=item.step)
-                        )
-                        if self._failure is not exc:
-                            self._failure.__cause__ = exc
-                else:
-                    self._deliver(stats)
-                nxt, self._pending = self._pending, None
-                if nxt is None:
-                    break
-                item = nxt
-                self._notify()
+            with item.scope:  # shielded: outer cancellation does not stop a write
+                stats = await self._write(writer, item)
+        except (Exception, CheckpointException) as group:  # noqa: BLE001 - kept for the next save/wait
+            self._record_failure(item, group)
         finally:
-            self._writing -= 1
-            self._notify()
+            if not item.committed and not self._abandoned:
+                await writer.discard(item)
+            self._end(item)
+        if stats is not None:
+            self._deliver(stats)
+
+    async def _write(self, writer: Writer, item: SaveItem) -> SaveStats:
+        # Several ranks: one write at a time, so every rank runs the collectives in the
+        # same order. One process: writes may overlap; commits run in call order.
+        serial = self._write_lock if self._ranks.distributed else None
+        assert self._write_lock is not None
+        if serial is not None:
+            await serial.acquire()
+        try:
+            t0 = time.monotonic()
+            await writer.start(item)
+            file_entry = None
+            checksum_seconds = 0.0
+            if item.lease is None:
+                manifest, nbytes = await writer.write_budgeted(item)
+            else:
+                manifest, file_entry, checksum_seconds, nbytes = await writer.write_staged(item, item.lease)
+                item.release()  # the staged buffers are free for the next stage
+                self._submit_ready()
+            t1 = time.monotonic()
+            for earlier in [i for i in self._items if i.seq < item.seq]:
+                await earlier.done.wait()
+            await writer.commit(item, manifest, file_entry)
+            return writer.stats(item, nbytes, checksum_seconds, t0, t1)
+        finally:
+            if serial is not None:
+                serial.release()
+            if item.pipeline is not None:
+                # Never started (failed or cancelled before): its fence hook must go
+                # now, or a save waiting in fence() would wait for ever.
+                from ._budget_save import abandon
+
+                abandon(item.pipeline)
+                item.pipeline = None
+
+    def _record_failure(self, item: SaveItem, group: BaseException) -> None:
+        exc: BaseException = group
+        while len(getattr(exc, "exceptions", ())) == 1:  # a task group's wrapper
+            exc = exc.exceptions[0]  # type: ignore[attr-defined]
+        _log.error("checkpoint step %d failed: %s", item.step, exc)
+        if self._failure is None:
+            failure = (
+                exc
+                if isinstance(exc, CheckpointError)
+                else CheckpointError(f"checkpoint step {item.step} failed: {exc}", step=item.step)
+            )
+            if failure is not exc:
+                failure.__cause__ = exc
+            self._failure = failure
 
     def _deliver(self, stats: SaveStats) -> None:
         self.last = stats
@@ -330,168 +533,36 @@ class Checkpointer:
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                 pass
         if self._on_saved is not None:
-            self._on_saved(stats)
-
-    async def _fresh_tmp(self, tmp: Path) -> None:
-        """An empty temporary folder for this step on the coordinator, then a barrier."""
-        if self._ranks.coordinator:
-
-            def fresh() -> None:
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir()
-
-            await anyio.to_thread.run_sync(fresh)
-        await anyio.to_thread.run_sync(self._ranks.barrier)
-
-    async def _write_budgeted(self, item: _Staged) -> tuple[dict[str, dict[str, Any]], float, int]:
-        """Run a budgeted save's pipeline into its temporary folder: the manifest
-        entries, the seconds and the tensor bytes it wrote."""
-        pipeline = item.pipeline
-        assert pipeline is not None
-        tmp = _commit.tmp_dir(self.options.directory, item.step)
-        await self._fresh_tmp(tmp)
-        t0 = time.monotonic()
-        item.pipeline = None
-        await pipeline
-        stats = item.budget[0] if item.budget else None
-        return item.digests, time.monotonic() - t0, stats.tensor_bytes if stats is not None else 0
-
-    async def _write(self, item: _Staged) -> SaveStats:
-        opts, ranks = self.options, self._ranks
-        root = opts.directory
-        tmp = _commit.tmp_dir(root, item.step)
-        # Several ranks: one write at a time, so every rank runs the collectives in the
-        # same order. One process: writes may overlap; commits are serialized below.
-        serial = self._write_lock if ranks.distributed else contextlib.nullcontext()
-        if item.lease is None:
             try:
-                async with serial:
-                    t0 = time.monotonic()
-                    manifest, _, nbytes = await self._write_budgeted(item)
-            finally:
-                if item.pipeline is not None:
-                    # Never started (failed or cancelled before): its fence hook must
-                    # go now, or the save waiting in fence() would wait for ever.
-                    from ._budget_save import abandon
-
-                    abandon(item.pipeline)
-                    item.pipeline = None
-            checksum_seconds = 0.0
-        else:
-            try:
-                manifest, checksum_seconds, nbytes, t0 = await self._write_staged(
-                    item, item.lease, serial, tmp
-                )
-            finally:
-                # Also when cancelled or failed before the write took the lease over
-                # (waiting for the write lock): the buffer set must not stay held.
-                item.lease.release()
-        return await self._commit_write(item, manifest, checksum_seconds, nbytes, t0)
-
-    async def _write_staged(
-        self, item: _Staged, lease: Lease[dict[str, Any]], serial: Any, tmp: Path
-    ) -> tuple[dict[str, dict[str, Any]], float, int, float]:
-        opts = self.options
-        async with serial, lease as staged:
-            t0 = time.monotonic()
-            await self._fresh_tmp(tmp)
-            # The copy threads hashed what they copied; what they could not (chunks
-            # copied from a device, partial views) is hashed from the staged copy in
-            # threads of its own while DCP (or torch.save) writes it; both finish
-            # before the lease is released.
-            hashing = (
-                _integrity.checksum_in_thread(staged, opts.checksum_threads, lease.checksums)
-                if opts.checksum
-                else None
-            )
-            try:
-                if opts.format == "dcp":
-                    from .dcp import save_staged
-
-                    await save_staged(
-                        staged,
-                        checkpoint_id=str(tmp),
-                        process_group=self._ranks.group,
-                        no_dist=not self._ranks.distributed,
-                    )
-                else:
-                    await anyio.to_thread.run_sync(torch_write, staged, tmp / TORCH_FILE)
-            finally:
-                if hashing is not None:
-                    with anyio.CancelScope(shield=True):
-                        await anyio.to_thread.run_sync(futures.wait, [hashing])
-            manifest, checksum_seconds, _ = hashing.result() if hashing is not None else ({}, 0.0, 0)
-            nbytes = await anyio.to_thread.run_sync(staged_bytes, staged)
-        # The lease is released: the staged buffers are free for the next stage.
-        return manifest, checksum_seconds, nbytes, t0
-
-    async def _commit_write(
-        self,
-        item: _Staged,
-        manifest: dict[str, dict[str, Any]],
-        checksum_seconds: float,
-        nbytes: int,
-        t0: float,
-    ) -> SaveStats:
-        ranks, root = self._ranks, self.options.directory
-        t1 = time.monotonic()
-        manifests = await anyio.to_thread.run_sync(ranks.gather, manifest)
-        error: str | None = None
-        if ranks.coordinator:
-            assert manifests is not None
-            try:
-                await anyio.to_thread.run_sync(self._commit, item.step, manifests)
-            except Exception as exc:  # noqa: BLE001 - told to every rank, raised below
-                error = f"{type(exc).__name__}: {exc}"
-        error = await anyio.to_thread.run_sync(ranks.broadcast, error)
-        if error is not None:
-            raise CheckpointError(f"checkpoint step {item.step} was not committed: {error}", step=item.step)
-        t2 = time.monotonic()
-        return SaveStats(
-            step=item.step,
-            path=str(_commit.step_dir(root, item.step)),
-            bytes=nbytes,
-            queued_seconds=item.queued,
-            stage_seconds=item.budget[0].fence_seconds if item.budget else item.staged,
-            write_seconds=t1 - t0,
-            checksum_seconds=checksum_seconds,
-            commit_seconds=t2 - t1,
-            budget=item.budget[0] if item.budget else None,
-        )
-
-    def _commit(self, step: int, manifests: list[dict[str, dict[str, Any]]]) -> None:
-        with self._commit_lock:
-            self._commit_locked(step, manifests)
-
-    def _commit_locked(self, step: int, manifests: list[dict[str, dict[str, Any]]]) -> None:
-        root = self.options.directory
-        merged: dict[str, dict[str, Any]] = {}
-        for m in manifests:
-            merged.update(m)  # a replicated tensor: every rank staged the same values
-        if self.options.checksum:
-            _integrity.write_manifest(_commit.tmp_dir(root, step), step, merged)
-        _commit.commit(root, step)
-        _commit.retain(root, self.options.keep)
+                self._on_saved(stats)
+            except Exception:  # noqa: BLE001 - a callback's bug must not cancel training
+                _log.exception("the on_saved callback raised for step %d (the step is committed)", stats.step)
 
     # -- restoring --------------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """Committed steps in the directory, oldest first."""
+        """Committed steps in the directory, oldest commit first (the last is the
+        newest: what ``restore()`` tries first)."""
         return _commit.committed_steps(self.options.directory)
 
     async def restore(
         self, state: dict[str, Any], *, step: int | None = None, fallback: bool = True
     ) -> int | None:
         """Load the newest committed checkpoint that verifies into ``state`` in place
-        (tensors copied into, Statefuls given ``load_state_dict``, plain values
-        replaced) and return its step; None if there is none. ``step``: that one only.
-        A checkpoint failing verification raises IntegrityError, or with ``fallback``
-        (default) is logged and the next older one is tried (IntegrityError if none
-        verifies). Every rank calls it; the ranks agree on the step.
+        and return its step; None if there is none. Every saved value is restored:
+        tensors copied into, Statefuls given ``load_state_dict`` with their whole saved
+        state (a fresh optimizer gets its saved ``state``), plain values replaced, saved
+        keys that ``state`` lacks added. ``step``: that one only.
 
-        Verification reads the data once more before the load (with ``checksum=False``
-        it is skipped). Cancellation: deferred until the thread reading the current
-        candidate returns; ``state`` may then be partly loaded."""
+        A checkpoint that fails verification or cannot be read raises IntegrityError,
+        or with ``fallback`` (default) is logged and the next older commit is tried
+        (IntegrityError if none verifies). A state that does not match the checkpoint (a
+        key it lacks, a tensor of another shape) raises CheckpointError naming the path
+        and both shapes, before anything is loaded. Every rank calls it; the ranks
+        agree on the step. Needs no write access to the folder.
+
+        Cancellation: deferred until the thread reading the current candidate returns;
+        ``state`` may then be partly loaded."""
         self._check_open()
         ranks, root = self._ranks, self.options.directory
         listed: list[int] = await anyio.to_thread.run_sync(ranks.broadcast, self.steps())
@@ -503,7 +574,6 @@ class Checkpointer:
             folder = _commit.step_dir(root, s)
             try:
                 await self._verify(s, folder)
-                # torch format: read and verified before anything in state is touched.
                 await anyio.to_thread.run_sync(self._load, state, folder, s)
             except IntegrityError as exc:
                 if not fallback:
@@ -518,14 +588,14 @@ class Checkpointer:
 
     async def _verify(self, step: int, folder: Path) -> None:
         if not self.options.checksum or self.options.format == "torch":
-            return  # torch: verified on the loaded copy, in _load
+            return  # torch: verified in _load, the file before it is unpickled
         ranks = self._ranks
 
         def mine() -> str | None:
             try:
                 _integrity.verify_dcp(folder, step, part=(ranks.rank, ranks.world))
             except IntegrityError as exc:
-                return f"{exc.tensor}\0{exc}"
+                return f"{exc.tensor or ''}\0{exc}"
             return None
 
         results = await anyio.to_thread.run_sync(ranks.all_gather, await anyio.to_thread.run_sync(mine))
@@ -535,27 +605,26 @@ class Checkpointer:
             raise IntegrityError(message, step=step, tensor=tensor or None)
 
     def _load(self, state: dict[str, Any], folder: Path, step: int) -> None:
-        if self.options.format == "torch":
-            try:
-                loaded = torch.load(folder / TORCH_FILE, map_location="cpu", weights_only=True)
-            except Exception as exc:  # a torn or missing file: not trusted
-                raise IntegrityError(f"{folder / TORCH_FILE}: unreadable ({exc})", step=step) from exc
-            if self.options.checksum:
-                _integrity.verify_flat(step, _integrity.read_manifest(folder, step), loaded)
-            for k, v in loaded.items():
-                if k in state and is_stateful(state[k]):
-                    state[k].load_state_dict(v)
-                else:
-                    state[k] = assign(state[k], v) if k in state else v
+        if self.options.format == "dcp":
+            load_dcp(state, folder, step, group=self._ranks.group, distributed=self._ranks.distributed)
             return
-        import torch.distributed.checkpoint as dcp
-
-        # DCP loads in place and calls load_state_dict on Stateful values itself.
-        if self._ranks.distributed:
-            dcp.load(state, checkpoint_id=str(folder), process_group=self._ranks.group)
-        else:
-            import warnings
-
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+        manifest = _integrity.load_manifest(folder, step) if self.options.checksum else None
+        damaged: IntegrityError | None = None
+        if manifest is not None:
+            try:
+                _integrity.verify_stored(folder, step, manifest)  # the file, before unpickling it
+            except IntegrityError as exc:
+                damaged = exc
+        try:
+            loaded = torch.load(folder / TORCH_FILE, map_location="cpu", weights_only=True)
+        except Exception as exc:  # a torn or missing file: not trusted
+            raise damaged or IntegrityError(f"{folder / TORCH_FILE}: unreadable ({exc})", step=step) from exc
+        if not isinstance(loaded, dict):
+            raise damaged or IntegrityError(f"{folder / TORCH_FILE}: not a saved state", step=step)
+        if manifest is not None:
+            # A damaged file that still loads (weights_only: nothing runs) is named
+            # down to its tensor where the tensors' digests can; never loaded.
+            _integrity.verify_flat(step, manifest.tensors, loaded)
+        if damaged is not None:
+            raise damaged
+        apply_loaded(state, loaded, step)

@@ -2,40 +2,65 @@
 
 Layout of ``DIR``::
 
-    DIR/step-00000040/      committed checkpoints (the only names listed or restored)
-    DIR/step-00000050/
-    DIR/latest              "step-00000050\\n": the newest commit, for tools and people
-    DIR/.tmp-step-00000060/ a checkpoint being written (never listed)
+    DIR/step-00000040/            committed checkpoints (the only names listed or restored),
+    DIR/step-00000050/            each with a COMMIT record (its place in commit order)
+    DIR/latest                    "step-00000050\\n": the newest commit, for tools and people
+    DIR/.lock                     flock'ed while committing, retiring or cleaning (short)
+    DIR/.writer-<token>           flock'ed by a live writer (one open Checkpointer) for its session
+    DIR/.tmp-step-00000060.<token>.<seq>/   save number <seq> of that writer, being written
 
-A checkpoint is written into ``.tmp-step-N``; once every rank's files are durable (DCP
-fsyncs each file it writes before it reports the write done, and writes ``.metadata``
-last, fsynced, on the coordinator), the coordinator writes ``checksums.json``, fsyncs
-every file and the folder, renames the folder to ``step-N`` (the commit point: one
-atomic ``rename``), fsyncs ``DIR``, and only then rewrites ``latest`` (temporary file,
-fsync, rename, fsync ``DIR``) and retires old checkpoints. A crash before the rename
-leaves a ``.tmp-`` folder that nothing reads (removed at the next open); after it, the
-new checkpoint is complete. Retention renames ``step-N`` to ``.del-step-N`` (atomic:
-gone from the listing) before deleting its files, and only after a newer commit.
+Order is commit order, not step number: ``committed_steps`` lists steps oldest commit
+first, ``latest`` names the newest commit, and retention deletes the oldest commits. A
+save of a lower step than one already committed (a rollback, a new run in an old folder)
+is therefore the newest checkpoint, which a resume wants; saving a step again replaces
+it and makes it the newest. Folders committed before COMMIT records existed order by
+step number, before every recorded commit.
 
-Replacing a committed step (saving the same step again) moves the old folder to
-``.old-step-N`` first; a crash between the two renames leaves the old folder there,
-and the next open puts it back.
+A save is written into its own ``.tmp-`` folder (two saves never share one, even of the
+same step). Once every rank's files are durable (DCP fsyncs each file before it reports
+the write done), the coordinator, holding ``DIR/.lock``, writes ``checksums.json`` and
+``COMMIT``, fsyncs every file and the folder, renames it to ``step-N`` (the commit
+point: one atomic ``rename``), fsyncs ``DIR``, then rewrites ``latest`` (temporary file,
+fsync, rename, fsync ``DIR``) and retires old checkpoints (rename to ``.del-``, then
+delete). Replacing a committed step moves the old folder to ``.old-step-N.<token>``
+first; a crash between the two renames leaves it there, and the next cleaning puts it
+back.
+
+Leftovers are removed only when their writer is dead: the ``<token>`` in a leftover's
+name names a ``.writer-<token>`` file that its writer holds an exclusive ``flock`` on
+for as long as it is open; the kernel drops the lock when the process dies (SIGKILL
+included). So a second Checkpointer on the folder (an eval job, a restarted trainer
+while the old one finishes) never deletes a live writer's folder. ``flock`` must work
+on the file system (local disks do; some network file systems do not).
+
+A folder the process cannot write (read-only mount, archive) opens for restore only:
+nothing is cleaned, locked or repaired there.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import json
 import os
 import re
+import secrets
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 __all__ = [
+    "COMMIT",
     "LATEST",
+    "Session",
     "clean_stale",
     "commit",
     "committed_steps",
+    "folder_lock",
     "fsync_dir",
     "read_latest",
+    "remove_tmp",
     "retain",
     "step_dir",
     "step_name",
@@ -43,7 +68,13 @@ __all__ = [
 ]
 
 LATEST = "latest"
+#: The record of a committed folder's place in commit order.
+COMMIT = "COMMIT"
+_COMMIT_FORMAT = "async_stager-commit/1"
 _STEP = re.compile(r"^step-(\d{8,})$")
+# A leftover of a writer: .tmp-/.old-/.del- + step-N + .<token>[.<seq>]
+_LEFTOVER = re.compile(r"^\.(tmp|old|del)-(step-\d{8,})(?:\.([0-9a-f]+)(?:\.\d+)?)?$")
+_READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 def step_name(step: int) -> str:
@@ -56,8 +87,9 @@ def step_dir(root: Path, step: int) -> Path:
     return root / step_name(step)
 
 
-def tmp_dir(root: Path, step: int) -> Path:
-    return root / f".tmp-{step_name(step)}"
+def tmp_dir(root: Path, step: int, token: str, seq: int) -> Path:
+    """The temporary folder of save number ``seq`` of writer ``token``."""
+    return root / f".tmp-{step_name(step)}.{token}.{seq}"
 
 
 def fsync_dir(path: Path) -> None:
@@ -80,25 +112,41 @@ def _fsync_tree(folder: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
-def committed_steps(root: Path) -> list[int]:
-    """Steps committed under ``root``, oldest first (empty if ``root`` does not exist)."""
+def _commit_seq(folder: Path) -> int:
+    """A committed folder's place in commit order; -1 without a readable record."""
+    try:
+        doc = json.loads((folder / COMMIT).read_text(encoding="utf-8"))
+        seq = doc["seq"] if isinstance(doc, dict) and doc.get("format") == _COMMIT_FORMAT else None
+    except (OSError, ValueError, KeyError):
+        return -1
+    return seq if isinstance(seq, int) and not isinstance(seq, bool) else -1
+
+
+def _committed(root: Path) -> list[tuple[int, int]]:
+    """``(commit seq, step)`` of every committed folder, oldest commit first."""
     try:
         names = os.listdir(root)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return []
-    steps = []
+    found = []
     for name in names:
         m = _STEP.match(name)
         if m and (root / name).is_dir():
-            steps.append(int(m.group(1)))
-    return sorted(steps)
+            found.append((_commit_seq(root / name), int(m.group(1))))
+    return sorted(found)
+
+
+def committed_steps(root: Path) -> list[int]:
+    """Steps committed under ``root``, oldest commit first (empty if ``root`` does not
+    exist); the last is the newest commit."""
+    return [step for _, step in _committed(root)]
 
 
 def read_latest(root: Path) -> int | None:
     """The step ``latest`` names, or None (no file, or it names no committed folder)."""
     try:
         name = (root / LATEST).read_text(encoding="utf-8").strip()
-    except OSError:
+    except (OSError, UnicodeDecodeError):
         return None
     m = _STEP.match(name)
     if m is None or not (root / name).is_dir():
@@ -116,33 +164,115 @@ def _write_latest(root: Path, step: int) -> None:
     fsync_dir(root)
 
 
-def commit(root: Path, step: int) -> Path:
-    """Make ``.tmp-step-N`` the committed ``step-N`` (see the module docstring) and
-    point ``latest`` at the newest commit. Coordinator only, after every rank's files
-    are written. Returns the committed folder."""
-    src, dst = tmp_dir(root, step), step_dir(root, step)
-    _fsync_tree(src)
-    old = root / f".old-{step_name(step)}"
+@contextlib.contextmanager
+def folder_lock(root: Path) -> Iterator[None]:
+    """Hold ``DIR/.lock`` exclusively (blocking): commits, retention and cleaning of
+    every process on the folder run one at a time. Call from a worker thread."""
+    fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # drops the lock
+
+
+class Session:
+    """A writer's hold on a Checkpointer directory: the ``.writer-<token>`` lock that
+    marks its temporary folders as live (see the module docstring).
+
+    ``open`` returns None when the folder cannot be written (read-only): the caller
+    then opens for restore only."""
+
+    def __init__(self, root: Path, token: str, fd: int) -> None:
+        self.root = root
+        self.token = token
+        self._fd: int | None = fd
+
+    @classmethod
+    def open(cls, root: Path) -> Session | None:
+        """Create the folder if needed, take a writer lock and clean what dead writers
+        left (all under ``folder_lock``, so a cleaner never sees a new writer's lock
+        file before it is locked). None if the folder is read-only. Worker thread."""
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            lock = folder_lock(root)
+            lock.__enter__()
+        except OSError as exc:
+            if exc.errno in _READ_ONLY:
+                return None
+            raise
+        try:
+            token = secrets.token_hex(6)
+            fd = os.open(root / f".writer-{token}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody holds it
+            session = cls(root, token, fd)
+            try:
+                clean_stale(root)
+            except BaseException:
+                session.close()
+                raise
+            return session
+        finally:
+            lock.__exit__(None, None, None)
+
+    def close(self) -> None:
+        """Give the lock up and remove its file (idempotent). A crash skips this; the
+        kernel drops the lock, and the next cleaning removes the file."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        with contextlib.suppress(OSError):
+            (self.root / f".writer-{self.token}").unlink()
+        os.close(fd)
+
+
+def _writer_alive(root: Path, token: str | None) -> bool:
+    """Whether the writer ``token`` holds its lock (a live process). A leftover without
+    a token (an earlier version's) has no live writer."""
+    if token is None:
+        return False
+    path = root / f".writer-{token}"
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def commit(root: Path, tmp: Path, step: int) -> Path:
+    """Make ``tmp`` the committed ``step-N`` (see the module docstring) and point
+    ``latest`` at it. Coordinator only, after every rank's files are written, holding
+    ``folder_lock``. Returns the committed folder."""
+    dst = step_dir(root, step)
+    seq = max((s for s, _ in _committed(root)), default=-1) + 1
+    record = {"format": _COMMIT_FORMAT, "seq": seq, "step": step}
+    (tmp / COMMIT).write_text(json.dumps(record), encoding="utf-8")
+    _fsync_tree(tmp)
+    old = root / f".old-{step_name(step)}.{tmp.name.split('.')[2]}"
     if dst.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.rename(dst, old)
-    os.rename(src, dst)  # the commit point
+    os.rename(tmp, dst)  # the commit point
     fsync_dir(root)
     if old.exists():
         shutil.rmtree(old, ignore_errors=True)
-    newest = committed_steps(root)[-1]
-    _write_latest(root, newest)
+    _write_latest(root, step)
     return dst
 
 
 def retain(root: Path, keep: int) -> list[int]:
-    """Delete all but the newest ``keep`` committed checkpoints (after a commit);
-    returns the steps deleted."""
+    """Delete all but the ``keep`` newest commits (after a commit, holding
+    ``folder_lock``); returns the steps deleted. The newest commit is never one."""
     steps = committed_steps(root)
     doomed = steps[:-keep] if keep > 0 else []
     for step in doomed:
-        gone = root / f".del-{step_name(step)}"
-        os.rename(step_dir(root, step), gone)
+        os.rename(step_dir(root, step), root / f".del-{step_name(step)}")
     if doomed:
         fsync_dir(root)
         for step in doomed:
@@ -150,22 +280,38 @@ def retain(root: Path, keep: int) -> list[int]:
     return doomed
 
 
+def remove_tmp(tmp: Path) -> None:
+    """Remove a save's temporary folder after it failed or was abandoned."""
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def clean_stale(root: Path) -> None:
-    """At open (coordinator, before any rank writes): remove what a crash left behind:
-    uncommitted ``.tmp-`` folders and half-deleted ``.del-`` ones; put back an
-    ``.old-step-N`` whose replacement never got committed."""
+    """Remove what dead writers left behind (holding ``folder_lock``; ``Session.open``
+    calls it): their ``.tmp-``
+    folders, half-deleted ``.del-`` ones and ``.writer-`` files; put back an ``.old-``
+    folder whose replacement never got committed; point ``latest`` at the newest commit.
+    A live writer's folders are left alone."""
     for name in os.listdir(root):
         path = root / name
-        if name.startswith(".old-step-"):
-            final = root / name.removeprefix(".old-")
-            if final.exists():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                os.rename(path, final)
-        elif name.startswith((".tmp-step-", ".del-step-")):
-            shutil.rmtree(path, ignore_errors=True)
-        elif name == f".{LATEST}.tmp":
+        if name.startswith(".writer-"):
+            if not _writer_alive(root, name.removeprefix(".writer-")):
+                path.unlink(missing_ok=True)
+            continue
+        if name == f".{LATEST}.tmp":
             path.unlink(missing_ok=True)
+            continue
+        m = _LEFTOVER.match(name)
+        if m is None:
+            continue
+        kind, final, token = m.group(1), m.group(2), m.group(3)
+        if kind == "del":
+            shutil.rmtree(path, ignore_errors=True)
+        elif _writer_alive(root, token):
+            continue
+        elif kind == "tmp" or (root / final).exists():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.rename(path, root / final)
     fsync_dir(root)
     steps = committed_steps(root)
     if steps and read_latest(root) != steps[-1]:

@@ -29,6 +29,7 @@ import zlib
 from collections.abc import Iterable, Iterator
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +44,16 @@ from ._wordhash import wsum64_digest
 __all__ = [
     "HASH",
     "MANIFEST",
+    "Manifest",
     "PIECE_BYTES",
     "checksum_in_thread",
     "checksum_state",
+    "load_manifest",
     "read_manifest",
     "tensor_crcs",
     "verify_dcp",
     "verify_flat",
+    "verify_stored",
     "write_manifest",
 ]
 
@@ -60,9 +64,22 @@ _FORMAT = "async_stager-checksums/2"
 #: Format 2 plus a per-entry ``hash`` where it is not the document's (``wsum64``: a
 #: digest its device took before the copy, see ``_wordhash``).
 _FORMAT_MIXED = "async_stager-checksums/3"
+#: Format 3 plus ``files`` and ``objects``: digests of every stored byte that is not
+#: tensor data (``_stored``): DCP's ``.metadata`` and bytes items, the torch format's file.
+_FORMAT_STORED = "async_stager-checksums/4"
 #: The first format: CRC-32 per 16 MiB piece, read (verified) but no longer written.
 _FORMAT_CRC = "async_stager-checksums/1"
 _CRC_PIECE_BYTES = 16 * 2**20
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A checkpoint folder's ``checksums.json``: the tensor chunks' table, and (format
+    4) the digests of its other stored bytes (None in older formats)."""
+
+    tensors: dict[str, dict[str, Any]]
+    files: dict[str, dict[str, Any]] | None
+    objects: dict[str, dict[str, Any]] | None
 
 
 def tensor_crcs(t: torch.Tensor, piece_bytes: int = _CRC_PIECE_BYTES) -> list[int]:
@@ -142,13 +159,28 @@ def checksum_state(
     return entries, sum(t.numel() * t.element_size() for _, t in todo)
 
 
-def write_manifest(folder: Path, step: int, tensors: dict[str, dict[str, Any]]) -> None:
+def write_manifest(
+    folder: Path,
+    step: int,
+    tensors: dict[str, dict[str, Any]],
+    *,
+    files: dict[str, dict[str, Any]] | None = None,
+    objects: dict[str, dict[str, Any]] | None = None,
+) -> None:
     """Write ``checksums.json`` into ``folder`` and fsync it (the folder is fsynced by
-    the commit)."""
+    the commit). ``files`` and ``objects``: the digests of the stored bytes that are
+    not tensor data (``_stored``), which make it format 4."""
     # Format 2 while every entry is XXH3 (what earlier versions read); 3 when some
-    # entry names its own hash (a digest taken on a device).
-    fmt = _FORMAT_MIXED if any("hash" in e for e in tensors.values()) else _FORMAT
-    doc = {"format": fmt, "hash": HASH, "piece_bytes": PIECE_BYTES, "step": step, "tensors": tensors}
+    # entry names its own hash (a digest taken on a device); 4 with stored bytes.
+    if files is not None or objects is not None:
+        fmt = _FORMAT_STORED
+    else:
+        fmt = _FORMAT_MIXED if any("hash" in e for e in tensors.values()) else _FORMAT
+    doc: dict[str, Any] = {"format": fmt, "hash": HASH, "piece_bytes": PIECE_BYTES, "step": step}
+    doc["tensors"] = tensors
+    if fmt == _FORMAT_STORED:
+        doc["files"] = files or {}
+        doc["objects"] = objects or {}
     path = folder / MANIFEST
     with open(path, "w", encoding="utf-8") as f:
         json.dump(doc, f, sort_keys=True)
@@ -156,35 +188,138 @@ def write_manifest(folder: Path, step: int, tensors: dict[str, dict[str, Any]]) 
         os.fsync(f.fileno())
 
 
-def read_manifest(folder: Path, step: int | None) -> dict[str, dict[str, Any]]:
-    """The ``tensors`` table of a checkpoint folder; IntegrityError if it is missing or
-    unreadable (a checkpoint that cannot be verified is not trusted)."""
+def _digest_list(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) > 0
+        and all(isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 2**64 for h in value)
+    )
+
+
+def _check_entry(folder: Path, step: int | None, where: str, entry: Any, fields: dict[str, type]) -> None:
+    """A damaged manifest entry is an IntegrityError naming it, never a TypeError or
+    KeyError later."""
+    problem = None
+    if not isinstance(entry, dict):
+        problem = f"is a {type(entry).__name__}, not an object"
+    else:
+        for name, kind in fields.items():
+            value = entry.get(name)
+            if name == "digest":
+                if not _digest_list(value):
+                    problem = f"has no valid digest ({value!r:.60})"
+            elif kind is list:
+                if not isinstance(value, list) or not all(
+                    isinstance(v, int) and not isinstance(v, bool) for v in value
+                ):
+                    problem = f"has no valid {name} ({value!r:.60})"
+            elif not isinstance(value, kind) or isinstance(value, bool):
+                problem = f"has no valid {name} ({value!r:.60})"
+            if problem:
+                break
+    if problem:
+        raise IntegrityError(f"{folder}: {MANIFEST} is damaged: {where} {problem}", step=step)
+
+
+_TENSOR_FIELDS: dict[str, type] = {"fqn": str, "offsets": list, "shape": list, "dtype": str, "digest": list}
+_STORED_FIELDS: dict[str, type] = {"bytes": int, "digest": list}
+_OBJECT_FIELDS: dict[str, type] = {"file": str, "offset": int, "length": int, "bytes": int, "digest": list}
+
+
+def load_manifest(folder: Path, step: int | None) -> Manifest:
+    """The whole manifest of a checkpoint folder, checked entry by entry; IntegrityError
+    if it is missing, unreadable or damaged (a checkpoint that cannot be verified is not
+    trusted)."""
     try:
         doc = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise IntegrityError(f"{folder}: no readable {MANIFEST} ({exc})", step=step) from exc
+    if not isinstance(doc, dict) or not isinstance(doc.get("tensors"), dict):
+        raise IntegrityError(f"{folder}: {MANIFEST} is damaged: no tensors table", step=step)
     fmt = (doc.get("format"), doc.get("hash"), doc.get("piece_bytes"))
+    tensors: dict[str, dict[str, Any]] = doc["tensors"]
     if fmt == (_FORMAT_CRC, "crc32", _CRC_PIECE_BYTES):
-        tensors: dict[str, dict[str, Any]] = doc["tensors"]
-        for entry in tensors.values():
-            entry["digest"], entry["hash"] = entry.pop("crc32"), "crc32"
-        return tensors
-    if fmt not in ((_FORMAT, HASH, PIECE_BYTES), (_FORMAT_MIXED, HASH, PIECE_BYTES)):
+        for k, entry in tensors.items():
+            if isinstance(entry, dict) and "crc32" in entry:
+                entry["digest"], entry["hash"] = entry.pop("crc32"), "crc32"
+            _check_entry(folder, step, f"tensor {k!r}", entry, _TENSOR_FIELDS)
+        return Manifest(tensors, None, None)
+    known = (
+        (_FORMAT, HASH, PIECE_BYTES),
+        (_FORMAT_MIXED, HASH, PIECE_BYTES),
+        (_FORMAT_STORED, HASH, PIECE_BYTES),
+    )
+    if fmt not in known:
         raise IntegrityError(
-            f"{folder}: {MANIFEST} is not an {_FORMAT} or {_FORMAT_MIXED} {HASH} manifest of "
-            f"{PIECE_BYTES}-byte pieces",
+            f"{folder}: {MANIFEST} is not an async_stager checksums manifest this version reads "
+            f"(format {fmt[0]!r}, hash {fmt[1]!r}, {fmt[2]!r}-byte pieces)",
             step=step,
         )
-    tensors = doc["tensors"]
-    mixed = fmt[0] == _FORMAT_MIXED
+    mixed = fmt[0] != _FORMAT
     for k, entry in tensors.items():
+        _check_entry(folder, step, f"tensor {k!r}", entry, _TENSOR_FIELDS)
         algorithm = entry.get("hash", HASH) if mixed else HASH
         if algorithm not in (HASH, WSUM64):
             raise IntegrityError(
                 f"{folder}: {MANIFEST} names an unknown hash {algorithm!r} for {k}", step=step
             )
         entry["hash"] = algorithm
-    return tensors
+    if fmt[0] != _FORMAT_STORED:
+        return Manifest(tensors, None, None)
+    files, objects = doc.get("files"), doc.get("objects")
+    if not isinstance(files, dict) or not isinstance(objects, dict):
+        raise IntegrityError(f"{folder}: {MANIFEST} is damaged: no files/objects tables", step=step)
+    for name, entry in files.items():
+        _check_entry(folder, step, f"file {name!r}", entry, _STORED_FIELDS)
+    for fqn, entry in objects.items():
+        _check_entry(folder, step, f"value {fqn!r}", entry, _OBJECT_FIELDS)
+    return Manifest(tensors, files, objects)
+
+
+def read_manifest(folder: Path, step: int | None) -> dict[str, dict[str, Any]]:
+    """The ``tensors`` table of a checkpoint folder (see ``load_manifest``)."""
+    return load_manifest(folder, step).tensors
+
+
+def verify_stored(folder: Path, step: int | None, manifest: Manifest) -> int:
+    """Check the stored bytes that are not tensor data (whole files, DCP's bytes items)
+    against a format-4 manifest; returns how many were checked (0 for older formats).
+    Runs before anything in them is unpickled."""
+    from ._stored import check_path, file_digest
+
+    checked = 0
+    for name, entry in (manifest.files or {}).items():
+        _compare_stored(
+            folder, step, f"file {name!r}", entry, lambda n=name: file_digest(check_path(folder, n))
+        )
+        checked += 1
+    for fqn, entry in (manifest.objects or {}).items():
+        _compare_stored(
+            folder,
+            step,
+            f"value {fqn!r}",
+            entry,
+            lambda e=entry: file_digest(check_path(folder, e["file"]), e["offset"], e["length"]),
+        )
+        checked += 1
+    return checked
+
+
+def _compare_stored(folder: Path, step: int | None, what: str, entry: dict[str, Any], read: Any) -> None:
+    try:
+        got = read()
+    except (OSError, ValueError) as exc:
+        raise IntegrityError(f"{folder}: {what} is unreadable ({exc})", step=step) from exc
+    if got["bytes"] != entry["bytes"]:
+        raise IntegrityError(
+            f"{folder}: {what} has {got['bytes']} bytes, saved with {entry['bytes']} (truncated or torn file)",
+            step=step,
+        )
+    if got["digest"] != entry["digest"]:
+        raise IntegrityError(
+            f"{folder}: {what}: {HASH} mismatch: the stored bytes are not what was written (corrupted file)",
+            step=step,
+        )
 
 
 def _compare(step: int | None, k: str, entry: dict[str, Any], data: torch.Tensor) -> None:
@@ -261,7 +396,10 @@ def verify_dcp(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    tensors = read_manifest(folder, step)
+    manifest = load_manifest(folder, step)
+    tensors = manifest.tensors
+    if part[0] == 0:
+        verify_stored(folder, step, manifest)  # .metadata before DCP unpickles it
     try:
         metadata = dcp.FileSystemReader(str(folder)).read_metadata()
     except (Exception, dcp.api.CheckpointException) as exc:
@@ -280,7 +418,7 @@ def verify_dcp(
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(target, checkpoint_id=str(folder), no_dist=True)
-        except Exception as exc:
+        except (Exception, dcp.api.CheckpointException) as exc:  # a BaseException: a short or missing file
             raise IntegrityError(
                 f"{folder}: cannot read tensors {[f for f, _ in batch][:3]}... ({exc})",
                 step=step,

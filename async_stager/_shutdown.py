@@ -39,13 +39,15 @@ class Shutdown:
 
     def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
         self.signals = signals
-        self.signal: int | None = None
-        """The signal caught (None: none yet)."""
+        self.signal: signal.Signals | int | None = None
+        """The signal caught, as a ``signal.Signals`` (``stop.signal.name`` is
+        ``'SIGTERM'``; an int too), 0 after ``request()``; None: none yet."""
         self.seconds: float | None = None
         """How long ``final_checkpoint`` took (None before it ran)."""
         self._event: anyio.Event | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._receiver: Any = None
+        self._previous: dict[signal.Signals, Any] = {}
 
     @property
     def requested(self) -> bool:
@@ -66,6 +68,9 @@ class Shutdown:
 
     async def __aenter__(self) -> Shutdown:
         self._event = anyio.Event()
+        # anyio on asyncio puts SIG_DFL back on exit, not the handler that was there:
+        # the previous handlers are saved here and put back in __aexit__.
+        self._previous = {s: signal.getsignal(s) for s in self.signals}
         self._receiver = anyio.open_signal_receiver(*self.signals)
         signals = self._receiver.__enter__()
         self._tg = anyio.create_task_group()
@@ -73,7 +78,7 @@ class Shutdown:
 
         async def listen() -> None:
             async for signum in signals:
-                self.signal = int(signum)
+                self.signal = signal.Signals(signum)
                 assert self._event is not None
                 self._event.set()
 
@@ -89,6 +94,9 @@ class Shutdown:
             await self._tg.__aexit__(exc_type, exc, tb)
         finally:
             self._receiver.__exit__(None, None, None)
+            for s, handler in self._previous.items():
+                if handler is not None and signal.getsignal(s) != handler:
+                    signal.signal(s, handler)
         return None
 
     async def final_checkpoint(
@@ -97,9 +105,11 @@ class Shutdown:
         """Wait for the writes in flight, save ``state`` as ``step`` (unless that step is
         already the newest commit) and wait for it to be committed, all within
         ``deadline`` seconds. Returns 0 (``EXIT_SAVED``) if it was committed in time, 1
-        (``EXIT_MISSED``) if the deadline passed first: the write then goes on in the
-        background and is committed if the process lives long enough, and the previous
-        checkpoint stays the newest complete one otherwise.
+        (``EXIT_MISSED``) if the deadline passed first: leaving the Checkpointer's block
+        then abandons the saves still in flight instead of waiting for them (so the
+        exit status is seen before a SIGKILL): nothing more is committed, their threads
+        end with the process, their temporary folders are removed by the next open, and
+        the newest earlier commit stays the one a restart restores.
 
         A save in flight's failure propagates. Cancellation: only the wait."""
         t0 = time.monotonic()
@@ -111,4 +121,5 @@ class Shutdown:
             self.seconds = time.monotonic() - t0
             return EXIT_SAVED
         self.seconds = time.monotonic() - t0
+        ckpt._leave_by(anyio.current_time())
         return EXIT_MISSED

@@ -120,7 +120,7 @@ async def test_checkpointer_hashes_nothing_after_staging_for_a_cpu_state(tmp_pat
         await ckpt.save({"model": {"w": torch.randn(3 << 20), "b": torch.randn(5)}}, step=1)
         await ckpt.wait()
     manifest = json.loads((tmp_path / "step-00000001" / "checksums.json").read_text())
-    assert manifest["format"] == "async_stager-checksums/2" and manifest["hash"] == "xxh3_64"
+    assert manifest["format"] == "async_stager-checksums/4" and manifest["hash"] == "xxh3_64"
     assert manifest["piece_bytes"] == PIECE_BYTES
     assert len(manifest["tensors"]["model.w@0"]["digest"]) == 2
 

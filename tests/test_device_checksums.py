@@ -174,7 +174,7 @@ async def test_checkpointer_stores_and_verifies_device_digests(tmp_path: Path, c
             await ckpt.save({"layer": {"w": w, "b": b}}, step=step)
         await ckpt.wait()
     manifest = json.loads((tmp_path / "step-00000002" / "checksums.json").read_text())
-    assert manifest["format"] == "async_stager-checksums/3"
+    assert manifest["format"] == "async_stager-checksums/4"  # 3 plus the stored non-tensor bytes
     assert manifest["tensors"]["layer.w@0"]["hash"] == "wsum64"
     assert "hash" not in manifest["tensors"]["layer.b@0"]
     assert cli_main(["verify", str(tmp_path)]) == 0
@@ -196,12 +196,12 @@ async def test_checkpointer_stores_and_verifies_device_digests(tmp_path: Path, c
     assert cli_main(["verify", str(tmp_path)]) == 1
 
 
-async def test_a_cpu_state_keeps_writing_format_2(tmp_path: Path) -> None:
+async def test_a_cpu_state_names_no_per_entry_hash(tmp_path: Path) -> None:
     async with Checkpointer(tmp_path, stager=Stager()) as ckpt:
         await ckpt.save({"w": torch.randn(2 * MiB)}, step=1)
         await ckpt.wait()
     manifest = json.loads((tmp_path / "step-00000001" / "checksums.json").read_text())
-    assert manifest["format"] == "async_stager-checksums/2"
+    assert manifest["format"] == "async_stager-checksums/4"
     assert all("hash" not in e for e in manifest["tensors"].values())
 
 
