@@ -152,6 +152,10 @@ class BufferSets:
         self._sets: list[BufferSet] = []
         self.recent: BufferSet | None = None
         self.closed = False
+        #: Counts the events that may free a set and notify ``cond`` (a lease given
+        #: back, a stage done writing): a waiting stage that saw it change since its
+        #: last look goes round again at once instead of sleeping through the notice.
+        self._events = 0
 
     def all(self) -> list[BufferSet]:
         """The sets, as a new list (read without the lock: the list is only replaced
@@ -168,12 +172,13 @@ class BufferSets:
         ``lease``, also a Lease on it (its one release path).
 
         ``stop`` is called under the lock on every round and raises to end the wait
-        (a cancelled job). The wait polls (nothing signals that a result became
-        unreachable), from 1 ms up to 50 ms, with one garbage collection first (a
-        result in a reference cycle is unreachable but not yet freed). It logs a
-        warning after a few seconds and raises BuffersHeldError after
-        ``wait_timeout`` seconds, so a stage whose own caller holds every set cannot
-        hang silently.
+        (a cancelled job). A lease given back (from any thread) or a stage done
+        writing wakes the wait at once; nothing signals that a plain result became
+        unreachable, so the wait also polls, from 1 ms up to 50 ms, with one garbage
+        collection first (a result in a reference cycle is unreachable but not yet
+        freed). It logs a warning after a few seconds and raises BuffersHeldError
+        after ``wait_timeout`` seconds, so a stage whose own caller holds every set
+        cannot hang silently.
         """
         timeout = self.wait_timeout
         t0 = time.monotonic()
@@ -191,6 +196,7 @@ class BufferSets:
                         return pick, None
                     pick.leases += 1
                     return pick, Lease(functools.partial(self._give_back, pick))
+                seen = self._events
                 held = self._describe_held()
             waited = time.monotonic() - t0
             expired = timeout is not None and waited >= timeout
@@ -217,8 +223,10 @@ class BufferSets:
                 gc.collect()
                 continue
             with self.cond:
-                # Releases and finished stages notify; unreachable results do not.
-                self.cond.wait(delay)
+                # Releases and finished stages notify; unreachable results do not. One
+                # that came between the look above and this wait is not slept through.
+                if self._events == seen:
+                    self.cond.wait(delay)
             delay = min(delay * 2, 0.05)
 
     def _pick(self, sig: Any) -> BufferSet | None:
@@ -243,7 +251,10 @@ class BufferSets:
             elif s.leases:
                 parts.append(f"set {s.index}: {s.leases} lease(s)")
             else:
-                parts.append(f"set {s.index}: a staged result is still reachable")
+                parts.append(
+                    f"set {s.index}: a staged result is still reachable (a stage() result, or "
+                    "a tensor, view or array taken out of a released lease's copy)"
+                )
         return "; ".join(parts)
 
     def done_writing(self, bufset: BufferSet, *, succeeded: bool) -> None:
@@ -254,6 +265,7 @@ class BufferSets:
             bufset.busy = False
             if succeeded:
                 self.recent = bufset
+            self._events += 1
             self.cond.notify_all()
 
     def track(self, bufset: BufferSet, completions: Sequence[Completion]) -> None:
@@ -275,6 +287,7 @@ class BufferSets:
         with self.cond:
             if bufset.leases > 0:
                 bufset.leases -= 1
+            self._events += 1
             self.cond.notify_all()
 
     def shared_arenas(self) -> list[Arena]:
@@ -289,17 +302,24 @@ class BufferSets:
         return sum(s.pool.host_bytes for s in list(self._sets))
 
     def trim(self) -> int:
-        """Return host memory no result uses: in each set that is neither leased, busy
-        nor holding a reachable result, drop the cache entries of dead sources and
-        release every arena left without a block. Returns the bytes released."""
+        """Return the host memory of every set that holds no result: neither leased,
+        busy, nor holding a reachable result (``BufferSet.held``). Such a set drops its
+        plans and its whole storage cache, and every arena of it is released (unpinned,
+        unmapped); the next stage into it is a first stage again. Returns the bytes
+        released. Worker thread, between stages (no stage is selecting a set then).
+
+        Why the whole cache: an entry maps a source storage to its block for as long
+        as the source lives, and a model's storages live for the whole run; dropping
+        only the entries of dead sources would keep every block, and so every arena,
+        allocated (trim would return 0 with nothing held)."""
         released = 0
         with self.cond:
             for s in self._sets:
                 if s.busy or s.held():
                     continue
                 s.wait_inflight()
-                if s.cache.sweep():
-                    s.forget_plans()
+                s.forget_plans()
+                s.cache.clear()
                 released += s.pool.trim()
                 s.watch()
         return released

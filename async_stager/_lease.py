@@ -7,10 +7,23 @@ wants "released" to be an event rather than a garbage collection. It is also the
 way a buffer set is released: every path that gives a set back (the consumer, a
 cancelled stage, a failed callback, ``dcp.save``) calls ``Lease.release``, which is
 idempotent and thread-safe.
+
+The release rule: an explicit release (``release()``, the end of ``async with lease``,
+``with lease`` or ``async with stager.snapshot(sd)``) is the consumer saying "done".
+It empties the staged copy's top level (``empty_released``) before it gives the set
+back, so a name still bound to it (the ``as`` target after the block, a writer's
+local) reaches no staged tensor and cannot keep the set held; what is still reachable
+by another route (a tensor, nested dict, view or numpy array taken out of it) is an
+ordinary staged result from then on: it keeps its snapshot values and holds the set
+while reachable. Nothing is rebound in place (``set_()``): a DLPack capsule taken from
+a staged tensor holds that tensor itself and its raw address, so after a rebinding no
+count the stager reads would show it, and it would read bytes a later stage writes;
+and the staged tensors are the plan's own host tensors, reused from stage to stage.
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
 from collections.abc import Callable
@@ -20,9 +33,35 @@ from typing import Any, Generic, TypeVar
 from ._digest import Checksums
 from ._errors import StagingError
 
-__all__ = ["Lease"]
+__all__ = ["Lease", "empty_released"]
 
 T = TypeVar("T")
+
+#: The mutable containers the walk builds (``_tree.Walk``: always new objects, never a
+#: source's), which release empties. Exact types only: a subclass may be an object the
+#: walk returned as it was (one whose reduce names a global), i.e. the caller's own.
+_EMPTIED: frozenset[type] = frozenset({dict, collections.OrderedDict, collections.defaultdict, list, set})
+
+
+def empty_released(result: Any) -> None:
+    """Empty the top level of a released staged copy, in place: a dict, list or set is
+    cleared; a tuple or namedtuple (immutable) is looked through, recursively, and each
+    such container in it is cleared. Anything else (a tensor, another object) is left
+    as it is. Cost: one ``clear()`` per container emptied (C speed; what dropping the
+    copy would free anyway), plus one Python step per item of the tuples looked
+    through. Containers below the top level are not visited: they die with it unless
+    referenced elsewhere, and then they are results of their own."""
+    stack = [result]
+    while stack:
+        obj = stack.pop()
+        cls = type(obj)
+        if cls in _EMPTIED:
+            obj.clear()
+        elif cls is tuple or (
+            # The walk rebuilds exactly these (``_tree_objects.ObjectWalk._other``).
+            issubclass(cls, tuple) and hasattr(cls, "_fields") and hasattr(cls, "_make")
+        ):
+            stack.extend(obj)
 
 
 class _Token:
@@ -36,11 +75,22 @@ class _Token:
         self._lock = threading.Lock()
         self.released = False
 
-    def release(self) -> bool:
+    def claim(self) -> bool:
+        """Mark released; True for exactly one caller (any thread), which must then
+        call ``give_back``."""
         with self._lock:
             if self.released:
                 return False
             self.released = True
+            return True
+
+    def give_back(self) -> None:
+        self._give_back()
+
+    def release(self) -> bool:
+        """``claim`` and ``give_back`` (the finalizer's path: nothing to empty)."""
+        if not self.claim():
+            return False
         self._give_back()
         return True
 
@@ -55,12 +105,21 @@ class Lease(Generic[T]):
         lease = await stager.lease(sd)
         task_group.start_soon(write, lease)      # the writer: async with lease as sd: ...
 
-    ``async with lease as staged:`` and ``with lease as staged:`` release on exit. A
-    lease that is garbage collected without a release is released then (the staged
-    tensors stay protected while they are reachable). After ``release()`` the buffers
-    are protected only while the staged tensors are still reachable in this process:
-    release only once every consumer that cannot be seen through references (a writer
-    process mapping the arena) is done.
+    ``async with lease as staged:`` and ``with lease as staged:`` release on exit.
+
+    Release means "done": it empties the staged copy's top level (the dict, list or
+    set, or those inside a top-level tuple, are cleared: ``staged == {}`` after the
+    block) and gives the buffer set back at once, so the name ``staged`` left bound
+    after the block holds nothing. A tensor, nested container, view or numpy array
+    taken out of the copy and still referenced is an ordinary staged result: it keeps
+    its values and keeps the set held (a later stage uses another set, or waits) until
+    it is dropped. A result whose top level cannot be emptied (a tensor, a tuple of
+    tensors, another object) is the same: held while reachable. Release only once
+    every consumer is done, including those references cannot show (a writer process
+    mapping the arena).
+
+    A lease that is garbage collected without a release is released then, without
+    emptying anything (the staged tensors stay protected while they are reachable).
     """
 
     __slots__ = ("__weakref__", "_checksums", "_finalizer", "_state_dict", "_token")
@@ -76,9 +135,11 @@ class Lease(Generic[T]):
         """The staged copy this lease protects (the caller owns it, the stager owns
         its buffers). Raises StagingError once released, so a use-after-release is an
         error rather than a read of buffers that a later stage may be writing."""
+        # Read before the flag: release sets the flag first, so a None read here
+        # always comes with the flag set (a release on another thread).
+        result: T = self._state_dict
         if self._token.released:
             raise StagingError("the lease was released: its state dict may be overwritten")
-        result: T = self._state_dict
         return result
 
     def bind(self, state_dict: Any, checksums: Checksums | None = None) -> None:
@@ -99,11 +160,21 @@ class Lease(Generic[T]):
         return self._token.released
 
     def release(self) -> None:
-        """Give the buffer set back (idempotent, thread-safe). Later stages may write
-        into it as soon as the staged tensors are also unreachable."""
-        self._state_dict = None
+        """Done with the staged copy (idempotent, thread-safe): empty its top level
+        (see the class doc) and give the buffer set back. A later stage may write into
+        the set as soon as nothing taken out of the copy is still reachable: at once
+        when nothing was. A stage waiting for a set is woken."""
+        if not self._token.claim():
+            return
+        result, self._state_dict = self._state_dict, None
         self._finalizer.detach()
-        self._token.release()
+        try:
+            # Before the set is given back: a stage woken by the release must find the
+            # references the copy held gone.
+            empty_released(result)
+        finally:
+            del result
+            self._token.give_back()
 
     def __enter__(self) -> T:
         return self.state_dict

@@ -10,7 +10,10 @@ staged dict, a tensor taken out of it, a view of one) or leased (``lease()``,
 ``snapshot()``). A later stage then writes into another buffer set (up to
 ``max_buffer_sets``) or waits until one is dropped or released; once a result is
 dropped, its buffers are reused without any other call (checkpoint every N steps pays
-for host memory once: this is the point).
+for host memory once: this is the point). Releasing a lease (the end of a
+``snapshot()`` block) empties the staged copy's top level and gives its set back at
+once, so the name still bound to it after the block holds nothing (``_lease``); what
+was taken out of it and is still referenced is protected as a plain result.
 """
 
 from __future__ import annotations
@@ -181,6 +184,12 @@ class Stager:
         ``lease.release()`` (or uses ``async with lease as staged:``) when done.
         The snapshot point is this call, as for ``stage()``.
 
+        Release means done: it empties the staged copy's top level (``staged == {}``)
+        and gives the buffer set back at once, whoever still refers to the copy; a
+        tensor, nested container, view or array taken out of it and still referenced
+        keeps its values and holds the set, as a ``stage()`` result does (see
+        ``Lease``).
+
         Cancellation: as for ``stage()``; a cancelled call leaves no lease behind.
         """
         return self._start(sd, lease=True, checksums=checksums)
@@ -199,6 +208,13 @@ class Stager:
         The snapshot point is entering the block. No later stage overwrites the leased
         buffers until the block exits; such a stage uses a spare buffer set, or, when
         ``max_buffer_sets`` are all leased, waits (cancellably) for a release.
+
+        Leaving the block is the release (see ``Lease``): the staged dict is emptied
+        (``staged == {}`` after the block) and its buffer set is free at once, so a
+        loop of ``async with stager.snapshot(sd) as staged: write(staged)`` stages
+        into one buffer set every time. A tensor, nested container, view or array
+        taken out of ``staged`` and kept after the block keeps its values and holds
+        the set until dropped.
 
         Cancellation: while entering, as for ``stage()`` (no lease is left behind).
         Leaving the block releases the lease synchronously, so it cannot be
@@ -225,14 +241,19 @@ class Stager:
         return self._stats
 
     async def trim(self) -> int:
-        """Return host memory that no result uses: arenas whose storages all died
-        (fresh tensors each checkpoint, a state dict no longer staged) are unpinned and
-        unmapped. Buffer sets holding a reachable or leased result are left alone.
-        Returns the bytes released.
+        """Return the host memory of every buffer set that holds no result: each set
+        neither leased nor holding a reachable result drops its plans and storage
+        cache (after any copies still in flight into it have landed), and its arenas
+        are unpinned and unmapped. Sets holding
+        a reachable or leased result are left alone (their result stays valid).
+        Returns the bytes released (``host_bytes`` drops by as much).
 
         Memory is otherwise kept for the next checkpoint (see docs/concepts.md,
         "Memory"): a checkpoint whose storages fit what is held pays no new mapping or
-        pinning. Call this when the state shrank for good.
+        pinning. After a trim, the next stage into a trimmed set is a first stage
+        again (it maps, pins and faults its memory in, and makes its plan). Call this
+        when the host memory is wanted elsewhere for a while, or the state shrank for
+        good.
 
         Cancellation: only the wait is cancelled; the trim runs to its end in the
         worker.
