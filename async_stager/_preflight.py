@@ -31,11 +31,23 @@ from ._errors import HostLimitError
 from ._host_limits import HostLimits
 from ._options import StagerOptions
 
-__all__ = ["Need", "PreflightReport", "Row", "check", "engine_hook", "human", "set_bytes"]
+__all__ = [
+    "Need",
+    "PreflightReport",
+    "Row",
+    "budget_bytes_hint",
+    "budget_fix",
+    "check",
+    "engine_hook",
+    "human",
+    "set_bytes",
+]
 
 #: Descriptors a shared arena holds in the staging process: the memfd and the
 #: duplicate Python's ``mmap`` keeps.
 FDS_PER_SHARED_ARENA = 2
+#: The smallest ``host_budget_bytes`` a Checkpointer accepts (``CheckpointerOptions``).
+MIN_BUDGET_BYTES = 4096
 
 
 def human(n: int) -> str:
@@ -60,6 +72,33 @@ def set_bytes(sizes: Iterable[int]) -> int:
     if not total:
         return 0
     return max(total, MIN_ARENA_BYTES)
+
+
+def budget_bytes_hint(left: int | None, per_set: int) -> int | None:
+    """A concrete ``host_budget_bytes`` for a budgeted save where a staged copy does not
+    fit: the largest power of two of at most half of what is ``left`` of the limit
+    (bytes; the rest is for the process) and at most one buffer set's ``per_set`` bytes
+    (a bigger ring holds nothing more); None when not even ``MIN_BUDGET_BYTES`` fits."""
+    if left is None:
+        return None
+    cap = min(left // 2, max(per_set, MIN_BUDGET_BYTES))
+    if cap < MIN_BUDGET_BYTES:
+        return None
+    return 1 << (cap.bit_length() - 1)
+
+
+def budget_fix(left: int | None, per_set: int) -> str:
+    """The fix that stages through a bounded ring instead of a full staged copy, with a
+    concrete N (``budget_bytes_hint``); "" when no budget fits either."""
+    n = budget_bytes_hint(left, per_set)
+    if n is None:
+        return ""
+    return (
+        f"; or save through a ring of N bytes instead of a staged copy: host_budget_bytes=N in "
+        f"Checkpointer(...) or async_stager.dcp.save(...), e.g. N={n} ({human(n)}, at most half "
+        "of what is left; N must hold the largest tensor, and a Checkpointer takes N per write "
+        "in flight)"
+    )
 
 
 @dataclass(frozen=True)
@@ -177,20 +216,34 @@ class PreflightReport:
                 )
 
 
+def _fewer(need: Need, left: int) -> str:
+    """``, or lower max_buffer_sets (now 2) to 1`` where fewer buffer sets fit in
+    what is ``left`` (bytes); with one set, ``, or stage less per process``; "" where
+    not even one set fits (no fewer sets would help)."""
+    if need.sets <= 1 or need.per_set <= 0:
+        return ", or stage less per process" if need.sets <= 1 else ""
+    fits = min(need.sets - 1, (left + need.held_bytes) // need.per_set)
+    if fits < 1:
+        return ""
+    return f", or lower max_buffer_sets (now {need.sets}) to {fits}"
+
+
 def check(need: Need, limits: HostLimits) -> PreflightReport:
     """Compare ``need`` with ``limits``; one row per limit that applies."""
     rows: list[Row] = []
     memory = need.new_bytes
     text = need.describe()
-    fewer = f"lower max_buffer_sets (now {need.sets})" if need.sets > 1 else "stage less per process"
     if limits.mem_available is not None:
+        left = limits.mem_available
         rows.append(
             Row(
                 "host memory (MemAvailable)",
                 memory,
-                limits.mem_available,
+                left,
                 "bytes",
-                f"free memory on this machine (fewer ranks or workers per node), or {fewer}",
+                "free memory on this machine (fewer ranks or workers per node)"
+                + _fewer(need, left)
+                + budget_fix(left, need.per_set),
                 need_text=text,
             )
         )
@@ -203,13 +256,15 @@ def check(need: Need, limits: HostLimits) -> PreflightReport:
                 cg.headroom,
                 "bytes",
                 f"raise the container's memory limit ({human(cg.limit)} at {cg.path}; Docker "
-                f"--memory, Kubernetes resources.limits.memory), or {fewer}",
+                "--memory, Kubernetes resources.limits.memory)"
+                + _fewer(need, cg.headroom)
+                + budget_fix(cg.headroom, need.per_set),
                 need_text=text,
             )
         )
     if need.pinned:
         enforced = need.charges_memlock and not limits.ipc_lock
-        left = None if limits.memlock is None else max(0, limits.memlock - limits.locked)
+        locked_left = None if limits.memlock is None else max(0, limits.memlock - limits.locked)
         note = ""
         if not need.charges_memlock:
             note = "CUDA pinning (cudaHostRegister) is not charged to RLIMIT_MEMLOCK"
@@ -219,7 +274,7 @@ def check(need: Need, limits: HostLimits) -> PreflightReport:
             Row(
                 "pinned memory (RLIMIT_MEMLOCK)",
                 memory,
-                left,
+                locked_left,
                 "bytes",
                 "raise it (ulimit -l; Docker --ulimit memlock=-1) or pass pin_memory=False",
                 enforced=enforced,

@@ -12,7 +12,15 @@ from typing import Any
 from .bench import MAX_SCALE, BenchOptions
 from .workloads import WORKLOADS
 
-__all__ = ["Checked", "add_arguments", "options_from_args", "scale_argument", "unwritable"]
+__all__ = [
+    "Checked",
+    "add_arguments",
+    "int_at_least",
+    "options_from_args",
+    "output_file",
+    "scale_argument",
+    "unwritable",
+]
 
 
 class Checked(argparse.Action):
@@ -41,7 +49,9 @@ class Checked(argparse.Action):
         setattr(namespace, self.dest, value)
 
 
-def _int_at_least(minimum: int) -> Callable[[str, str, argparse.Namespace], int]:
+def int_at_least(minimum: int) -> Callable[[str, str, argparse.Namespace], int]:
+    """A ``Checked`` converter: an integer >= ``minimum``."""
+
     def convert(flag: str, text: str, namespace: argparse.Namespace) -> int:
         try:
             value = int(text)
@@ -85,9 +95,12 @@ def _workloads(flag: str, text: str, namespace: argparse.Namespace) -> str:
     return ",".join(names)
 
 
-def _output_file(other: str | None, *, stdout: bool) -> Callable[[str, str, argparse.Namespace], str]:
+def _output_file(
+    other: str | None, *, stdout: bool, chart: bool = True
+) -> Callable[[str, str, argparse.Namespace], str]:
     """An output file flag: ``-`` (when ``stdout``) or a file that can be written now,
-    and not the file ``other`` (the other output flag's dest) names."""
+    and not the file ``other`` (the other output flag's dest) names; ``chart``: without
+    ``stdout``, a chart file (its extension a format matplotlib writes)."""
 
     def convert(flag: str, text: str, namespace: argparse.Namespace) -> str:
         if text == "-":
@@ -100,11 +113,17 @@ def _output_file(other: str | None, *, stdout: bool) -> Callable[[str, str, argp
         taken = getattr(namespace, other, None) if other else None
         if taken and taken != "-" and os.path.realpath(taken) == os.path.realpath(text):
             raise ValueError(f"{flag} {text!r}: the same file as --{other}")
-        if not stdout:
+        if not stdout and chart:
             _check_plot_format(flag, text)
         return text
 
     return convert
+
+
+def output_file() -> Callable[[str, str, argparse.Namespace], str]:
+    """A ``Checked`` converter for a plain output file (not ``-``): one that can be
+    written (created or replaced) now."""
+    return _output_file(None, stdout=False, chart=False)
 
 
 def unwritable(path: str) -> str | None:
@@ -157,7 +176,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--runs",
         action=Checked,
-        convert=_int_at_least(1),
+        convert=int_at_least(1),
         default=BenchOptions.runs,
         metavar="N",
         help="reported cached rounds (default 7; twice as many for large1g); medians over them",
@@ -165,7 +184,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--warmup",
         action=Checked,
-        convert=_int_at_least(0),
+        convert=int_at_least(0),
         default=BenchOptions.warmup,
         metavar="N",
         help="unreported cached rounds first",

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
 import tempfile
+import textwrap
 import threading
 import time
 import warnings
@@ -32,6 +34,9 @@ from typing import Any
 
 import anyio
 import torch
+
+from .args import Checked, int_at_least, output_file
+from .report import BenchError
 
 __all__ = ["BudgetRow", "add_budget_parser", "run_budget_bench"]
 
@@ -53,22 +58,110 @@ class BudgetRow:
     bit_exact: bool
 
 
+#: The printed lines are at most this wide.
+WIDTH = 100
+
+
+def _budgets(flag: str, text: str, namespace: argparse.Namespace) -> str:
+    """``--budgets``: comma-separated MiB (a number > 0) or ``unlimited``."""
+    parts = [p.strip() for p in text.split(",")]
+    if not parts or any(not p for p in parts):
+        raise ValueError(f"{flag} {text!r}: give budgets in MiB or 'unlimited', separated by commas")
+    for part in parts:
+        if part == "unlimited":
+            continue
+        try:
+            value = float(part)
+        except ValueError:
+            raise ValueError(f"{flag}: {part!r} is not a number of MiB or 'unlimited'") from None
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{flag}: {part!r} must be a number of MiB > 0, or 'unlimited'")
+    return ",".join(parts)
+
+
+def _folder(flag: str, text: str, namespace: argparse.Namespace) -> str:
+    """``--dir``: a folder that exists or can be created (not a file)."""
+    if not text:
+        raise ValueError(f"{flag}: an empty folder name")
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise ValueError(f"{flag} {text!r} is a file, not a folder")
+    return text
+
+
 def add_budget_parser(sub: Any) -> None:
+    """Register ``bench-budget`` and its flags; each is checked while parsing (a bad
+    one is a usage error, exit status 2, before anything runs)."""
     p = sub.add_parser(
         "bench-budget",
         help="a DCP save within a host-memory budget, against copy alone and write alone",
         description=(__doc__ or "").split("\n\n")[1].replace("\n", " "),
     )
-    p.add_argument("--state-mib", type=int, default=1024, help="state size in MiB (default 1024)")
-    p.add_argument("--tensor-mib", type=int, default=16, help="size of each tensor in MiB (default 16)")
+    p.add_argument(
+        "--state-mib",
+        action=Checked,
+        convert=int_at_least(1),
+        default=1024,
+        metavar="N",
+        help="state size in MiB, rounded down to a multiple of --tensor-mib (default 1024)",
+    )
+    p.add_argument(
+        "--tensor-mib",
+        action=Checked,
+        convert=int_at_least(1),
+        default=16,
+        metavar="N",
+        help="size of each tensor in MiB (default 16)",
+    )
     p.add_argument(
         "--budgets",
+        action=Checked,
+        convert=_budgets,
         default="64,256,unlimited",
-        help="comma-separated budgets in MiB, or 'unlimited' (default 64,256,unlimited)",
+        metavar="A,B",
+        help="comma-separated budgets in MiB, or 'unlimited'; each at least --tensor-mib "
+        "(default 64,256,unlimited)",
     )
-    p.add_argument("--dir", default=None, help="where to write (default: a temporary folder, removed after)")
-    p.add_argument("--repeat", type=int, default=3, help="rounds (default 3); medians are reported")
-    p.add_argument("--json", default=None, help="also write the rows as JSON to this file")
+    p.add_argument(
+        "--dir",
+        action=Checked,
+        convert=_folder,
+        default=None,
+        help="where to write (default: a temporary folder, removed after)",
+    )
+    p.add_argument(
+        "--repeat",
+        action=Checked,
+        convert=int_at_least(1),
+        default=3,
+        metavar="N",
+        help="rounds (default 3); medians are reported",
+    )
+    p.add_argument(
+        "--json",
+        action=Checked,
+        convert=output_file(),
+        default=None,
+        metavar="FILE",
+        help="also write every run as JSON to this file",
+    )
+
+
+def _parse_budgets(ns: argparse.Namespace) -> list[int | None]:
+    """The budgets in bytes (None: unlimited); BenchError for one that cannot hold a
+    tensor (checked before anything runs: the save would refuse it mid-run)."""
+    budgets: list[int | None] = []
+    for part in str(ns.budgets).split(","):
+        part = part.strip()
+        budgets.append(None if part == "unlimited" else int(float(part) * MIB))
+    if ns.tensor_mib > ns.state_mib:
+        raise BenchError(f"--tensor-mib {ns.tensor_mib} is more than --state-mib {ns.state_mib}")
+    small = [b for b in budgets if b is not None and b < ns.tensor_mib * MIB]
+    if small:
+        raise BenchError(
+            f"--budgets: {', '.join(f'{b / MIB:g}' for b in small)} MiB cannot hold one tensor of "
+            f"--tensor-mib {ns.tensor_mib} MiB"
+        )
+    return budgets
 
 
 def _rss() -> int:
@@ -180,10 +273,10 @@ def _save(sd: dict[str, torch.Tensor], path: str, budget: int | None) -> BudgetR
 
 
 def run_budget_bench(ns: argparse.Namespace, out: Any) -> int:
-    budgets: list[int | None] = []
-    for part in ns.budgets.split(","):
-        part = part.strip()
-        budgets.append(None if part == "unlimited" else int(float(part) * MIB))
+    """Run the parsed ``bench-budget`` command: the rows on ``out``, every line at most
+    WIDTH columns; 0 if every checkpoint loaded back bit for bit, else 1. Raises
+    BenchError (before anything runs) for flags that cannot run together."""
+    budgets = _parse_budgets(ns)
     sd = _state(ns.state_mib, ns.tensor_mib)
     nbytes = sum(v.numel() * v.element_size() for v in sd.values())
     root = ns.dir or tempfile.mkdtemp(prefix="async-stager-budget-")
@@ -217,10 +310,12 @@ def run_budget_bench(ns: argparse.Namespace, out: Any) -> int:
             shutil.rmtree(root, ignore_errors=True)
     bound = max(copy_s, write_s)
     out.write(f"{ns.repeat} round(s); medians; /bound: the median of each run over its own round's bound\n")
-    out.write(
-        f"state: {len(sd)} tensors, {nbytes / MIB:.0f} MiB on the CPU; copy alone {copy_s:.3f} s, "
-        f"write alone {write_s:.3f} s (bound: the slower, {bound:.3f} s)\n"
-    )
+    for text in (
+        f"state: {len(sd)} tensors, {nbytes / MIB:.0f} MiB on the CPU",
+        f"copy alone {copy_s:.3f} s, write alone {write_s:.3f} s (bound: the slower, {bound:.3f} s)",
+    ):
+        for line in textwrap.wrap(text, WIDTH, subsequent_indent="  "):
+            out.write(line + "\n")
     out.write(
         f"{'budget':>10} {'total s':>8} {'/bound':>7} {'fence s':>8} {'blocked s':>9} {'wr wait':>7} "
         f"{'ring MiB':>9} {'RSS+ MiB':>9} {'exact':>6}\n"
@@ -229,14 +324,18 @@ def run_budget_bench(ns: argparse.Namespace, out: Any) -> int:
         ring = f"{r.peak_ring_bytes / MIB:.1f}" if r.peak_ring_bytes is not None else "-"
         out.write(
             f"{r.label:>10} {r.total_seconds:8.3f} {ratio:7.2f} {r.fence_seconds:8.3f} "
-            f"{r.blocked_seconds:9.3f} {r.writer_wait_seconds:7.3f} {ring:>9} {r.rss_growth_bytes / MIB:9.1f} {r.bit_exact!s:>6}\n"
+            f"{r.blocked_seconds:9.3f} {r.writer_wait_seconds:7.3f} {ring:>9} "
+            f"{r.rss_growth_bytes / MIB:9.1f} {r.bit_exact!s:>6}\n"
         )
     if ns.json:
-        with open(ns.json, "w", encoding="utf-8") as f:
-            doc = {
-                "copy_alone_s": [c for c, _ in refs],
-                "write_alone_s": [w for _, w in refs],
-                "runs": [[asdict(r) for r in rs] for rs in runs],
-            }
-            json.dump(doc, f, indent=2)
+        doc = {
+            "copy_alone_s": [c for c, _ in refs],
+            "write_alone_s": [w for _, w in refs],
+            "runs": [[asdict(r) for r in rs] for rs in runs],
+        }
+        try:
+            with open(ns.json, "w", encoding="utf-8") as f:
+                json.dump(doc, f, indent=2)
+        except OSError as exc:  # it went away during the run
+            raise BenchError(f"--json {ns.json!r}: {exc.strerror or exc}") from exc
     return 0 if all(r.bit_exact for rs in runs for r in rs) else 1

@@ -5,7 +5,9 @@ The pre-flight of ``Stager.reserve`` without a state dict: the size comes from
 ``350M``, ``7e9``) with ``--dtype`` and ``--optimizer``; the need (``--buffer-sets``
 sets of one arena each, ``--pin-memory``, ``--share-memory``) is compared with this
 process's limits, and a table of need against limit is printed. Exit status 0 when
-everything fits, 1 when something does not, 2 for a usage error.
+everything fits, 1 when something does not, 2 for a usage error. Each limit that does
+not fit is followed by its fix (``_preflight``): for host memory, fewer buffer sets
+where fewer fit, and a budgeted save (``host_budget_bytes=N``) with a concrete N.
 
 ``--model-size`` counts the state dict that ``torch.optim`` and a model save: the
 weights in ``--dtype`` plus the optimizer's per-parameter states in the same dtype
@@ -56,7 +58,9 @@ def _parse(text: str, units: dict[str, int], what: str) -> int:
             f"{what} {text!r}: expected a number with an optional unit ({', '.join(u for u in units if u)})"
         )
     value = float(m.group(1)) * units[unit]
-    if not math.isfinite(value) or value <= 0:
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{what} {text!r}: too large")
+    if value <= 0:
         raise argparse.ArgumentTypeError(f"{what} {text!r}: must be more than 0")
     return math.ceil(value)
 

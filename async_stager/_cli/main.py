@@ -16,43 +16,86 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
+import textwrap
 from typing import Any, TextIO
 
 import torch
 
+from .._stats import StageStats
 from . import bench as _bench
 from .args import add_arguments, options_from_args, scale_argument, unwritable
 from .budget import add_budget_parser, run_budget_bench
 from .check import add_check_parser, run_check
 from .report import BenchError, format_table, require_matplotlib, to_json, write_plot
 from .verify import add_verify_parser, run_verify
-from .workloads import build_transformer, count_tensors
+from .workloads import build_transformer, count_tensors, describe_transformer
 
-__all__ = ["main"]
+__all__ = ["DEMO_WIDTH", "demo", "main"]
 
 
-async def _demo(scale: float, device: torch.device) -> None:
+#: The demo's lines are at most this wide (wrapped, continuation lines indented).
+DEMO_WIDTH = 100
+#: The demo's default ``--scale``.
+DEMO_SCALE = 0.25
+
+
+def _say(out: TextIO, text: str) -> None:
+    for line in textwrap.wrap(text, DEMO_WIDTH, subsequent_indent="    ", break_on_hyphens=False):
+        out.write(line + "\n")
+
+
+def _stage_line(label: str, st: StageStats, held_before: int) -> str:
+    new = st.host_bytes - held_before
+    return (
+        f"{label}: {st.seconds * 1e3:.1f} ms, {st.bytes_per_second / 1e9:.2f} GB/s, "
+        f"{st.tensors} tensors in {st.storages} storages, cache hits/misses "
+        f"{st.cache_hits}/{st.cache_misses}, fast path {st.fast_path}, new host memory "
+        f"{new / 2**20:.1f} MiB (held: {st.host_bytes / 2**20:.1f} MiB)"
+    )
+
+
+async def demo(
+    scale: float, device: torch.device, out: TextIO | None = None
+) -> tuple[StageStats, StageStats]:
+    """Build the transformer workload at ``scale`` on ``device`` and stage it twice with
+    one Stager, printing on ``out`` (default stdout) what each stage did, every line at
+    most DEMO_WIDTH columns. The first result is dropped before the second stage, so the
+    second reuses its buffer set (cache hits, no new host memory); a result still
+    referenced would hold its buffer set and send the second stage to a new one.
+    Returns both stages' StageStats. Runs on any anyio backend."""
     from .._stager import Stager
 
+    out = out if out is not None else sys.stdout
     sd = build_transformer(scale, device)
     tensors, nbytes = count_tensors(sd)
-    print(f"state dict on {device}: {tensors} tensors, {nbytes / 2**20:.1f} MiB")
+    _say(
+        out,
+        f"state dict on {device}: {tensors} tensors, {nbytes / 2**20:.1f} MiB ({describe_transformer(scale)})",
+    )
     async with Stager() as stager:
-        print(f"options: {stager.options}")
-        for label in ("first stage (allocates host memory)", "second stage (reuses it)"):
-            staged: Any = await stager.stage(sd)
-            st = stager.stats
-            assert st is not None
-            print(
-                f"{label}: {st.seconds * 1e3:.1f} ms, {st.bytes_per_second / 1e9:.2f} GB/s, "
-                f"{st.tensors} tensors in {st.storages} storages, cache hits/misses "
-                f"{st.cache_hits}/{st.cache_misses}, fast path {st.fast_path}, "
-                f"host memory {st.host_bytes / 2**20:.1f} MiB"
-            )
-        w = staged["model"]["embed.weight"]
+        opts = stager.options
+        _say(
+            out,
+            "options: " + ", ".join(f"{f.name}={getattr(opts, f.name)!r}" for f in dataclasses.fields(opts)),
+        )
+        first: Any = await stager.stage(sd)
+        a = stager.stats
+        assert a is not None
+        _say(out, _stage_line("first stage (allocates host memory)", a, 0))
+        # The result holds its buffer set while it is referenced: drop it, so the
+        # second stage can take that buffer set over.
+        del first
+        second: Any = await stager.stage(sd)
+        b = stager.stats
+        assert b is not None
+        _say(out, _stage_line("second stage (reuses it)", b, a.host_bytes))
+        w = second["model"]["embed.weight"]
         same = torch.equal(w, sd["model"]["embed.weight"].cpu())
-        print(f"staged embed.weight: {tuple(w.shape)} on {w.device}, equal to the source: {same}")
+        _say(out, f"staged embed.weight: {tuple(w.shape)} on {w.device}, equal to the source: {same}")
+        del second, w
+    return a, b
 
 
 def run_cli(ns: argparse.Namespace, out: TextIO) -> int:
@@ -88,7 +131,10 @@ def run_cli(ns: argparse.Namespace, out: TextIO) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="async-stager", description=__doc__.splitlines()[0] if __doc__ else None
+        prog="async-stager",
+        description="async_stager's command line: benchmarks (bench, bench-process, bench-budget), "
+        "a demo, checking saved checkpoints (verify) and a pre-flight of host limits (check). "
+        "COMMAND --help says more.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser(
@@ -104,15 +150,36 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_parser(
             "bench-process",
             help="DCP async_save PROCESS mode: our DefaultStager against DCP's",
-            description=_process.__doc__.splitlines()[0] if _process.__doc__ else None,
+            description="Save with DCP's async_save in PROCESS mode (a writer daemon per rank, "
+            "gloo ranks spawned here, CPU) using async_stager's DefaultStager and using DCP's own, "
+            "and compare staging time, host memory, descriptors sent and bytes the pickler copied "
+            "(docs/benchmarks.md).",
         )
     )
     add_budget_parser(sub)
-    demo = sub.add_parser("demo", help="stage a small model and print what happened")
-    scale_argument(
-        demo, 0.25, "model size (1: the transformer workload with AdamW state, see docs/benchmarks.md)"
+    demo_parser = sub.add_parser(
+        "demo",
+        help="stage a small transformer state dict twice; the second stage reuses the host memory",
+        description="Build the benchmark's transformer workload (docs/benchmarks.md): a decoder-only "
+        "transformer's weights plus AdamW state (exp_avg, exp_avg_sq and a scalar step per "
+        "parameter), float32, in the layout of {'model': ..., 'optim': optimizer.state_dict()}; "
+        f"at the default --scale {DEMO_SCALE:g}: {describe_transformer(DEMO_SCALE)}. Stage it twice "
+        "with one Stager(), dropping the first result before the second stage, and print what "
+        "each stage did: the first allocates host memory, the second reuses it (cache hits, no "
+        "new host memory).",
     )
-    demo.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    scale_argument(
+        demo_parser,
+        DEMO_SCALE,
+        f"multiply the state dict's bytes (default {DEMO_SCALE:g}; 1: {describe_transformer(1.0)}): "
+        "layers grow with X above 1/8, hidden size and vocabulary shrink below it",
+    )
+    demo_parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where the state dict is built (auto: CUDA when available)",
+    )
     add_verify_parser(sub)
     add_check_parser(sub)
     return parser
@@ -142,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_budget_bench(ns, sys.stdout)
         device = _bench.BenchOptions(device=ns.device).resolved_device()
         _bench.check_fits(["transformer"], ns.scale, device)
-        asyncio.run(_demo(ns.scale, device))
+        asyncio.run(demo(ns.scale, device))
         return 0
     except BenchError as exc:
         print(f"async-stager: error: {exc}", file=sys.stderr)

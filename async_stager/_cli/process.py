@@ -27,9 +27,11 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import socket
 import statistics
 import tempfile
+import textwrap
 import time
 import warnings
 from typing import Any
@@ -247,15 +249,27 @@ def run_process_bench(
     return rows
 
 
+#: The printed lines are at most this wide (the table's rows are, for the sizes this
+#: command takes; the title, the legend and warnings are wrapped).
+WIDTH = 100
+
+
 def format_rows(rows: list[dict[str, Any]], world: int, checkpoints: int, tensors: int, nbytes: int) -> str:
-    head = (
-        f"DCP async_save PROCESS mode, CPU, gloo world {world}, {checkpoints} checkpoints of "
-        f"{tensors} tensors, {nbytes / 2**20:.0f} MiB per rank (rank 0 shown)\n"
-        f"| stager | stage ms (median; first) | RSS MiB before -> after 1st -> after {checkpoints}th | PSS MiB | "
-        "descriptors / checkpoint | bytes copied by pickler | stages into own arenas | load exact |\n"
-        "|:--|--:|--:|--:|--:|--:|:--|:--|"
-    )
-    lines = [head]
+    """The rows as a Markdown table under a title, with a legend of its columns and any
+    warnings after it; every line at most WIDTH columns."""
+
+    def wrap(text: str, indent: str = "  ") -> list[str]:
+        return textwrap.wrap(text, WIDTH, subsequent_indent=indent, break_on_hyphens=False)
+
+    lines = [
+        *wrap(f"DCP async_save PROCESS mode, CPU, gloo world {world} (rank 0 shown)"),
+        *wrap(f"{checkpoints} checkpoints of {tensors} tensors, {nbytes / 2**20:.0f} MiB per rank"),
+    ]
+    lines += [
+        "",
+        "| stager | stage ms | RSS MiB | PSS MiB | fds/ckpt | pickler copied | own arenas | exact |",
+        "|:--|--:|--:|--:|--:|--:|:--|:--|",
+    ]
     for r in rows:
         lines.append(
             f"| {r['contender']} | {r['stage_ms_median']:.1f}; {r['stage_ms_first']:.1f} | "
@@ -264,32 +278,82 @@ def format_rows(rows: list[dict[str, Any]], world: int, checkpoints: int, tensor
             f"{r['descriptors_per_checkpoint']:.0f} | {r['copied_mib']:.0f} MiB | "
             f"{'-' if r['in_own_arenas'] is None else r['in_own_arenas']} | {r['exact']} |"
         )
+    lines.append("")
+    lines += wrap(
+        f"stage ms: the median of checkpoints 2-{checkpoints}; the first. RSS MiB: before the first "
+        f"checkpoint -> after it -> after the {checkpoints}th. PSS MiB: after the last. fds/ckpt: "
+        "descriptors sent per checkpoint. pickler copied: bytes torch copied into new shared "
+        "memory. own arenas: the stager still stages into its own arenas. exact: dcp.load of the "
+        "last checkpoint is bit-exact."
+    )
     for r in rows:
         for w in r["warnings"]:
-            lines.append(f"warning ({r['contender']}): {w}")
+            lines += wrap(f"warning ({r['contender']}): {w}", "    ")
     return "\n".join(lines)
 
 
+def _contenders(flag: str, text: str, namespace: argparse.Namespace) -> str:
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in CONTENDERS]
+    if not kinds or bad:
+        raise ValueError(
+            f"{flag} {text!r}: {'unknown ' + ', '.join(map(repr, bad)) if bad else 'names none'}; "
+            f"choose from {', '.join(CONTENDERS)}"
+        )
+    if len(set(kinds)) != len(kinds):
+        raise ValueError(f"{flag} {text!r} names a contender twice")
+    return ",".join(kinds)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``bench-process`` flags, each checked while parsing (a bad one is a usage
+    error, exit status 2, before any process starts)."""
+    from .args import Checked, int_at_least
+
     parser.add_argument("--world", type=int, choices=(1, 2), default=2, help="gloo ranks (default 2)")
-    parser.add_argument("--checkpoints", type=int, default=10, help="checkpoints per contender (default 10)")
-    parser.add_argument("--tensors", type=int, default=64, help="tensors per rank (default 64)")
-    parser.add_argument("--mib", type=int, default=128, help="MiB per rank (default 128)")
+    parser.add_argument(
+        "--checkpoints",
+        action=Checked,
+        convert=int_at_least(2),
+        default=10,
+        metavar="N",
+        help="checkpoints per contender, at least 2 (default 10)",
+    )
+    parser.add_argument(
+        "--tensors",
+        action=Checked,
+        convert=int_at_least(1),
+        default=64,
+        metavar="N",
+        help="tensors per rank (default 64)",
+    )
+    parser.add_argument(
+        "--mib",
+        action=Checked,
+        convert=int_at_least(1),
+        default=128,
+        metavar="N",
+        help="MiB per rank (default 128)",
+    )
     parser.add_argument(
         "--contenders",
+        action=Checked,
+        convert=_contenders,
         default="ours,dcp",
+        metavar="A,B",
         help=f"comma-separated, from {','.join(CONTENDERS)} (default ours,dcp)",
     )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
 
 
 def run_cli(ns: argparse.Namespace) -> int:
+    """Run the parsed ``bench-process`` command; BenchError if a rank group fails."""
     kinds = [k for k in ns.contenders.split(",") if k]
-    bad = [k for k in kinds if k not in CONTENDERS]
-    if bad or ns.checkpoints < 2 or ns.tensors < 1 or ns.mib < 1:
-        raise BenchError(f"bad arguments (contenders {bad}, checkpoints >= 2, tensors/mib >= 1)")
     nbytes = ns.mib * 2**20
-    rows = run_process_bench(kinds, ns.world, ns.checkpoints, ns.tensors, nbytes)
+    try:
+        rows = run_process_bench(kinds, ns.world, ns.checkpoints, ns.tensors, nbytes)
+    except (RuntimeError, queue.Empty) as exc:  # a rank failed or did not answer
+        raise BenchError(str(exc) or "a rank did not answer in time") from exc
     if ns.json:
         print(json.dumps(rows, indent=2))
     else:

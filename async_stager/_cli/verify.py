@@ -1,66 +1,389 @@
 """``python -m async_stager verify DIR``: check committed checkpoints against their
 checksums, without loading them into a model.
 
-``DIR`` is a Checkpointer directory (every committed step is checked, newest first) or
-one step folder. Prints one line per step; the exit status is 0 when every step checked
-verifies, 1 when one does not, 2 when there is nothing to check.
+``DIR`` is a Checkpointer directory (every committed step is checked, newest commit
+first) or one step folder. Prints one line per step, ``step-NNNNNNNN: ok (...)`` or
+``step-NNNNNNNN: FAILED: <reason>``, and goes on to the older steps after a failure.
+Exit status: 0 when every step checked verifies, 1 when any does not, 2 for a usage
+error (``DIR`` does not exist, is not a folder, or holds no committed step).
+
+The digests (``checksums.json``, see ``_integrity``): XXH3-64 per 8 MiB piece of each
+tensor chunk's bytes; WSUM64 per piece for a tensor hashed on its GPU before the copy;
+manifests of the first format (CRC-32 per 16 MiB piece) still verify.
+
+A damaged checkpoint is a failed step, never a traceback: a missing, empty or truncated
+data file (``__0_0.distcp``, ``state.pt``), unreadable DCP metadata, and a
+``checksums.json`` that is missing, not JSON, or not shaped as a manifest (a null
+digest, a missing field, a list where an object belongs) each give a one-line reason.
+DCP's reader raises CheckpointException, a BaseException (``except Exception`` misses
+it), whose text is a traceback per rank: it is caught per step and described by the
+errors it carries; a KeyboardInterrupt it wraps still stops the command. The stored
+bytes that a format-4 manifest covers (``.metadata``, ``state.pt``) are checked against
+their digests before they are unpickled, as ``Checkpointer.restore`` does.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import os
 import re
 import sys
+import warnings
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
-__all__ = ["add_verify_parser", "run_verify"]
+from .._digest import PIECE_BYTES
+from .._integrity import MANIFEST as _MANIFEST
+from .._statefuls import TORCH_FILE as _TORCH_FILE
+from .._stored import METADATA as _DCP_METADATA
+
+__all__ = ["add_verify_parser", "describe", "manifest_problem", "run_verify", "verify_folder"]
+
+#: The longest reason taken from a third-party message (torch's run to paragraphs).
+_REASON_CHARS = 160
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 def add_verify_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``verify`` and its flags on the command line's subparsers."""
+    piece = f"{PIECE_BYTES // 2**20} MiB"
     p = sub.add_parser(
         "verify",
         help="check saved checkpoints against their checksums",
         description="Read back every tensor of each committed checkpoint under DIR (or of one step "
-        "folder) and compare it with the CRC-32 checksums taken from the staged copy when it was saved.",
+        "folder), newest commit first, and compare its digest with the one taken from the staged copy when "
+        f"it was saved (checksums.json): XXH3-64 per {piece} piece, or WSUM64 per {piece} piece for a "
+        "tensor hashed on its GPU before the copy; checkpoints of the first manifest format "
+        "(CRC-32 per 16 MiB piece) still verify. One line per step; a damaged step is reported "
+        "and the older steps are still checked. Exit status 0: every step checked verifies; 1: "
+        "some step does not; 2: DIR does not exist or holds no committed step.",
     )
-    p.add_argument("directory", type=Path, help="a Checkpointer directory or one step-NNNNNNNN folder")
+    p.add_argument("directory", type=_directory, help="a Checkpointer directory or one step-NNNNNNNN folder")
     p.add_argument("--newest", action="store_true", help="check only the newest committed step")
 
 
+def _directory(text: str) -> Path:
+    """The DIR argument; an empty one (an unset shell variable) is a usage error, not
+    the current folder."""
+    if not text:
+        raise argparse.ArgumentTypeError("DIR is empty; give a Checkpointer directory or a step folder")
+    return Path(text)
+
+
+class UsageProblem(Exception):
+    """``DIR`` cannot be checked at all (exit status 2): the message says why."""
+
+
 def _folders(directory: Path, newest: bool) -> list[tuple[int | None, Path]]:
+    """The step folders to check, newest commit first; UsageProblem if there are none."""
     from .._commit import committed_steps, step_dir
 
+    if not directory.exists():
+        raise UsageProblem(f"{directory} does not exist")
+    if not directory.is_dir():
+        raise UsageProblem(f"{directory} is not a folder (give a Checkpointer directory or a step folder)")
     m = re.match(r"^step-(\d+)$", directory.name)
-    if m and directory.is_dir():
+    if m:
         return [(int(m.group(1)), directory)]
-    steps = list(reversed(committed_steps(directory)))
+    try:
+        steps = list(reversed(committed_steps(directory)))
+    except OSError as exc:
+        raise UsageProblem(f"cannot list {directory}: {exc.strerror or exc}") from exc
+    if not steps:
+        raise UsageProblem(f"no committed checkpoint (step-NNNNNNNN folder) in {directory}")
     if newest:
         steps = steps[:1]
     return [(s, step_dir(directory, s)) for s in steps]
 
 
-def verify_folder(step: int | None, folder: Path) -> str:
-    """Verify one step folder (either format); returns a summary, raises IntegrityError."""
+def _first_line(text: str) -> str:
+    """The first non-empty line of ``text``, ANSI escapes removed, cut to a sentence
+    when it is long."""
+    lines = [ln.strip() for ln in _ANSI.sub("", text).splitlines() if ln.strip()]
+    line = lines[0] if lines else ""
+    if len(line) > _REASON_CHARS:
+        end = line.find(". ", 20)
+        line = line[: end + 1] if 0 < end < _REASON_CHARS else line[: _REASON_CHARS - 3] + "..."
+    return line
+
+
+def _checkpoint_exceptions() -> tuple[type[BaseException], ...]:
+    """DCP's CheckpointException (a BaseException, not an Exception: ``except
+    Exception`` lets it through), imported when first needed (DCP is slow to import)."""
+    try:
+        from torch.distributed.checkpoint.api import CheckpointException
+    except ImportError:  # pragma: no cover - torch without DCP
+        return ()
+    return (CheckpointException,)
+
+
+def _damage() -> tuple[type[BaseException], ...]:
+    """What reading a damaged checkpoint may raise: any Exception, and DCP's
+    CheckpointException."""
+    return (Exception, *_checkpoint_exceptions())
+
+
+def describe(exc: BaseException) -> str:
+    """One line for a person: why reading a checkpoint failed. DCP's
+    CheckpointException (whose text is a traceback per rank) is described by the
+    exceptions it carries; an OSError by its reason and the file's name."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(exc, _checkpoint_exceptions()) and isinstance(failures, dict):
+        parts = []
+        for wrapped in failures.values():
+            inner = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
+            text = describe(inner) if isinstance(inner, BaseException) else str(inner)
+            if text not in parts:
+                parts.append(text)
+        return "; ".join(parts) or "DCP could not read it"
+    if isinstance(exc, OSError) and exc.strerror:
+        name = os.path.basename(str(exc.filename)) if exc.filename else ""
+        return f"{exc.strerror}: {name}" if name else exc.strerror
+    if isinstance(exc, EOFError):
+        return "a file ends early (truncated)"
+    text = _first_line(str(exc))
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _interrupt_in(exc: BaseException) -> BaseException | None:
+    """A KeyboardInterrupt or SystemExit that DCP wrapped in a CheckpointException
+    (its loader catches BaseException): it must stop the command, not fail a step."""
+    for wrapped in (getattr(exc, "failures", None) or {}).values():
+        inner = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
+        if isinstance(inner, (KeyboardInterrupt, SystemExit)):
+            return inner
+    return None
+
+
+def _is_int_list(value: Any, *, minimum: int = 0, below: int | None = None) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= minimum and (below is None or x < below)
+        for x in value
+    )
+
+
+def manifest_problem(folder: Path) -> str | None:
+    """Why ``checksums.json`` in ``folder`` cannot be a manifest (its shape: an object
+    with a ``tensors`` object of entries, each with a string ``fqn``, integer lists
+    ``offsets`` and ``shape`` and a non-empty list of unsigned digests), or None. Its
+    format and hash names are left to ``_integrity.read_manifest``."""
+    path = folder / _MANIFEST
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return f"{_MANIFEST} is missing (a checkpoint without checksums is not trusted)"
+    except UnicodeDecodeError:
+        return f"{_MANIFEST} is not UTF-8 text"
+    except OSError as exc:
+        return f"{_MANIFEST} cannot be read ({describe(exc)})"
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        return f"{_MANIFEST} is not valid JSON ({_first_line(str(exc))})"
+    if not isinstance(doc, dict):
+        return f"{_MANIFEST} holds {_json_type(doc)}, not an object"
+    if "tensors" not in doc:
+        return f"{_MANIFEST} has no 'tensors' table"
+    tensors = doc["tensors"]
+    if not isinstance(tensors, dict):
+        return f"{_MANIFEST}: 'tensors' is {_json_type(tensors)}, not an object"
+    # Format 1 keeps the digest under "crc32" (32-bit values); later formats under
+    # "digest" (64-bit values).
+    first = str(doc.get("format", "")).endswith("/1")
+    field, below = ("crc32", 2**32) if first else ("digest", 2**64)
+    for k, entry in tensors.items():
+        where = f"{_MANIFEST}: entry {k!r}"
+        if not isinstance(entry, dict):
+            return f"{where} is {_json_type(entry)}, not an object"
+        for name in ("fqn", "offsets", "shape", field):
+            if name not in entry:
+                return f"{where} has no {name!r}"
+        if not isinstance(entry["fqn"], str):
+            return f"{where}: 'fqn' is {_shown(entry['fqn'])}, not a string"
+        for name in ("offsets", "shape"):
+            if not _is_int_list(entry[name]):
+                return f"{where}: {name!r} is {_shown(entry[name])}, not a list of integers >= 0"
+        digest = entry[field]
+        if not digest or not _is_int_list(digest, below=below):
+            return f"{where}: {field!r} is {_shown(digest)}, not a list of unsigned digests"
+        if "hash" in entry and not isinstance(entry["hash"], str):
+            return f"{where}: 'hash' is {_shown(entry['hash'])}, not a string"
+    return None
+
+
+def _json_type(value: Any) -> str:
+    """``value``'s JSON type, with an article: ``a list``, ``null``."""
+    if value is None:
+        return "null"
+    for kind, name in ((bool, "a boolean"), (dict, "an object"), (list, "a list"), (str, "a string")):
+        if isinstance(value, kind):
+            return name
+    return "a number"
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _data_file_problem(folder: Path) -> str | None:
+    """Why the DCP data files of ``folder`` cannot hold what its metadata says they do
+    (a file missing, or shorter than the last byte a tensor is stored at), or None.
+    A check of sizes only: the digests check the bytes."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    except _damage() as exc:  # a damaged file
+        return f"{_DCP_METADATA} cannot be read (truncated or damaged): {describe(exc)}"
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict):
+        return None  # another storage layout: DCP's reader says what is wrong
+    ends: dict[str, int] = {}
+    for info in storage.values():
+        rel, offset, length = (getattr(info, a, None) for a in ("relative_path", "offset", "length"))
+        if isinstance(rel, str) and isinstance(offset, int) and isinstance(length, int):
+            ends[rel] = max(ends.get(rel, 0), offset + length)
+    for rel, end in sorted(ends.items()):
+        try:
+            size = (folder / rel).stat().st_size
+        except FileNotFoundError:
+            return f"data file {rel} is missing"
+        except OSError as exc:
+            return f"data file {rel} cannot be read ({describe(exc)})"
+        if size < end:
+            return f"data file {rel} is truncated: {size} bytes, the metadata needs {end}"
+    return None
+
+
+def _verify_torch(step: int | None, folder: Path) -> str:
+    """The torch format, as ``Checkpointer.restore`` checks it: the file's digest
+    (format 4) before it is unpickled; a file that fails it is still loaded with
+    ``weights_only`` (nothing runs) so that a damaged tensor is named."""
     import torch
 
-    from .._integrity import read_manifest, verify_dcp, verify_flat
-    from .._statefuls import TORCH_FILE
+    from .._errors import IntegrityError
+    from .._integrity import load_manifest, verify_flat, verify_stored
 
-    if (folder / TORCH_FILE).exists():
-        tensors = read_manifest(folder, step)
-        loaded = torch.load(folder / TORCH_FILE, map_location="cpu", weights_only=True)
-        n = verify_flat(step, tensors, loaded)
-        return f"{n} tensors"
-    return f"{verify_dcp(folder, step)} tensor chunks"
+    torch_file = folder / _TORCH_FILE
+    if not torch_file.is_file():
+        raise IntegrityError(f"{_TORCH_FILE} is not a file", step=step)
+    if torch_file.stat().st_size == 0:
+        raise IntegrityError(f"{_TORCH_FILE} is empty (0 bytes)", step=step)
+    manifest = load_manifest(folder, step)
+    damaged: IntegrityError | None = None
+    try:
+        verify_stored(folder, step, manifest)
+    except IntegrityError as exc:
+        damaged = exc
+    try:
+        with warnings.catch_warnings():  # torch's notes on a damaged file's pickle
+            warnings.simplefilter("ignore")
+            loaded = torch.load(torch_file, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise damaged or IntegrityError(
+            f"{_TORCH_FILE} cannot be read (truncated or damaged): {describe(exc)}", step=step
+        ) from exc
+    if not isinstance(loaded, dict):
+        raise damaged or IntegrityError(
+            f"{_TORCH_FILE} holds a {type(loaded).__name__}, not a state dict", step=step
+        )
+    n = verify_flat(step, manifest.tensors, loaded)
+    if damaged is not None:
+        raise damaged
+    return f"{n} tensors"
+
+
+def _verify_dcp(step: int | None, folder: Path) -> str:
+    """The DCP format: ``.metadata``'s digest (format 4) before it is unpickled, then
+    the data files' sizes against it (a missing or truncated file named as such), then
+    ``_integrity.verify_dcp`` (every stored byte against the manifest)."""
+    from .._errors import IntegrityError
+    from .._integrity import load_manifest, verify_dcp, verify_stored
+
+    if not (folder / _DCP_METADATA).exists():
+        if any(folder.glob("*.distcp")):
+            raise IntegrityError(f"{_DCP_METADATA} (DCP format) is missing", step=step)
+        raise IntegrityError(
+            f"neither {_TORCH_FILE} (torch format) nor {_DCP_METADATA} (DCP format) is in the folder",
+            step=step,
+        )
+    manifest = load_manifest(folder, step)
+    if manifest.files:  # whole files (.metadata): checked before the size check reads it
+        verify_stored(folder, step, dataclasses.replace(manifest, objects={}))
+    problem = _data_file_problem(folder)
+    if problem is not None:
+        raise IntegrityError(problem, step=step)
+    try:
+        chunks = verify_dcp(folder, step)
+    except _checkpoint_exceptions() as exc:
+        stop = _interrupt_in(exc)
+        if stop is not None:
+            raise stop from None
+        raise IntegrityError(f"its DCP data cannot be read (damaged): {describe(exc)}", step=step) from exc
+    return f"{chunks} tensor chunks"
+
+
+def _verify(step: int | None, folder: Path) -> str:
+    from .._errors import IntegrityError
+
+    problem = manifest_problem(folder)
+    if problem is not None:
+        raise IntegrityError(problem, step=step)
+    torch_file = folder / _TORCH_FILE
+    if torch_file.exists() or torch_file.is_symlink():
+        return _verify_torch(step, folder)
+    return _verify_dcp(step, folder)
+
+
+def _one_line(exc: BaseException, folder: Path) -> str:
+    """An IntegrityError's message as one line, without the folder it starts with (the
+    line names the step) and with a DCP exception it embeds described, not dumped."""
+    text = str(exc)
+    cause: BaseException | None = exc
+    seen = 0
+    while cause is not None and seen < 8:  # a CheckpointException in the chain
+        if isinstance(cause, _checkpoint_exceptions()):
+            text = text.replace(str(cause), describe(cause))
+        cause = cause.__cause__ or cause.__context__
+        seen += 1
+    for prefix in (f"{folder}: ", f"{folder.name}: "):
+        text = text.removeprefix(prefix)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return " ".join(lines[:1] + (["..."] if len(lines) > 1 else []))
+
+
+def verify_folder(step: int | None, folder: Path) -> str:
+    """Verify one step folder (either format); returns a summary (``2 tensor chunks``).
+    Raises IntegrityError, with a one-line message, for whatever keeps it from
+    verifying: a mismatch, and any damage to its files (see the module doc)."""
+    from .._errors import IntegrityError
+
+    try:
+        return _verify(step, folder)
+    except IntegrityError as exc:
+        stop = _interrupt_in(exc.__cause__) if exc.__cause__ is not None else None
+        if stop is not None:
+            raise stop from None
+        raise IntegrityError(_one_line(exc, folder), step=step, tensor=exc.tensor) from exc
+    except _damage() as exc:  # any damage: a failed step
+        stop = _interrupt_in(exc)
+        if stop is not None:
+            raise stop from None
+        raise IntegrityError(f"cannot be verified: {describe(exc)}", step=step) from exc
 
 
 def run_verify(ns: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    """Check the parsed ``verify`` command's folders (newest commit first), one line each on
+    ``out``; the exit status (see the module doc)."""
     from .._errors import IntegrityError
 
-    folders = _folders(ns.directory, ns.newest)
-    if not folders:
-        print(f"async-stager: error: no committed checkpoint in {ns.directory}", file=sys.stderr)
+    try:
+        folders = _folders(ns.directory, ns.newest)
+    except UsageProblem as exc:
+        print(f"async-stager: error: {exc}", file=sys.stderr)
         return 2
     status = 0
     for step, folder in folders:
@@ -71,4 +394,5 @@ def run_verify(ns: argparse.Namespace, out: TextIO = sys.stdout) -> int:
             status = 1
         else:
             out.write(f"{folder.name}: ok ({summary})\n")
+        out.flush()
     return status

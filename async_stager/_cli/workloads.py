@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["WORKLOADS", "Workload", "count_tensors", "renew"]
+__all__ = ["WORKLOADS", "Workload", "count_tensors", "describe_transformer", "renew"]
 
 #: Bytes of a float32 element.
 F32 = 4
@@ -79,6 +79,20 @@ def transformer_footprint(scale: float) -> tuple[int, int]:
     params = vocab * h + layers * per_layer + 2 * h
     model_tensors = 1 + 12 * layers + 2
     return 4 * model_tensors, F32 * (3 * params + model_tensors)
+
+
+def describe_transformer(scale: float) -> str:
+    """What ``build_transformer(scale)`` builds, computed without building it:
+    ``2 layers, hidden 512, vocabulary 8192: 10.5M parameters, 108 tensors, 120.2 MiB``."""
+    layers, hidden, vocab, _ = _transformer_dims(scale)
+    tensors, nbytes = transformer_footprint(scale)
+    params = (nbytes // F32 - tensors // 4) // 3
+    count = f"{params / 1e6:.1f}M" if params >= 10**5 else f"{params:,}"
+    layer_s = "layer" if layers == 1 else "layers"
+    return (
+        f"{layers} {layer_s}, hidden {hidden}, vocabulary {vocab}: {count} parameters, "
+        f"{tensors} tensors, {nbytes / MiB:.1f} MiB"
+    )
 
 
 def build_transformer(scale: float, device: torch.device) -> dict[str, Any]:
