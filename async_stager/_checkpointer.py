@@ -210,10 +210,11 @@ class Checkpointer:
         threads go on until the process exits; their folders are left for the next
         open to remove (their writer lock is released when this Checkpointer closes)."""
         self._abandoned = True
-        for item in self._items:
+        for item in list(self._items):
             if item.phase == "writing":
                 item.scope.cancel()
             else:
+                item.stage_scope.cancel()
                 self._end(item)
         _log.warning("left the Checkpointer with saves unfinished (a shutdown deadline passed)")
 
@@ -289,49 +290,63 @@ class Checkpointer:
         sd = resolve(state)
         if opts.format == "torch":
             check_torch_restorable(sd)
-        item = SaveItem(self._seq, step, anyio.Event(), anyio.Event(), sd=sd)
+        item = SaveItem(self._seq, step, anyio.Event(), anyio.Event(), sd=sd, called=t0)
         self._seq += 1
         self._items.append(item)
-        if opts.host_budget_bytes is None:
-            self._submit_ready()
-        coro = self._run_save(item, t0)
-        # A coroutine never awaited (or whose task was cancelled before it started)
-        # must not hold a buffer set or a place in the commit order.
+        self._advance()
+        coro = self._await_save(item)
+        # A coroutine never awaited must not hold a buffer set or a place in the
+        # commit order: it is abandoned when it dies, unless its write has started.
         weakref.finalize(coro, self._forget, weakref.ref(item))
         return coro
 
     def _forget(self, ref: weakref.ref[SaveItem]) -> None:
         item = ref()
-        if item is not None and item.phase in ("deferred", "staging"):
-            self._end(item)
+        if item is not None and not item.awaited and item.phase in ("deferred", "staging", "queued"):
+            self._cancel(item)
 
     def _holders(self) -> int:
+        """Buffer sets held or about to be: saves staging, and staged copies not yet
+        released (queued, or being written)."""
         return sum(1 for i in self._items if i.phase == "staging" or i.lease is not None)
 
-    def _submit_ready(self) -> None:
-        """Submit the stages of deferred saves, oldest first, while buffer sets are free:
-        the snapshot point of each."""
-        free = self._sets - self._holders()
-        for item in self._items:
-            if free <= 0:
-                break
-            if item.phase == "deferred" and item.sd is not None:
-                item.stage = self.stager.lease(item.sd, checksums=self.options.checksum)
-                item.sd = None
-                item.phase = "staging"
-                free -= 1
-
-    def _pump(self) -> None:
-        """Start the writes of queued saves, oldest first, while slots are free."""
+    def _advance(self) -> None:
+        """Move the saves forward, oldest first: submit stages while buffer sets are
+        free (the snapshot point of a deferred save), then start writes while slots are
+        free, strictly in call order (a save never starts writing before an older one,
+        so a commit never waits for a save that waits for its slot). Runs in background
+        tasks and at each call: a save progresses whether or not its caller awaits."""
         tg = self._tg
+        if tg is None or self._abandoned:
+            return
+        opts = self.options
+        budgeted = opts.host_budget_bytes is not None
+        if not budgeted:
+            free = self._sets - self._holders()
+            for item in self._items:
+                if free <= 0:
+                    break
+                if item.phase == "deferred" and item.sd is not None:
+                    item.stage = self.stager.lease(item.sd, checksums=opts.checksum)
+                    item.sd = None
+                    item.phase = "staging"
+                    item.queued = time.monotonic() - item.called
+                    tg.start_soon(self._stage_task, item)
+                    free -= 1
         for item in self._items:
-            if self._writing >= self.options.max_in_flight or tg is None:
+            if self._writing >= opts.max_in_flight:
                 break
             if item.phase == "queued":
                 self._start_write(tg, item)
+            elif budgeted and item.phase == "deferred":
+                self._start_budgeted(tg, item)
+            elif item.phase != "writing":
+                break
+        self._notify()
 
     def _start_write(self, tg: anyio.abc.TaskGroup, item: SaveItem) -> None:
         item.phase = "writing"
+        item.wrote = True
         self._writing += 1
         tg.start_soon(self._write_task, item)
 
@@ -349,82 +364,109 @@ class Checkpointer:
             self._items.remove(item)
         if dropped:
             self.dropped.append(item.step)
-        if not self._abandoned:
-            self._submit_ready()
-            self._pump()
+        self._advance()
         self._notify()
 
-    async def _run_save(self, item: SaveItem, t0: float) -> bool:
-        try:
-            if self.options.host_budget_bytes is not None:
-                await self._run_budgeted(item, t0)
-                return True
-            while item.phase == "deferred":
-                await self._changes()
-            if item.phase == "done":  # abandoned at exit
-                raise ClosedError("the Checkpointer closed before this save was staged")
-            stage = item.stage
-            assert stage is not None
-            t1 = time.monotonic()
-            item.queued = t1 - t0
-            item.stage = None
-            item.lease = await stage
-            del stage
-            item.staged = time.monotonic() - t1
-            item.phase = "queued"
-            item.read.set()
-            self._pump()
-            if item.phase == "queued" and self.options.policy == "coalesce":
-                for older in [i for i in self._items if i.phase == "queued" and i.seq < item.seq]:
-                    self._end(older, dropped=True)  # replaced, now that this one is staged
-            else:
-                while item.phase == "queued":
-                    await self._changes()
-            self._notify()
-            return True
-        except BaseException:
-            if item.phase in ("deferred", "staging", "queued"):
-                self._end(item)
-            raise
+    def _cancel(self, item: SaveItem) -> None:
+        """The caller gave the save up before it returned: nothing is saved for it."""
+        item.cancelled = True
+        if item.phase == "staging":
+            item.stage_scope.cancel()  # the stage task ends it
+        elif item.phase in ("deferred", "queued"):
+            self._end(item)
+        elif item.phase == "writing" and item.lease is None and not item.read.is_set():
+            item.scope.cancel()  # a budgeted save before its last piece: nothing committed
 
-    async def _run_budgeted(self, item: SaveItem, t0: float) -> None:
-        """Wait for a write slot, build the pipeline (its snapshot point), start the
-        write and wait until its last piece is copied. Cancellation: before that, the
-        pipeline is cancelled and nothing is committed."""
+    async def _stage_task(self, item: SaveItem) -> None:
+        """Finish a submitted stage (in the background: the caller may await later)."""
+        stage, item.stage = item.stage, None
+        assert stage is not None
+        t1 = time.monotonic()
+        lease = None
+        try:
+            with item.stage_scope:  # cancelled when the caller cancels its save
+                lease = await stage
+        except Exception as exc:  # noqa: BLE001 - the stage failed: raised to the save's caller
+            item.error = exc
+        del stage
+        if lease is not None and (item.cancelled or item.phase == "done"):
+            lease.release()
+            lease = None
+        if lease is None:
+            self._end(item)
+            return
+        item.lease = lease
+        item.staged = time.monotonic() - t1
+        item.phase = "queued"
+        item.read.set()
+        self._advance()
+        if item.phase == "queued" and self.options.policy == "coalesce":
+            for older in [i for i in self._items if i.phase == "queued" and i.seq < item.seq]:
+                self._end(older, dropped=True)  # replaced, now that this one is staged
+        self._notify()
+
+    def _start_budgeted(self, tg: anyio.abc.TaskGroup, item: SaveItem) -> None:
+        """Build a budgeted save's pipeline (its snapshot point) and start its write;
+        a task of its own waits until the last piece is copied (``item.read``)."""
         from ._budget_save import budgeted_save
 
-        assert self._writer is not None and self._tg is not None
-        while not (
-            self._writing < self.options.max_in_flight
-            and next((i for i in self._items if i.phase == "deferred"), None) is item
-        ):
-            if item.phase == "done":  # abandoned at exit
-                raise ClosedError("the Checkpointer closed before this save started")
-            await self._changes()
-        tg = self._tg
-        t1 = time.monotonic()
-        item.queued = t1 - t0
+        assert self._writer is not None
         ranks = self._ranks
-        item.pipeline = budgeted_save(
-            item.sd or {},
-            stager=self.stager,
-            budget=self.options.host_budget_bytes or 0,
-            checkpoint_id=str(self._writer.tmp(item)),
-            storage_writer=None,
-            planner=None,
-            process_group=ranks.group,
-            no_dist=not ranks.distributed,
-            on_stats=item.budget.append,
-            digests=item.digests if self.options.checksum else None,
-        )
-        self._start_write(tg, item)
+        item.queued = time.monotonic() - item.called
         try:
-            await self.stager.fence()
+            item.pipeline = budgeted_save(
+                item.sd or {},
+                stager=self.stager,
+                budget=self.options.host_budget_bytes or 0,
+                checkpoint_id=str(self._writer.tmp(item)),
+                storage_writer=None,
+                planner=None,
+                process_group=ranks.group,
+                no_dist=not ranks.distributed,
+                on_stats=item.budget.append,
+                digests=item.digests if self.options.checksum else None,
+            )
+        except Exception as exc:  # noqa: BLE001 - refused at its start: raised to the save's caller
+            item.error = exc
+            self._end(item)
+            return
+        self._start_write(tg, item)
+        tg.start_soon(self._budget_fence_task, item)
+
+    async def _budget_fence_task(self, item: SaveItem) -> None:
+        t1 = time.monotonic()
+        try:
+            await self.stager.fence()  # covers the pipeline's last piece (its fence hook)
+        finally:
+            item.staged = time.monotonic() - t1
+            item.read.set()
+            self._notify()
+
+    async def _await_save(self, item: SaveItem) -> bool:
+        """The caller's side of a save: wait until it is staged (``"coalesce"``: queued
+        is enough; ``"wait"``: until its write started; budgeted: until its last piece
+        is copied). Cancellation: before that, the save is given up."""
+        item.awaited = True
+        opts = self.options
+        try:
+            while True:
+                if item.error is not None:
+                    raise item.error
+                if opts.host_budget_bytes is not None:
+                    if item.read.is_set() and item.phase != "deferred":
+                        break
+                elif item.phase == "writing" or (item.phase == "queued" and opts.policy == "coalesce"):
+                    break
+                if item.phase == "done":
+                    if item.committed or item.wrote:
+                        break
+                    raise ClosedError("the Checkpointer closed before this save was staged")
+                await self._changes()
         except BaseException:
-            item.scope.cancel()  # the sources may change from now: nothing is saved
+            if item.error is None:
+                self._cancel(item)
             raise
-        item.staged = time.monotonic() - t1
-        item.read.set()
+        return True
 
     def fence(self) -> Coroutine[Any, Any, None]:
         """Wait until every save called so far has read its sources: after this, they
@@ -493,7 +535,7 @@ class Checkpointer:
             else:
                 manifest, file_entry, checksum_seconds, nbytes = await writer.write_staged(item, item.lease)
                 item.release()  # the staged buffers are free for the next stage
-                self._submit_ready()
+                self._advance()
             t1 = time.monotonic()
             for earlier in [i for i in self._items if i.seq < item.seq]:
                 await earlier.done.wait()

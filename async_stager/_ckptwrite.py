@@ -80,7 +80,17 @@ class SaveItem:
     #: The write's own cancel scope (shielded from outer scopes): cancelled only to
     #: drop a budgeted save whose caller was cancelled, or at a missed exit deadline.
     scope: anyio.CancelScope = field(default_factory=lambda: anyio.CancelScope(shield=True))
+    #: The stage task's scope: cancelled when the caller cancels the save while staging.
+    stage_scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     committed: bool = False
+    #: When ``save`` was called (monotonic seconds).
+    called: float = 0.0
+    #: The caller awaited the save's coroutine / gave it up / its stage failed.
+    awaited: bool = False
+    cancelled: bool = False
+    error: BaseException | None = None
+    #: Its write started (a budgeted save's pipeline, or a staged copy's write).
+    wrote: bool = False
 
     def release(self) -> None:
         """Give its staged copy back (idempotent)."""
