@@ -26,7 +26,7 @@ import threading
 import time
 import warnings
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,6 +48,7 @@ __all__ = [
     "PIECE_BYTES",
     "checksum_in_thread",
     "checksum_state",
+    "interrupt_in",
     "load_manifest",
     "read_manifest",
     "tensor_crcs",
@@ -188,61 +189,177 @@ def write_manifest(
         os.fsync(f.fileno())
 
 
-def _digest_list(value: Any) -> bool:
-    return (
-        isinstance(value, list)
-        and len(value) > 0
-        and all(isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 2**64 for h in value)
+def interrupt_in(exc: BaseException | None) -> BaseException | None:
+    """The KeyboardInterrupt or SystemExit that ``exc`` is or carries, else None.
+
+    DCP's loader catches BaseException and hands it on wrapped in a CheckpointException
+    (its ``failures``: rank -> the exception, or a tuple whose first item is it), so a
+    Ctrl-C during ``dcp.load`` arrives looking like a read failure. Whoever turns a
+    CheckpointException into an IntegrityError asks this first and re-raises what it
+    finds (``raise stop from None``): an interrupt stops the command or the restore, it
+    is never a damaged step to fall back from."""
+    seen = 0
+    todo: list[Any] = [exc]
+    while todo and seen < 64:  # a CheckpointException may carry another
+        inner = todo.pop()
+        seen += 1
+        if isinstance(inner, tuple):
+            inner = inner[0] if inner else None
+        if isinstance(inner, (KeyboardInterrupt, SystemExit)):
+            return inner
+        failures = getattr(inner, "failures", None) if isinstance(inner, BaseException) else None
+        if isinstance(failures, dict):
+            todo.extend(failures.values())
+    return None
+
+
+def _json_type(value: Any) -> str:
+    """``value``'s JSON type, with an article: ``a list``, ``null``."""
+    if value is None:
+        return "null"
+    for kind, name in ((bool, "a boolean"), (dict, "an object"), (list, "a list"), (str, "a string")):
+        if isinstance(value, kind):
+            return name
+    return "a number"
+
+
+def _shown(value: Any) -> str:
+    """A JSON value as the manifest holds it, cut to 40 characters."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_counts(value: Any) -> bool:
+    return isinstance(value, list) and all(_is_count(v) for v in value)
+
+
+def _digests(below: int) -> Callable[[Any], bool]:
+    """A check of a digest field: a non-empty list of unsigned values below ``below``
+    (2**64 for XXH3-64 and WSUM64, 2**32 for the first format's CRC-32)."""
+    return lambda value: (
+        isinstance(value, list) and len(value) > 0 and all(_is_count(v) and v < below for v in value)
     )
 
 
-def _check_entry(folder: Path, step: int | None, where: str, entry: Any, fields: dict[str, type]) -> None:
-    """A damaged manifest entry is an IntegrityError naming it, never a TypeError or
-    KeyError later."""
-    problem = None
+#: A manifest entry's required field: its name, its check, what it must be (for the message).
+_Field = tuple[str, Callable[[Any], bool], str]
+_STRING = "a string"
+_COUNTS = "a list of integers >= 0"
+_COUNT = "an integer >= 0"
+_DIGESTS = "a list of unsigned digests"
+
+
+def _tensor_fields(digest: str, below: int) -> tuple[_Field, ...]:
+    return (
+        ("fqn", lambda v: isinstance(v, str), _STRING),
+        ("offsets", _is_counts, _COUNTS),
+        ("shape", _is_counts, _COUNTS),
+        ("dtype", lambda v: isinstance(v, str), _STRING),
+        (digest, _digests(below), _DIGESTS),
+    )
+
+
+_TENSOR_FIELDS = _tensor_fields("digest", 2**64)
+#: The first format keeps its CRC-32 values (32-bit) under ``crc32``.
+_CRC_TENSOR_FIELDS = _tensor_fields("crc32", 2**32)
+_STORED_FIELDS: tuple[_Field, ...] = (("bytes", _is_count, _COUNT), ("digest", _digests(2**64), _DIGESTS))
+_OBJECT_FIELDS: tuple[_Field, ...] = (
+    ("file", lambda v: isinstance(v, str), _STRING),
+    ("offset", _is_count, _COUNT),
+    ("length", _is_count, _COUNT),
+    *_STORED_FIELDS,
+)
+
+
+def _entry_problem(where: str, entry: Any, fields: tuple[_Field, ...]) -> str | None:
+    """Why a manifest entry is not what ``fields`` say (``where`` names it), or None.
+    Every field's presence first, then each one's value, in ``fields`` order."""
     if not isinstance(entry, dict):
-        problem = f"is a {type(entry).__name__}, not an object"
-    else:
-        for name, kind in fields.items():
-            value = entry.get(name)
-            if name == "digest":
-                if not _digest_list(value):
-                    problem = f"has no valid digest ({value!r:.60})"
-            elif kind is list:
-                if not isinstance(value, list) or not all(
-                    isinstance(v, int) and not isinstance(v, bool) for v in value
-                ):
-                    problem = f"has no valid {name} ({value!r:.60})"
-            elif not isinstance(value, kind) or isinstance(value, bool):
-                problem = f"has no valid {name} ({value!r:.60})"
-            if problem:
-                break
-    if problem:
-        raise IntegrityError(f"{folder}: {MANIFEST} is damaged: {where} {problem}", step=step)
+        return f"{where} is {_json_type(entry)}, not an object"
+    for name, _, _ in fields:
+        if name not in entry:
+            return f"{where} has no {name!r}"
+    for name, check, wanted in fields:
+        if not check(entry[name]):
+            return f"{where}: {name!r} is {_shown(entry[name])}, not {wanted}"
+    if "hash" in entry and not isinstance(entry["hash"], str):
+        return f"{where}: 'hash' is {_shown(entry['hash'])}, not a string"
+    return None
 
 
-_TENSOR_FIELDS: dict[str, type] = {"fqn": str, "offsets": list, "shape": list, "dtype": str, "digest": list}
-_STORED_FIELDS: dict[str, type] = {"bytes": int, "digest": list}
-_OBJECT_FIELDS: dict[str, type] = {"file": str, "offset": int, "length": int, "bytes": int, "digest": list}
+def _os_reason(exc: OSError) -> str:
+    """An OSError as its reason and the file's name (``Permission denied: x``)."""
+    if not exc.strerror:
+        return str(exc)
+    name = os.path.basename(str(exc.filename)) if exc.filename else ""
+    return f"{exc.strerror}: {name}" if name else exc.strerror
+
+
+def _table(folder: Path, step: int | None, doc: dict[str, Any], name: str) -> dict[str, Any]:
+    if name not in doc:
+        raise IntegrityError(f"{folder}: {MANIFEST} has no {name!r} table", step=step)
+    table = doc[name]
+    if not isinstance(table, dict):
+        raise IntegrityError(
+            f"{folder}: {MANIFEST}: {name!r} is {_json_type(table)}, not an object", step=step
+        )
+    return table
+
+
+def _check_entries(
+    folder: Path, step: int | None, what: str, table: dict[str, Any], fields: tuple[_Field, ...]
+) -> None:
+    for k, entry in table.items():
+        problem = _entry_problem(f"{MANIFEST}: {what} {k!r}", entry, fields)
+        if problem is not None:
+            raise IntegrityError(f"{folder}: {problem}", step=step)
 
 
 def load_manifest(folder: Path, step: int | None) -> Manifest:
-    """The whole manifest of a checkpoint folder, checked entry by entry; IntegrityError
-    if it is missing, unreadable or damaged (a checkpoint that cannot be verified is not
-    trusted)."""
+    """The whole manifest of a checkpoint folder, checked entry by entry.
+
+    Raises IntegrityError, whose message starts with the folder and says what is wrong
+    in one line (``checksums.json is missing``, ``is not valid JSON``, ``holds a list,
+    not an object``, ``entry 'w@0': 'digest' is null, not a list of unsigned
+    digests``, ``entry 'w@0' has no 'fqn'``, an unknown format or hash name): a
+    checkpoint that cannot be verified is not trusted. Its shape: an object with a
+    ``tensors`` object of entries, each with a string ``fqn`` and ``dtype``, integer
+    lists ``offsets`` and ``shape`` and a non-empty list of unsigned digests (64-bit
+    ``digest``; the first format: 32-bit ``crc32``), and (format 4) ``files`` and
+    ``objects`` tables of the stored bytes' sizes and digests. Each tensor entry comes
+    back with its ``hash`` set (and the first format's ``crc32`` moved to ``digest``)."""
+    path = folder / MANIFEST
     try:
-        doc = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise IntegrityError(f"{folder}: no readable {MANIFEST} ({exc})", step=step) from exc
-    if not isinstance(doc, dict) or not isinstance(doc.get("tensors"), dict):
-        raise IntegrityError(f"{folder}: {MANIFEST} is damaged: no tensors table", step=step)
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise IntegrityError(
+            f"{folder}: {MANIFEST} is missing (a checkpoint without checksums is not trusted)", step=step
+        ) from exc
+    except UnicodeDecodeError as exc:
+        raise IntegrityError(f"{folder}: {MANIFEST} is not UTF-8 text", step=step) from exc
+    except OSError as exc:
+        raise IntegrityError(f"{folder}: {MANIFEST} cannot be read ({_os_reason(exc)})", step=step) from exc
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise IntegrityError(f"{folder}: {MANIFEST} is not valid JSON ({reason})", step=step) from exc
+    except RecursionError as exc:  # a document nested thousands deep
+        raise IntegrityError(
+            f"{folder}: {MANIFEST} is not valid JSON (nested too deeply)", step=step
+        ) from exc
+    if not isinstance(doc, dict):
+        raise IntegrityError(f"{folder}: {MANIFEST} holds {_json_type(doc)}, not an object", step=step)
+    tensors: dict[str, Any] = _table(folder, step, doc, "tensors")
     fmt = (doc.get("format"), doc.get("hash"), doc.get("piece_bytes"))
-    tensors: dict[str, dict[str, Any]] = doc["tensors"]
     if fmt == (_FORMAT_CRC, "crc32", _CRC_PIECE_BYTES):
-        for k, entry in tensors.items():
-            if isinstance(entry, dict) and "crc32" in entry:
-                entry["digest"], entry["hash"] = entry.pop("crc32"), "crc32"
-            _check_entry(folder, step, f"tensor {k!r}", entry, _TENSOR_FIELDS)
+        _check_entries(folder, step, "entry", tensors, _CRC_TENSOR_FIELDS)
+        for entry in tensors.values():
+            entry["digest"], entry["hash"] = entry.pop("crc32"), "crc32"
         return Manifest(tensors, None, None)
     known = (
         (_FORMAT, HASH, PIECE_BYTES),
@@ -255,9 +372,9 @@ def load_manifest(folder: Path, step: int | None) -> Manifest:
             f"(format {fmt[0]!r}, hash {fmt[1]!r}, {fmt[2]!r}-byte pieces)",
             step=step,
         )
+    _check_entries(folder, step, "entry", tensors, _TENSOR_FIELDS)
     mixed = fmt[0] != _FORMAT
     for k, entry in tensors.items():
-        _check_entry(folder, step, f"tensor {k!r}", entry, _TENSOR_FIELDS)
         algorithm = entry.get("hash", HASH) if mixed else HASH
         if algorithm not in (HASH, WSUM64):
             raise IntegrityError(
@@ -266,13 +383,10 @@ def load_manifest(folder: Path, step: int | None) -> Manifest:
         entry["hash"] = algorithm
     if fmt[0] != _FORMAT_STORED:
         return Manifest(tensors, None, None)
-    files, objects = doc.get("files"), doc.get("objects")
-    if not isinstance(files, dict) or not isinstance(objects, dict):
-        raise IntegrityError(f"{folder}: {MANIFEST} is damaged: no files/objects tables", step=step)
-    for name, entry in files.items():
-        _check_entry(folder, step, f"file {name!r}", entry, _STORED_FIELDS)
-    for fqn, entry in objects.items():
-        _check_entry(folder, step, f"value {fqn!r}", entry, _OBJECT_FIELDS)
+    files = _table(folder, step, doc, "files")
+    objects = _table(folder, step, doc, "objects")
+    _check_entries(folder, step, "file", files, _STORED_FIELDS)
+    _check_entries(folder, step, "value", objects, _OBJECT_FIELDS)
     return Manifest(tensors, files, objects)
 
 
@@ -403,6 +517,9 @@ def verify_dcp(
     try:
         metadata = dcp.FileSystemReader(str(folder)).read_metadata()
     except (Exception, dcp.api.CheckpointException) as exc:
+        stop = interrupt_in(exc)
+        if stop is not None:
+            raise stop from None
         raise IntegrityError(f"{folder}: unreadable DCP metadata ({exc})", step=step) from exc
     by_fqn: dict[str, list[str]] = {}
     for k, entry in tensors.items():
@@ -419,6 +536,9 @@ def verify_dcp(
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(target, checkpoint_id=str(folder), no_dist=True)
         except (Exception, dcp.api.CheckpointException) as exc:  # a BaseException: a short or missing file
+            stop = interrupt_in(exc)
+            if stop is not None:  # Ctrl-C inside DCP's reader: not a damaged step
+                raise stop from None
             raise IntegrityError(
                 f"{folder}: cannot read tensors {[f for f, _ in batch][:3]}... ({exc})",
                 step=step,

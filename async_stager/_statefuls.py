@@ -214,7 +214,9 @@ def load_dcp(state: dict[str, Any], folder: Path, step: int, *, group: Any, dist
     Stateful then gets ``load_state_dict`` with the whole saved state. A target value
     the checkpoint does not hold, or a tensor of another shape, raises CheckpointError
     naming its path and both shapes before anything is loaded; a file that cannot be
-    read raises IntegrityError (the caller may fall back to an older step)."""
+    read raises IntegrityError (the caller may fall back to an older step). A
+    KeyboardInterrupt or SystemExit inside DCP's reader (which wraps it in a
+    CheckpointException) is re-raised as itself: an interrupt, not a damaged file."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint._traverse import set_element
@@ -224,6 +226,9 @@ def load_dcp(state: dict[str, Any], folder: Path, step: int, *, group: Any, dist
     try:
         metadata = dcp.FileSystemReader(str(folder)).read_metadata()
     except (Exception, CheckpointException) as exc:  # a BaseException: DCP's read failure
+        stop = _integrity.interrupt_in(exc)
+        if stop is not None:
+            raise stop from None
         raise IntegrityError(f"{folder}: unreadable DCP metadata ({exc})", step=step) from exc
     saved = metadata.state_dict_metadata
     planner_data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
@@ -281,6 +286,9 @@ def load_dcp(state: dict[str, Any], folder: Path, step: int, *, group: Any, dist
             else:
                 dcp.load(target, checkpoint_id=str(folder), no_dist=True)
     except (Exception, CheckpointException) as exc:  # a BaseException: DCP's read failure
+        stop = _integrity.interrupt_in(exc)
+        if stop is not None:  # Ctrl-C inside DCP's reader: stop, do not fall back
+            raise stop from None
         raise IntegrityError(f"{folder}: cannot read checkpoint step {step} ({exc})", step=step) from exc
     apply_loaded(state, target, step)
 

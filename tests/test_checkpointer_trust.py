@@ -636,3 +636,149 @@ async def test_stager_with_too_few_buffer_sets_is_refused(tmp_path: Path) -> Non
     async with Stager(max_buffer_sets=2) as stager:
         with pytest.raises(InvalidOptionError, match="max_buffer_sets=3"):
             Checkpointer(tmp_path, stager=stager, policy="coalesce")
+
+
+# -- an interrupt inside DCP's reader stops the restore -----------------------------------------
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit])
+@pytest.mark.parametrize("checksum", [True, False], ids=["verify_dcp", "load_dcp"])
+async def test_an_interrupt_inside_dcps_reader_stops_restore_instead_of_falling_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, checksum: bool, stop: type[BaseException]
+) -> None:
+    """DCP's loader catches BaseException and raises a CheckpointException that carries
+    it: a Ctrl-C while step 2 is read must stop ``restore(fallback=True)``, not count
+    as a damaged step 2 and restore step 1 (with checksums, in ``verify_dcp``'s read;
+    without, in ``load_dcp``'s)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    async with Checkpointer(tmp_path, keep=2, checksum=checksum) as ckpt:
+        for step in (1, 2):
+            await ckpt.save({"w": torch.full((64,), float(step))}, step=step)
+        await ckpt.wait()
+    reads: list[int] = []
+
+    def interrupted(self: Any, plan: Any, planner: Any) -> Any:
+        reads.append(1)
+        raise stop()
+
+    monkeypatch.setattr(dcp.FileSystemReader, "read_data", interrupted)
+    # The premise: DCP wraps it (a bare interrupt would pass any except clause anyway).
+    with pytest.raises(CheckpointException) as wrapped, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"w": torch.zeros(64)}, checkpoint_id=str(tmp_path / "step-00000001"), no_dist=True)
+    assert any(isinstance(f[0] if isinstance(f, tuple) else f, stop) for f in wrapped.value.failures.values())
+    reads.clear()
+    async with Checkpointer(tmp_path, checksum=checksum) as ckpt:
+        out = {"w": torch.zeros(64)}
+        with pytest.raises(stop) as info:
+            await ckpt.restore(out)
+        assert not isinstance(info.value, IntegrityError)
+        assert reads == [1]  # step 2 only: no fallback to step 1
+        assert out["w"].unique().tolist() == [0.0]  # nothing loaded
+        monkeypatch.undo()
+        assert await ckpt.restore(out) == 2 and out["w"].unique().tolist() == [2.0]
+
+
+# -- a damaged manifest says what is wrong ------------------------------------------------------
+
+
+def _set_first(doc: dict[str, Any], field: str, value: Any) -> None:
+    doc["tensors"]["w@0"][field] = value
+
+
+def _first_format(doc: dict[str, Any], crc: Any) -> None:
+    entry = doc["tensors"]["w@0"]
+    entry["crc32"] = crc
+    del entry["digest"]
+    doc.update(format="async_stager-checksums/1", hash="crc32", piece_bytes=16 * 2**20)
+
+
+@ASYNCIO_ONLY
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (
+            lambda doc: _set_first(doc, "digest", None),
+            "entry 'w@0': 'digest' is null, not a list of unsigned",
+        ),
+        (lambda doc: _set_first(doc, "digest", [2**64]), "'digest' is [18446744073709551616], not a list"),
+        (lambda doc: doc["tensors"]["w@0"].pop("fqn"), "entry 'w@0' has no 'fqn'"),
+        (lambda doc: _set_first(doc, "hash", 7), "entry 'w@0': 'hash' is 7, not a string"),
+        (lambda doc: doc.update(tensors=[]), "'tensors' is a list, not an object"),
+        (lambda doc: doc.update(files=None), "'files' is null, not an object"),
+        (lambda doc: doc.pop("objects"), "has no 'objects' table"),
+        (lambda doc: doc["objects"].update(n={"file": "x"}), "value 'n' has no 'offset'"),
+        (lambda doc: _first_format(doc, [2**40]), "'crc32' is [1099511627776], not a list of unsigned"),
+        (lambda doc: _first_format(doc, None), "'crc32' is null"),
+        (lambda doc: doc.update(format="async_stager-checksums/1"), "this version reads"),
+        (
+            lambda doc: doc.update(format="async_stager-checksums/1", hash="crc32", piece_bytes=16 * 2**20),
+            "entry 'w@0' has no 'crc32'",
+        ),
+    ],
+    ids=[
+        "null-digest",
+        "digest-over-64-bits",
+        "no-fqn",
+        "hash-not-a-string",
+        "tensors-is-a-list",
+        "files-is-null",
+        "no-objects",
+        "object-entry-short",
+        "crc-over-32-bits",
+        "crc-null",
+        "format-1-named-with-xxh3",
+        "format-1-digest-without-crc",
+    ],
+)
+async def test_a_damaged_manifest_names_what_is_wrong_on_restore(
+    tmp_path: Path, damage: Any, message: str
+) -> None:
+    """``restore`` and ``python -m async_stager verify`` share one check of
+    ``checksums.json``: restore's IntegrityError names the field and what it holds,
+    and the older step still restores."""
+    async with Checkpointer(tmp_path) as ckpt:
+        for step in (1, 2):
+            await ckpt.save({"w": torch.full((8,), float(step)), "n": step}, step=step)
+        await ckpt.wait()
+    path = tmp_path / "step-00000002" / "checksums.json"
+    doc = json.loads(path.read_text())
+    damage(doc)
+    path.write_text(json.dumps(doc))
+    async with Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(IntegrityError) as info:
+            await ckpt.restore({"w": torch.zeros(8)}, fallback=False)
+        assert message in str(info.value) and "checksums.json" in str(info.value), info.value
+        assert info.value.step == 2
+        out: dict[str, Any] = {"w": torch.zeros(8)}
+        assert await ckpt.restore(out) == 1 and out["n"] == 1
+
+
+@ASYNCIO_ONLY
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda p: p.unlink(), "checksums.json is missing"),
+        (lambda p: p.write_text("[]"), "checksums.json holds a list, not an object"),
+        (lambda p: p.write_text("{"), "checksums.json is not valid JSON"),
+        (lambda p: p.write_text("[" * 100_000 + "]" * 100_000), "checksums.json is not valid JSON"),
+        (lambda p: p.write_bytes(b"\xff\xfe{}"), "checksums.json is not UTF-8 text"),
+    ],
+    ids=["missing", "a-list", "invalid-json", "nested-too-deep", "not-utf8"],
+)
+async def test_an_unreadable_manifest_names_why_on_restore(tmp_path: Path, damage: Any, message: str) -> None:
+    async with Checkpointer(tmp_path) as ckpt:
+        for step in (1, 2):
+            await ckpt.save({"w": torch.full((8,), float(step))}, step=step)
+        await ckpt.wait()
+    damage(tmp_path / "step-00000002" / "checksums.json")
+    async with Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(IntegrityError, match=message) as info:
+            await ckpt.restore({"w": torch.zeros(8)}, fallback=False)
+        assert info.value.step == 2
+        out = {"w": torch.zeros(8)}
+        assert await ckpt.restore(out) == 1 and out["w"].unique().tolist() == [1.0]

@@ -26,20 +26,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import re
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from .._digest import PIECE_BYTES
-from .._integrity import MANIFEST as _MANIFEST
+from .._integrity import interrupt_in
 from .._statefuls import TORCH_FILE as _TORCH_FILE
 from .._stored import METADATA as _DCP_METADATA
 
-__all__ = ["add_verify_parser", "describe", "manifest_problem", "run_verify", "verify_folder"]
+if TYPE_CHECKING:
+    from .._integrity import Manifest
+
+__all__ = ["add_verify_parser", "describe", "run_verify", "verify_folder"]
 
 #: The longest reason taken from a third-party message (torch's run to paragraphs).
 _REASON_CHARS = 160
@@ -147,87 +149,6 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def _interrupt_in(exc: BaseException) -> BaseException | None:
-    """A KeyboardInterrupt or SystemExit that DCP wrapped in a CheckpointException
-    (its loader catches BaseException): it must stop the command, not fail a step."""
-    for wrapped in (getattr(exc, "failures", None) or {}).values():
-        inner = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
-        if isinstance(inner, (KeyboardInterrupt, SystemExit)):
-            return inner
-    return None
-
-
-def _is_int_list(value: Any, *, minimum: int = 0, below: int | None = None) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(x, int) and not isinstance(x, bool) and x >= minimum and (below is None or x < below)
-        for x in value
-    )
-
-
-def manifest_problem(folder: Path) -> str | None:
-    """Why ``checksums.json`` in ``folder`` cannot be a manifest (its shape: an object
-    with a ``tensors`` object of entries, each with a string ``fqn``, integer lists
-    ``offsets`` and ``shape`` and a non-empty list of unsigned digests), or None. Its
-    format and hash names are left to ``_integrity.read_manifest``."""
-    path = folder / _MANIFEST
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return f"{_MANIFEST} is missing (a checkpoint without checksums is not trusted)"
-    except UnicodeDecodeError:
-        return f"{_MANIFEST} is not UTF-8 text"
-    except OSError as exc:
-        return f"{_MANIFEST} cannot be read ({describe(exc)})"
-    try:
-        doc = json.loads(text)
-    except ValueError as exc:
-        return f"{_MANIFEST} is not valid JSON ({_first_line(str(exc))})"
-    if not isinstance(doc, dict):
-        return f"{_MANIFEST} holds {_json_type(doc)}, not an object"
-    if "tensors" not in doc:
-        return f"{_MANIFEST} has no 'tensors' table"
-    tensors = doc["tensors"]
-    if not isinstance(tensors, dict):
-        return f"{_MANIFEST}: 'tensors' is {_json_type(tensors)}, not an object"
-    # Format 1 keeps the digest under "crc32" (32-bit values); later formats under
-    # "digest" (64-bit values).
-    first = str(doc.get("format", "")).endswith("/1")
-    field, below = ("crc32", 2**32) if first else ("digest", 2**64)
-    for k, entry in tensors.items():
-        where = f"{_MANIFEST}: entry {k!r}"
-        if not isinstance(entry, dict):
-            return f"{where} is {_json_type(entry)}, not an object"
-        for name in ("fqn", "offsets", "shape", field):
-            if name not in entry:
-                return f"{where} has no {name!r}"
-        if not isinstance(entry["fqn"], str):
-            return f"{where}: 'fqn' is {_shown(entry['fqn'])}, not a string"
-        for name in ("offsets", "shape"):
-            if not _is_int_list(entry[name]):
-                return f"{where}: {name!r} is {_shown(entry[name])}, not a list of integers >= 0"
-        digest = entry[field]
-        if not digest or not _is_int_list(digest, below=below):
-            return f"{where}: {field!r} is {_shown(digest)}, not a list of unsigned digests"
-        if "hash" in entry and not isinstance(entry["hash"], str):
-            return f"{where}: 'hash' is {_shown(entry['hash'])}, not a string"
-    return None
-
-
-def _json_type(value: Any) -> str:
-    """``value``'s JSON type, with an article: ``a list``, ``null``."""
-    if value is None:
-        return "null"
-    for kind, name in ((bool, "a boolean"), (dict, "an object"), (list, "a list"), (str, "a string")):
-        if isinstance(value, kind):
-            return name
-    return "a number"
-
-
-def _shown(value: Any) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
 def _data_file_problem(folder: Path) -> str | None:
     """Why the DCP data files of ``folder`` cannot hold what its metadata says they do
     (a file missing, or shorter than the last byte a tensor is stored at), or None.
@@ -258,21 +179,20 @@ def _data_file_problem(folder: Path) -> str | None:
     return None
 
 
-def _verify_torch(step: int | None, folder: Path) -> str:
+def _verify_torch(step: int | None, folder: Path, manifest: Manifest) -> str:
     """The torch format, as ``Checkpointer.restore`` checks it: the file's digest
     (format 4) before it is unpickled; a file that fails it is still loaded with
     ``weights_only`` (nothing runs) so that a damaged tensor is named."""
     import torch
 
     from .._errors import IntegrityError
-    from .._integrity import load_manifest, verify_flat, verify_stored
+    from .._integrity import verify_flat, verify_stored
 
     torch_file = folder / _TORCH_FILE
     if not torch_file.is_file():
         raise IntegrityError(f"{_TORCH_FILE} is not a file", step=step)
     if torch_file.stat().st_size == 0:
         raise IntegrityError(f"{_TORCH_FILE} is empty (0 bytes)", step=step)
-    manifest = load_manifest(folder, step)
     damaged: IntegrityError | None = None
     try:
         verify_stored(folder, step, manifest)
@@ -296,12 +216,12 @@ def _verify_torch(step: int | None, folder: Path) -> str:
     return f"{n} tensors"
 
 
-def _verify_dcp(step: int | None, folder: Path) -> str:
+def _verify_dcp(step: int | None, folder: Path, manifest: Manifest) -> str:
     """The DCP format: ``.metadata``'s digest (format 4) before it is unpickled, then
     the data files' sizes against it (a missing or truncated file named as such), then
     ``_integrity.verify_dcp`` (every stored byte against the manifest)."""
     from .._errors import IntegrityError
-    from .._integrity import load_manifest, verify_dcp, verify_stored
+    from .._integrity import verify_dcp, verify_stored
 
     if not (folder / _DCP_METADATA).exists():
         if any(folder.glob("*.distcp")):
@@ -310,7 +230,6 @@ def _verify_dcp(step: int | None, folder: Path) -> str:
             f"neither {_TORCH_FILE} (torch format) nor {_DCP_METADATA} (DCP format) is in the folder",
             step=step,
         )
-    manifest = load_manifest(folder, step)
     if manifest.files:  # whole files (.metadata): checked before the size check reads it
         verify_stored(folder, step, dataclasses.replace(manifest, objects={}))
     problem = _data_file_problem(folder)
@@ -319,7 +238,7 @@ def _verify_dcp(step: int | None, folder: Path) -> str:
     try:
         chunks = verify_dcp(folder, step)
     except _checkpoint_exceptions() as exc:
-        stop = _interrupt_in(exc)
+        stop = interrupt_in(exc)
         if stop is not None:
             raise stop from None
         raise IntegrityError(f"its DCP data cannot be read (damaged): {describe(exc)}", step=step) from exc
@@ -327,15 +246,15 @@ def _verify_dcp(step: int | None, folder: Path) -> str:
 
 
 def _verify(step: int | None, folder: Path) -> str:
-    from .._errors import IntegrityError
+    """``checksums.json`` first (``load_manifest``: missing, not JSON, not shaped as a
+    manifest, an unknown format or hash), then the format's data."""
+    from .._integrity import load_manifest
 
-    problem = manifest_problem(folder)
-    if problem is not None:
-        raise IntegrityError(problem, step=step)
+    manifest = load_manifest(folder, step)
     torch_file = folder / _TORCH_FILE
     if torch_file.exists() or torch_file.is_symlink():
-        return _verify_torch(step, folder)
-    return _verify_dcp(step, folder)
+        return _verify_torch(step, folder, manifest)
+    return _verify_dcp(step, folder, manifest)
 
 
 def _one_line(exc: BaseException, folder: Path) -> str:
@@ -364,12 +283,12 @@ def verify_folder(step: int | None, folder: Path) -> str:
     try:
         return _verify(step, folder)
     except IntegrityError as exc:
-        stop = _interrupt_in(exc.__cause__) if exc.__cause__ is not None else None
+        stop = interrupt_in(exc.__cause__)
         if stop is not None:
             raise stop from None
         raise IntegrityError(_one_line(exc, folder), step=step, tensor=exc.tensor) from exc
     except _damage() as exc:  # any damage: a failed step
-        stop = _interrupt_in(exc)
+        stop = interrupt_in(exc)
         if stop is not None:
             raise stop from None
         raise IntegrityError(f"cannot be verified: {describe(exc)}", step=step) from exc
