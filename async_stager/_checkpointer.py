@@ -31,7 +31,7 @@ from ._ckptoptions import CheckpointerOptions, Format, Policy, SaveStats
 from ._ckptwrite import SaveItem, Writer
 from ._errors import CheckpointError, ClosedError, IntegrityError, InvalidOptionError, InvalidOptionTypeError
 from ._stager import Stager
-from ._statefuls import TORCH_FILE, apply_loaded, check_torch_restorable, load_dcp, resolve
+from ._statefuls import TORCH_FILE, apply_loaded, check_matches, check_torch_restorable, load_dcp, resolve
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -39,6 +39,10 @@ if TYPE_CHECKING:
 __all__ = ["Checkpointer", "CheckpointerOptions", "SaveStats"]
 
 _log = logging.getLogger("async_stager.checkpoint")
+
+
+class _GivenUp(Exception):
+    """A save whose caller was cancelled before ``save`` returned: not committed."""
 
 
 async def _returns(value: bool) -> bool:
@@ -363,6 +367,7 @@ class Checkpointer:
         if item in self._items:
             self._items.remove(item)
         if dropped:
+            item.superseded = True
             self.dropped.append(item.step)
         self._advance()
         self._notify()
@@ -376,6 +381,8 @@ class Checkpointer:
             self._end(item)
         elif item.phase == "writing" and item.lease is None and not item.read.is_set():
             item.scope.cancel()  # a budgeted save before its last piece: nothing committed
+        # A staged save already handed its write slot: the write task sees
+        # ``cancelled`` before it writes, and again before it commits.
 
     async def _stage_task(self, item: SaveItem) -> None:
         """Finish a submitted stage (in the background: the caller may await later)."""
@@ -458,7 +465,7 @@ class Checkpointer:
                 elif item.phase == "writing" or (item.phase == "queued" and opts.policy == "coalesce"):
                     break
                 if item.phase == "done":
-                    if item.committed or item.wrote:
+                    if item.committed or item.wrote or item.superseded:
                         break
                     raise ClosedError("the Checkpointer closed before this save was staged")
                 await self._changes()
@@ -509,6 +516,8 @@ class Checkpointer:
         try:
             with item.scope:  # shielded: outer cancellation does not stop a write
                 stats = await self._write(writer, item)
+        except _GivenUp:
+            pass  # its caller was cancelled before save() returned: nothing is committed
         except (Exception, CheckpointException) as group:  # noqa: BLE001 - kept for the next save/wait
             self._record_failure(item, group)
         finally:
@@ -527,6 +536,8 @@ class Checkpointer:
             await serial.acquire()
         try:
             t0 = time.monotonic()
+            if item.cancelled:
+                raise _GivenUp
             await writer.start(item)
             file_entry = None
             checksum_seconds = 0.0
@@ -539,6 +550,8 @@ class Checkpointer:
             t1 = time.monotonic()
             for earlier in [i for i in self._items if i.seq < item.seq]:
                 await earlier.done.wait()
+            if item.cancelled:
+                raise _GivenUp
             await writer.commit(item, manifest, file_entry)
             return writer.stats(item, nbytes, checksum_seconds, t0, t1)
         finally:
@@ -669,4 +682,5 @@ class Checkpointer:
             _integrity.verify_flat(step, manifest.tensors, loaded)
         if damaged is not None:
             raise damaged
+        check_matches(resolve(state), loaded, step)
         apply_loaded(state, loaded, step)

@@ -88,6 +88,8 @@ class SaveItem:
     #: The caller awaited the save's coroutine / gave it up / its stage failed.
     awaited: bool = False
     cancelled: bool = False
+    #: Dropped by ``"coalesce"``: a newer save replaced it before its write.
+    superseded: bool = False
     error: BaseException | None = None
     #: Its write started (a budgeted save's pipeline, or a staged copy's write).
     wrote: bool = False

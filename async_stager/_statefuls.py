@@ -23,6 +23,7 @@ __all__ = [
     "TORCH_FILE",
     "apply_loaded",
     "assign",
+    "check_matches",
     "check_torch_restorable",
     "is_stateful",
     "load_dcp",
@@ -219,7 +220,6 @@ def load_dcp(state: dict[str, Any], folder: Path, step: int, *, group: Any, dist
     CheckpointException) is re-raised as itself: an interrupt, not a damaged file."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-    from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
@@ -263,9 +263,10 @@ def load_dcp(state: dict[str, Any], folder: Path, step: int, *, group: Any, dist
     for fqn, md in saved.items():
         if fqn in flat:
             continue
-        path = typed.get(fqn) or planner_data.get(fqn)
-        if path is None:
+        shape = planner_data.get(fqn)
+        if shape is None:
             raise IntegrityError(f"{folder}: no path for saved value {fqn!r} in DCP metadata", step=step)
+        path = typed.get(fqn) or shape
         if isinstance(md, TensorStorageMetadata):
             placeholder: Any = torch.empty(md.size, dtype=md.properties.dtype)
         elif isinstance(md, BytesStorageMetadata):
@@ -273,7 +274,7 @@ def load_dcp(state: dict[str, Any], folder: Path, step: int, *, group: Any, dist
         else:
             raise IntegrityError(f"{folder}: unknown metadata for {fqn!r}", step=step)
         try:
-            set_element(target, path, placeholder)
+            _place(target, tuple(path), tuple(shape), placeholder)
         except (TypeError, KeyError, IndexError, AttributeError) as exc:
             raise CheckpointError(
                 f"restore: cannot place saved value {_render(tuple(path))} into the state ({exc})", step=step
@@ -291,6 +292,58 @@ def load_dcp(state: dict[str, Any], folder: Path, step: int, *, group: Any, dist
             raise stop from None
         raise IntegrityError(f"{folder}: cannot read checkpoint step {step} ({exc})", step=step) from exc
     apply_loaded(state, target, step)
+
+
+def _place(target: dict[str, Any], path: tuple[Any, ...], shape: tuple[Any, ...], value: Any) -> None:
+    """Put ``value`` at ``path`` in ``target``, making the containers it lacks. DCP's
+    own ``set_element`` makes a list for every int key; here a list is made only where
+    DCP's path (``shape``: str for a dict key, int for a list index) says the saved
+    container was one, so a dict keyed by ints comes back as a dict."""
+    node: Any = target
+    for i, key in enumerate(path[:-1]):
+        is_list = isinstance(shape[i + 1], int) and not isinstance(shape[i + 1], bool)
+        if isinstance(node, list):
+            while len(node) <= key:
+                node.append(None)
+            if node[key] is None:
+                node[key] = [] if is_list else {}
+        elif key not in node:
+            node[key] = [] if is_list else {}
+        node = node[key]
+    last = path[-1]
+    if isinstance(node, list):
+        while len(node) <= last:
+            node.append(None)
+    node[last] = value
+
+
+def check_matches(target: Any, loaded: Any, step: int, where: str = "state") -> None:
+    """Refuse to load ``loaded`` into ``target`` when they do not match: a key of the
+    target the checkpoint lacks, a tensor of another shape, a tensor where the
+    checkpoint holds another value (the ``torch`` format's counterpart of DCP's own
+    checks in ``load_dcp``). Keys the checkpoint has and the target lacks are fine:
+    they are added."""
+    if isinstance(target, torch.Tensor):
+        if not isinstance(loaded, torch.Tensor):
+            raise CheckpointError(
+                f"restore: {where} is a tensor in the state, a {type(loaded).__name__} in checkpoint step {step}",
+                step=step,
+            )
+        if tuple(target.shape) != tuple(loaded.shape):
+            raise CheckpointError(
+                f"restore: {where} has shape {tuple(target.shape)} in the state, "
+                f"{tuple(loaded.shape)} in checkpoint step {step}",
+                step=step,
+            )
+    elif isinstance(target, Mapping) and isinstance(loaded, Mapping):
+        for k, v in target.items():
+            if k not in loaded:
+                raise CheckpointError(
+                    f"restore: {where}[{k!r}] is not in checkpoint step {step}: the state does not match "
+                    "what was saved (a renamed or added key?)",
+                    step=step,
+                )
+            check_matches(v, loaded[k], step, f"{where}[{k!r}]")
 
 
 def apply_loaded(state: dict[str, Any], loaded: dict[str, Any], step: int) -> None:

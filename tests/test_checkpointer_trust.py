@@ -782,3 +782,66 @@ async def test_an_unreadable_manifest_names_why_on_restore(tmp_path: Path, damag
         assert info.value.step == 2
         out = {"w": torch.zeros(8)}
         assert await ckpt.restore(out) == 1 and out["w"].unique().tolist() == [1.0]
+
+
+# -- found by the hostile probe -----------------------------------------------------------
+
+
+async def test_awaiting_two_saves_in_reverse_order_does_not_deadlock(tmp_path: Path) -> None:
+    async with Checkpointer(tmp_path) as ckpt:
+        first = ckpt.save({"t": torch.zeros(10)}, step=1)
+        second = ckpt.save({"t": torch.ones(10)}, step=2)
+        with anyio.fail_after(20):
+            assert await second
+            assert await first
+            await ckpt.wait()
+        assert ckpt.steps() == [1, 2]
+
+
+@pytest.mark.parametrize("policy", ["wait", "coalesce"])
+async def test_a_save_cancelled_before_it_returned_is_never_committed(tmp_path: Path, policy: Any) -> None:
+    import random
+
+    rnd = random.Random(1)
+    returned: list[int] = []
+    cancelled: list[int] = []
+    t = torch.zeros(1 << 14)
+    async with Checkpointer(tmp_path, keep=10**6, max_in_flight=3, policy=policy) as ckpt:
+        for step in range(60):
+            t.fill_(float(step))
+            with anyio.move_on_after(rnd.choice([1e-4, 5e-4, 1e-3, 3e-3])) as scope:
+                await ckpt.save({"t": t}, step=step)
+            (cancelled if scope.cancelled_caught else returned).append(step)
+            await ckpt.fence()
+        await ckpt.wait()
+        committed = ckpt.steps()
+        assert not set(committed) & set(cancelled), "a cancelled save was committed"
+        assert set(committed) == set(returned) - set(ckpt.dropped)
+        for step in committed[-3:]:
+            out = {"t": torch.empty(1 << 14)}
+            assert await ckpt.restore(out, step=step) == step and out["t"].unique().tolist() == [float(step)]
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")]
+
+
+@ASYNCIO_ONLY
+async def test_a_dict_keyed_by_ints_restores_as_a_dict_into_an_empty_state(tmp_path: Path) -> None:
+    async with Checkpointer(tmp_path) as ckpt:
+        await ckpt.save({"d": {0: torch.ones(2), 10: torch.zeros(3)}, "l": [torch.ones(1), 5]}, step=1)
+        await ckpt.wait()
+        out: dict[str, Any] = {}
+        assert await ckpt.restore(out) == 1
+    assert sorted(out["d"]) == [0, 10] and torch.equal(out["d"][10], torch.zeros(3))
+    assert isinstance(out["l"], list) and out["l"][1] == 5 and torch.equal(out["l"][0], torch.ones(1))
+
+
+@ASYNCIO_ONLY
+async def test_torch_format_refuses_a_mismatched_restore_target(tmp_path: Path) -> None:
+    async with Checkpointer(tmp_path, format="torch") as ckpt:
+        await ckpt.save({"model": {"w": torch.ones(3)}}, step=1)
+        await ckpt.wait()
+        w = torch.zeros(4)
+        with pytest.raises(CheckpointError, match=r"state\['model'\]\['w'\] has shape \(4,\).*\(3,\)"):
+            await ckpt.restore({"model": {"w": w}})
+        with pytest.raises(CheckpointError, match=r"state\['extra'\] is not in checkpoint step 1"):
+            await ckpt.restore({"model": {"w": torch.zeros(3)}, "extra": 5})
+        assert w.tolist() == [0.0] * 4  # nothing loaded
