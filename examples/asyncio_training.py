@@ -8,7 +8,10 @@ The stage is a lease (``stager.lease``): the checkpoint task receives it, writes
 staged copy to disk in a worker thread and releases it, so no later stage overwrites a
 checkpoint being written, and the next stage reuses the buffers once it is released. At
 most one write is in flight (a checkpoint due while one is in flight is skipped, except
-at the last step, which is always saved).
+at the last step, which is always saved). At the end the last checkpoint is read back
+with ``torch.load`` into a fresh model and optimizer, and their whole state (parameters,
+buffers, AdamW's ``exp_avg``, ``exp_avg_sq`` and ``step``, ``param_groups``) and the step
+counter are compared bit for bit with the trained ones.
 
 Run: ``python examples/asyncio_training.py --steps 200 --every 50 --out /tmp/ckpt``
 """
@@ -45,6 +48,54 @@ def write_atomically(staged: dict[str, Any], path: Path) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def differences(expected: Any, actual: Any, path: str = "state") -> list[str]:
+    """The paths (``state.optim.state.0.exp_avg``) where ``actual`` differs from
+    ``expected``: dict keys, sequence types and lengths, plain values and their types;
+    tensors by dtype, shape and bytes (bit-exact: -0.0 is not 0.0, a NaN equals itself)."""
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(actual, torch.Tensor) or actual.dtype != expected.dtype:
+            return [path]
+        if actual.shape != expected.shape or not torch.equal(raw(actual), raw(expected)):
+            return [path]
+        return []
+    if isinstance(expected, dict):
+        if not isinstance(actual, dict) or actual.keys() != expected.keys():
+            return [f"{path} (keys)"]
+        return [d for k in expected for d in differences(expected[k], actual[k], f"{path}.{k}")]
+    if isinstance(expected, (list, tuple)):
+        if type(actual) is not type(expected) or len(actual) != len(expected):
+            return [path]
+        return [d for i, pair in enumerate(zip(expected, actual)) for d in differences(*pair, f"{path}[{i}]")]
+    return [] if type(actual) is type(expected) and actual == expected else [path]
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, as a flat uint8 tensor on the CPU."""
+    return t.detach().cpu().reshape(-1).view(torch.uint8)
+
+
+def optimizer_keys(optimizer: torch.optim.Optimizer) -> str:
+    """The names in an optimizer's per-parameter state (AdamW: exp_avg, exp_avg_sq, step)."""
+    return ", ".join(sorted({k for s in optimizer.state_dict()["state"].values() for k in s}))
+
+
+def verify_last(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, width: int) -> str:
+    """Load the checkpoint at ``path`` into a fresh model and optimizer and compare
+    their whole state with the trained ones; SystemExit naming what differs."""
+    back = torch.load(path, weights_only=True)
+    fresh = make_model(width)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)  # no state yet: load gives it all
+    fresh.load_state_dict(back["model"])
+    fresh_opt.load_state_dict(back["optim"])
+    bad = differences(state_of(model, optimizer, step), state_of(fresh, fresh_opt, back["step"]))
+    if bad:
+        raise SystemExit(f"{path} does not restore the trained state: {', '.join(bad[:8])}")
+    return (
+        f"restored step {back['step']}: model, optimizer ({optimizer_keys(optimizer)}, param_groups)"
+        " and step counter bit-exact"
+    )
 
 
 async def checkpoint(staging: Awaitable[Lease[dict[str, Any]]], path: Path) -> None:
@@ -84,6 +135,7 @@ async def train(steps: int, every: int, width: int, out: Path) -> int:
             await asyncio.sleep(0)  # let the checkpoint task and the loop run
         if pending is not None:
             await pending
+    print(await asyncio.to_thread(verify_last, out / f"step{steps}.pt", model, optimizer, steps, width))
     return saves
 
 

@@ -5,8 +5,11 @@ bytes) is saved every ``--every`` steps through ``Checkpointer(host_budget_bytes
 each save stages and writes in pieces through a ring of at most N bytes of host memory
 instead of a full host copy. ``await ckpt.save(...)`` returns once the last piece is
 copied (the sources may change after it), and the write goes on in the background.
-At the end the newest checkpoint is restored into a fresh model, verified against the
-checksums taken as each piece landed, and compared with the trained one.
+At the end the newest checkpoint is restored (``Checkpointer.restore``, which verifies it
+against the checksums taken as each piece landed) into a fresh model and a fresh AdamW
+with no state, and their whole state (parameters, buffers, ``exp_avg``, ``exp_avg_sq``
+and ``step``, ``param_groups``) and the step counter are compared bit for bit with the
+trained ones.
 
 Run: ``python examples/budgeted_checkpoint.py --out /tmp/ckpt --budget-mib 8``
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,6 +33,41 @@ def make(width: int, layers: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
+def differences(expected: Any, actual: Any, path: str = "state") -> list[str]:
+    """The paths (``state.optim.state.0.exp_avg``) where ``actual`` differs from
+    ``expected``: dict keys, sequence types and lengths, plain values and their types;
+    tensors by dtype, shape and bytes (bit-exact: -0.0 is not 0.0, a NaN equals itself)."""
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(actual, torch.Tensor) or actual.dtype != expected.dtype:
+            return [path]
+        if actual.shape != expected.shape or not torch.equal(raw(actual), raw(expected)):
+            return [path]
+        return []
+    if isinstance(expected, dict):
+        if not isinstance(actual, dict) or actual.keys() != expected.keys():
+            return [f"{path} (keys)"]
+        return [d for k in expected for d in differences(expected[k], actual[k], f"{path}.{k}")]
+    if isinstance(expected, (list, tuple)):
+        if type(actual) is not type(expected) or len(actual) != len(expected):
+            return [path]
+        return [d for i, pair in enumerate(zip(expected, actual)) for d in differences(*pair, f"{path}[{i}]")]
+    return [] if type(actual) is type(expected) and actual == expected else [path]
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, as a flat uint8 tensor on the CPU."""
+    return t.detach().cpu().reshape(-1).view(torch.uint8)
+
+
+def optimizer_keys(optimizer: torch.optim.Optimizer) -> str:
+    """The names in an optimizer's per-parameter state (AdamW: exp_avg, exp_avg_sq, step)."""
+    return ", ".join(sorted({k for s in optimizer.state_dict()["state"].values() for k in s}))
+
+
+def whole_state(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> dict[str, Any]:
+    return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
+
+
 async def main(args: argparse.Namespace) -> None:
     model, opt = make(args.width, args.layers)
     x = torch.randn(16, args.width)
@@ -39,7 +78,7 @@ async def main(args: argparse.Namespace) -> None:
             opt.step()
             opt.zero_grad()
             if step % args.every == 0 or step == args.steps:
-                await ckpt.save({"model": model, "optim": opt}, step=step)
+                await ckpt.save({"model": model, "optim": opt, "step": step}, step=step)
         await ckpt.wait()
         stats = ckpt.last
         assert stats is not None and stats.budget is not None
@@ -48,11 +87,17 @@ async def main(args: argparse.Namespace) -> None:
             f"{budget / 2**20:.0f} MiB (peak {stats.budget.peak_bytes / 2**20:.1f} MiB), "
             f"save blocked {stats.stage_seconds * 1e3:.0f} ms"
         )
-    fresh, fresh_opt = make(args.width, args.layers)
+    fresh, fresh_opt = make(args.width, args.layers)  # an AdamW with no state: restore gives it all
+    state: dict[str, Any] = {"model": fresh, "optim": fresh_opt, "step": 0}
     async with Checkpointer(args.out) as ckpt:
-        step = await ckpt.restore({"model": fresh, "optim": fresh_opt})
-    same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
-    print(f"restored step {step}: {'bit-exact' if same else 'DIFFERENT'}")
+        restored = await ckpt.restore(state)
+    bad = differences(whole_state(model, opt, args.steps), whole_state(fresh, fresh_opt, state["step"]))
+    if restored != args.steps or bad:
+        raise SystemExit(f"restored step {restored} differs from the trained state: {', '.join(bad[:8])}")
+    print(
+        f"restored step {restored}: model, optimizer ({optimizer_keys(opt)}, param_groups)"
+        " and step counter bit-exact"
+    )
 
 
 if __name__ == "__main__":

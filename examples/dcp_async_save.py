@@ -10,7 +10,12 @@ the stage overlaps the next forward and backward, and is waited for before the s
 The stager is created once and reused, so the host buffers are allocated on the first
 checkpoint only; close it after the last one (DCP does not close a stager it was
 given). Wait for a checkpoint's upload (``response.upload_completion``) before starting
-the next one.
+the next one. The state dicts come from ``get_state_dict`` (DCP's recipe for optimizers:
+keyed by parameter name, so they reshard), and ``set_state_dict`` loads them back. At
+the end the last checkpoint is loaded with ``dcp.load`` into a fresh model and
+optimizer, and their whole state (parameters, buffers, AdamW's ``exp_avg``,
+``exp_avg_sq`` and ``step``, ``param_groups``) and the step counter are compared bit for
+bit with the trained ones.
 
 Run: ``python examples/dcp_async_save.py --steps 3 --out /tmp/dcp``
 (single process: ``no_dist=True``; in a distributed job drop it and call this on every
@@ -29,11 +34,72 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from async_stager import CheckpointStagerConfig, DefaultStager
 
 # DCP warns on every no_dist save/load that it assumes a single process: we do.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+
+
+def differences(expected: Any, actual: Any, path: str = "state") -> list[str]:
+    """The paths (``state.optim.state.0.exp_avg``) where ``actual`` differs from
+    ``expected``: dict keys, sequence types and lengths, plain values and their types;
+    tensors by dtype, shape and bytes (bit-exact: -0.0 is not 0.0, a NaN equals itself)."""
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(actual, torch.Tensor) or actual.dtype != expected.dtype:
+            return [path]
+        if actual.shape != expected.shape or not torch.equal(raw(actual), raw(expected)):
+            return [path]
+        return []
+    if isinstance(expected, dict):
+        if not isinstance(actual, dict) or actual.keys() != expected.keys():
+            return [f"{path} (keys)"]
+        return [d for k in expected for d in differences(expected[k], actual[k], f"{path}.{k}")]
+    if isinstance(expected, (list, tuple)):
+        if type(actual) is not type(expected) or len(actual) != len(expected):
+            return [path]
+        return [d for i, pair in enumerate(zip(expected, actual)) for d in differences(*pair, f"{path}[{i}]")]
+    return [] if type(actual) is type(expected) and actual == expected else [path]
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, as a flat uint8 tensor on the CPU."""
+    return t.detach().cpu().reshape(-1).view(torch.uint8)
+
+
+def optimizer_keys(optimizer: torch.optim.Optimizer) -> str:
+    """The names in an optimizer's per-parameter state (AdamW: exp_avg, exp_avg_sq, step)."""
+    return ", ".join(sorted({k for s in optimizer.state_dict()["state"].values() for k in s}))
+
+
+def state_of(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict[str, Any]:
+    """What is saved: the model's and the optimizer's state (the live tensors, not
+    copies: they must not change until the stage has read them) and the step."""
+    msd, osd = get_state_dict(model, optimizer)
+    return {"model": msd, "optim": osd, "step": step}
+
+
+def verify_last(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, width: int) -> str:
+    """Load the checkpoint at ``path`` into a fresh model and optimizer and compare
+    their whole state with the trained ones; SystemExit naming what differs."""
+    fresh = nn.Linear(width, width)
+    fresh_opt = torch.optim.AdamW(fresh.parameters())  # no state yet
+    # dcp.load loads in place into tensors of the saved shapes: get_state_dict gives the
+    # fresh optimizer its state (a step with zero gradients and lr 0: the parameters do
+    # not change); the plain values (param_groups, step) are replaced.
+    target = state_of(fresh, fresh_opt, -1)
+    dcp.load(target, checkpoint_id=str(path), no_dist=True)
+    set_state_dict(fresh, fresh_opt, model_state_dict=target["model"], optim_state_dict=target["optim"])
+    expected = {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step}
+    restored = {"model": fresh.state_dict(), "optim": fresh_opt.state_dict(), "step": target["step"]}
+    bad = differences(expected, restored)
+    if bad:
+        raise SystemExit(f"{path} does not restore the trained state: {', '.join(bad[:8])}")
+    return (
+        f"restored step {target['step']}: model, optimizer ({optimizer_keys(optimizer)}, param_groups)"
+        " and step counter bit-exact"
+    )
 
 
 def save_futures(response: Any, stager: DefaultStager) -> tuple[Future[Any], Future[Any]]:
@@ -76,7 +142,7 @@ def main() -> None:
             optimizer.zero_grad()
             if upload is not None:
                 upload.result()  # one upload at a time: the previous one is written
-            sd = {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step}
+            sd = state_of(model, optimizer, step)
             t0 = time.perf_counter()
             response = dcp.async_save(
                 sd, checkpoint_id=str(args.out / f"step{step}"), async_stager=stager, no_dist=True
@@ -88,17 +154,7 @@ def main() -> None:
     finally:
         stager.close()
 
-    # Load the last checkpoint into fresh modules and check it is bit-exact.
-    fresh = nn.Linear(args.width, args.width)
-    fresh_opt = torch.optim.AdamW(fresh.parameters())
-    fresh(x).square().mean().backward()
-    fresh_opt.step()  # creates optimizer state to load into
-    target = {"model": fresh.state_dict(), "optim": fresh_opt.state_dict(), "step": 0}
-    dcp.load(target, checkpoint_id=str(args.out / f"step{args.steps}"), no_dist=True)
-    fresh.load_state_dict(target["model"])
-    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
-    assert target["step"] == args.steps
-    print(f"loaded step {target['step']}: bit-exact")
+    print(verify_last(args.out / f"step{args.steps}", model, optimizer, args.steps, args.width))
 
 
 if __name__ == "__main__":

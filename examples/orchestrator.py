@@ -9,6 +9,14 @@ trainer checks at step boundaries and writes the final checkpoint within ``--dea
 seconds (a preemption notice's grace period, minus a margin): exit status 0 when it is
 committed, 1 when the deadline passed.
 
+The state is the model, an AdamW optimizer, its LR scheduler and the step counter; a
+restart resumes all of them from the newest committed step. After the final checkpoint
+is committed, the service restores it (``Checkpointer.restore``) into a fresh model,
+optimizer and scheduler and compares their whole state (parameters, buffers, AdamW's
+``exp_avg``, ``exp_avg_sq`` and ``step``, ``param_groups``, the scheduler's state) and
+the step counter bit for bit with the trained ones (a difference: a message naming it,
+and exit status 1).
+
 Run: ``python examples/orchestrator.py --out /tmp/ckpt`` and stop it with Ctrl-C or
 ``kill -TERM <pid>``. A restart resumes from the newest committed step.
 """
@@ -29,12 +37,69 @@ from torch import nn
 from async_stager import Checkpointer, SaveStats, Shutdown
 
 
-async def serve(out: Path, interval: float, width: int, deadline: float) -> int:
+def differences(expected: Any, actual: Any, path: str = "state") -> list[str]:
+    """The paths (``state.optim.state.0.exp_avg``) where ``actual`` differs from
+    ``expected``: dict keys, sequence types and lengths, plain values and their types;
+    tensors by dtype, shape and bytes (bit-exact: -0.0 is not 0.0, a NaN equals itself)."""
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(actual, torch.Tensor) or actual.dtype != expected.dtype:
+            return [path]
+        if actual.shape != expected.shape or not torch.equal(raw(actual), raw(expected)):
+            return [path]
+        return []
+    if isinstance(expected, dict):
+        if not isinstance(actual, dict) or actual.keys() != expected.keys():
+            return [f"{path} (keys)"]
+        return [d for k in expected for d in differences(expected[k], actual[k], f"{path}.{k}")]
+    if isinstance(expected, (list, tuple)):
+        if type(actual) is not type(expected) or len(actual) != len(expected):
+            return [path]
+        return [d for i, pair in enumerate(zip(expected, actual)) for d in differences(*pair, f"{path}[{i}]")]
+    return [] if type(actual) is type(expected) and actual == expected else [path]
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, as a flat uint8 tensor on the CPU."""
+    return t.detach().cpu().reshape(-1).view(torch.uint8)
+
+
+def optimizer_keys(optimizer: torch.optim.Optimizer) -> str:
+    """The names in an optimizer's per-parameter state (AdamW: exp_avg, exp_avg_sq, step)."""
+    return ", ".join(sorted({k for s in optimizer.state_dict()["state"].values() for k in s}))
+
+
+def make(width: int) -> dict[str, Any]:
+    """The state to checkpoint: Statefuls (restored in place) and the step counter."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.999)
+    return {"model": model, "optim": optimizer, "sched": scheduler, "step": 0}
+
+
+def whole_state(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in state.items()}
+
+
+async def verify_restore(out: Path, state: dict[str, Any], width: int) -> str:
+    """Restore the newest committed checkpoint into fresh objects (an optimizer with no
+    state) and compare their whole state with ``state``'s; SystemExit naming what differs."""
+    fresh = make(width)
+    async with Checkpointer(out, format="torch") as ckpt:
+        step = await ckpt.restore(fresh)
+    bad = differences(whole_state(state), whole_state(fresh))
+    if step != state["step"] or bad:
+        raise SystemExit(f"restored step {step} differs from the trained state: {', '.join(bad[:8])}")
+    return (
+        f"restored step {step}: model, optimizer ({optimizer_keys(state['optim'])}, param_groups),"
+        " LR scheduler and step counter bit-exact"
+    )
+
+
+async def serve(out: Path, interval: float, width: int, deadline: float) -> int:
+    state = make(width)
+    model, optimizer, scheduler = state["model"], state["optim"], state["sched"]
     x, y = torch.randn(32, width), torch.randn(32, 1)
-    state: dict[str, Any] = {"model": model, "optim": optimizer, "step": 0}
 
     def saved(stats: SaveStats) -> None:
         print(f"saved step {stats.step} {stats.path}", flush=True)
@@ -52,6 +117,7 @@ async def serve(out: Path, interval: float, width: int, deadline: float) -> int:
             loss.backward()
             await ckpt.fence()  # a save in flight has read the parameters
             optimizer.step()
+            scheduler.step()
             step += 1
             state["step"] = step
             if time.monotonic() >= next_save:
@@ -63,6 +129,8 @@ async def serve(out: Path, interval: float, width: int, deadline: float) -> int:
             print(f"final step {step} in {stop.seconds:.3f} s", flush=True)
         else:
             print(f"final checkpoint missed the {deadline:.1f} s deadline", file=sys.stderr, flush=True)
+    if code == 0:
+        print(await verify_restore(out, state, width), flush=True)
     return code
 
 

@@ -5,6 +5,10 @@ and hands the awaitable to a task in a nursery that finishes the stage and write
 result with ``trio.to_thread.run_sync``; at most one checkpoint is in flight. Before
 ``optimizer.step()`` the loop awaits ``stager.fence()``. The last step is always
 saved; on leaving the nursery, that checkpoint is finished before the stager closes.
+At the end the last checkpoint is read back with ``torch.load`` into a fresh model and
+optimizer, and their whole state (parameters, buffers, AdamW's ``exp_avg``,
+``exp_avg_sq`` and ``step``, ``param_groups``) and the step counter are compared bit for
+bit with the trained ones.
 
 Run: ``python examples/trio_training.py --steps 200 --every 50 --out /tmp/ckpt``
 """
@@ -25,6 +29,14 @@ from torch import nn
 from async_stager import Lease, Stager
 
 
+def make_model(width: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1))
+
+
+def state_of(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict[str, Any]:
+    return {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step}
+
+
 def write_atomically(staged: dict[str, Any], path: Path) -> None:
     """Worker thread: torch.save to a temporary name, fsync, then rename into place."""
     tmp = path.with_suffix(".tmp")
@@ -33,6 +45,54 @@ def write_atomically(staged: dict[str, Any], path: Path) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def differences(expected: Any, actual: Any, path: str = "state") -> list[str]:
+    """The paths (``state.optim.state.0.exp_avg``) where ``actual`` differs from
+    ``expected``: dict keys, sequence types and lengths, plain values and their types;
+    tensors by dtype, shape and bytes (bit-exact: -0.0 is not 0.0, a NaN equals itself)."""
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(actual, torch.Tensor) or actual.dtype != expected.dtype:
+            return [path]
+        if actual.shape != expected.shape or not torch.equal(raw(actual), raw(expected)):
+            return [path]
+        return []
+    if isinstance(expected, dict):
+        if not isinstance(actual, dict) or actual.keys() != expected.keys():
+            return [f"{path} (keys)"]
+        return [d for k in expected for d in differences(expected[k], actual[k], f"{path}.{k}")]
+    if isinstance(expected, (list, tuple)):
+        if type(actual) is not type(expected) or len(actual) != len(expected):
+            return [path]
+        return [d for i, pair in enumerate(zip(expected, actual)) for d in differences(*pair, f"{path}[{i}]")]
+    return [] if type(actual) is type(expected) and actual == expected else [path]
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, as a flat uint8 tensor on the CPU."""
+    return t.detach().cpu().reshape(-1).view(torch.uint8)
+
+
+def optimizer_keys(optimizer: torch.optim.Optimizer) -> str:
+    """The names in an optimizer's per-parameter state (AdamW: exp_avg, exp_avg_sq, step)."""
+    return ", ".join(sorted({k for s in optimizer.state_dict()["state"].values() for k in s}))
+
+
+def verify_last(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, width: int) -> str:
+    """Load the checkpoint at ``path`` into a fresh model and optimizer and compare
+    their whole state with the trained ones; SystemExit naming what differs."""
+    back = torch.load(path, weights_only=True)
+    fresh = make_model(width)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)  # no state yet: load gives it all
+    fresh.load_state_dict(back["model"])
+    fresh_opt.load_state_dict(back["optim"])
+    bad = differences(state_of(model, optimizer, step), state_of(fresh, fresh_opt, back["step"]))
+    if bad:
+        raise SystemExit(f"{path} does not restore the trained state: {', '.join(bad[:8])}")
+    return (
+        f"restored step {back['step']}: model, optimizer ({optimizer_keys(optimizer)}, param_groups)"
+        " and step counter bit-exact"
+    )
 
 
 async def take_slot(slot: trio.Semaphore, *, wait: bool) -> bool:
@@ -50,7 +110,7 @@ async def take_slot(slot: trio.Semaphore, *, wait: bool) -> bool:
 
 async def train(steps: int, every: int, width: int, out: Path) -> int:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1))
+    model = make_model(width)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = torch.randn(64, width), torch.randn(64, 1)
     out.mkdir(parents=True, exist_ok=True)
@@ -74,10 +134,11 @@ async def train(steps: int, every: int, width: int, out: Path) -> int:
             optimizer.step()
             due = step % every == 0 or step == steps
             if due and await take_slot(in_flight, wait=step == steps):  # the last step waits
-                state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step}
-                nursery.start_soon(checkpoint, stager.lease(state), out / f"step{step}.pt")
+                staging = stager.lease(state_of(model, optimizer, step))
+                nursery.start_soon(checkpoint, staging, out / f"step{step}.pt")
                 saves += 1
             await trio.lowlevel.checkpoint()  # let the checkpoint task run
+    print(await trio.to_thread.run_sync(verify_last, out / f"step{steps}.pt", model, optimizer, steps, width))
     return saves
 
 

@@ -6,7 +6,10 @@ one descriptor per arena), holds the result with ``stager.snapshot()``, and send
 The writer maps the arenas (``attach_shared``: one mmap per arena), writes the tensors
 with ``torch.save`` and replies; only then does the trainer release the lease. Later
 stages go to another buffer set meanwhile, so training never waits for the disk and
-the writer never sees a torn checkpoint.
+the writer never sees a torn checkpoint. At the end the last checkpoint is read back
+with ``torch.load`` into a fresh model and optimizer, and their whole state (parameters,
+buffers, AdamW's ``exp_avg``, ``exp_avg_sq`` and ``step``, ``param_groups``) and the step
+counter are compared bit for bit with the trained ones.
 
 Run: ``python examples/writer_process.py --steps 3 --out /tmp/ckpt``
 """
@@ -24,6 +27,62 @@ import torch
 from torch import nn
 
 from async_stager import SharedHandle, Stager, attach_shared, export_shared
+
+
+def make_model(width: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(width, width), nn.Linear(width, width))
+
+
+def state_of(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict[str, Any]:
+    return {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step}
+
+
+def differences(expected: Any, actual: Any, path: str = "state") -> list[str]:
+    """The paths (``state.optim.state.0.exp_avg``) where ``actual`` differs from
+    ``expected``: dict keys, sequence types and lengths, plain values and their types;
+    tensors by dtype, shape and bytes (bit-exact: -0.0 is not 0.0, a NaN equals itself)."""
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(actual, torch.Tensor) or actual.dtype != expected.dtype:
+            return [path]
+        if actual.shape != expected.shape or not torch.equal(raw(actual), raw(expected)):
+            return [path]
+        return []
+    if isinstance(expected, dict):
+        if not isinstance(actual, dict) or actual.keys() != expected.keys():
+            return [f"{path} (keys)"]
+        return [d for k in expected for d in differences(expected[k], actual[k], f"{path}.{k}")]
+    if isinstance(expected, (list, tuple)):
+        if type(actual) is not type(expected) or len(actual) != len(expected):
+            return [path]
+        return [d for i, pair in enumerate(zip(expected, actual)) for d in differences(*pair, f"{path}[{i}]")]
+    return [] if type(actual) is type(expected) and actual == expected else [path]
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, as a flat uint8 tensor on the CPU."""
+    return t.detach().cpu().reshape(-1).view(torch.uint8)
+
+
+def optimizer_keys(optimizer: torch.optim.Optimizer) -> str:
+    """The names in an optimizer's per-parameter state (AdamW: exp_avg, exp_avg_sq, step)."""
+    return ", ".join(sorted({k for s in optimizer.state_dict()["state"].values() for k in s}))
+
+
+def verify_last(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, width: int) -> str:
+    """Load the checkpoint at ``path`` into a fresh model and optimizer and compare
+    their whole state with the trained ones; SystemExit naming what differs."""
+    back = torch.load(path, weights_only=True)
+    fresh = make_model(width)
+    fresh_opt = torch.optim.AdamW(fresh.parameters())  # no state yet: load gives it all
+    fresh.load_state_dict(back["model"])
+    fresh_opt.load_state_dict(back["optim"])
+    bad = differences(state_of(model, optimizer, step), state_of(fresh, fresh_opt, back["step"]))
+    if bad:
+        raise SystemExit(f"{path} does not restore the trained state: {', '.join(bad[:8])}")
+    return (
+        f"restored step {back['step']}: model, optimizer ({optimizer_keys(optimizer)}, param_groups)"
+        " and step counter bit-exact"
+    )
 
 
 def writer_main(inbox: Any, outbox: Any) -> None:
@@ -51,7 +110,7 @@ async def train(steps: int, width: int, out: Path) -> None:
     writer.start()
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(width, width), nn.Linear(width, width))
+    model = make_model(width)
     optimizer = torch.optim.AdamW(model.parameters())
     try:
         async with Stager(share_memory=True) as stager:
@@ -59,8 +118,7 @@ async def train(steps: int, width: int, out: Path) -> None:
                 model(torch.randn(8, width)).sum().backward()
                 optimizer.step()
                 optimizer.zero_grad()
-                sd = {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step}
-                async with stager.snapshot(sd) as staged:
+                async with stager.snapshot(state_of(model, optimizer, step)) as staged:
                     handle = export_shared(staged, stager)
                     inbox.put((handle, str(out / f"step{step}.pt")))
                     # Training could go on here; this example just waits for the writer.
@@ -70,9 +128,7 @@ async def train(steps: int, width: int, out: Path) -> None:
     finally:
         inbox.put(None)
         await asyncio.to_thread(writer.join, 30)
-    back = torch.load(out / f"step{steps}.pt")
-    assert all(torch.equal(a, b) for a, b in zip(back["model"].values(), model.state_dict().values()))
-    print("last checkpoint read back: bit-exact")
+    print(await asyncio.to_thread(verify_last, out / f"step{steps}.pt", model, optimizer, steps, width))
 
 
 def main() -> None:

@@ -1,4 +1,8 @@
-"""Every example in examples/ runs on the CPU with small sizes and does what it says."""
+"""Every example in examples/ runs on the CPU with small sizes and does what it says: each
+one ends by loading back what it saved (``torch.load``, ``dcp.load`` or
+``Checkpointer.restore``, into fresh objects) and comparing the whole state bit for bit
+with the trained one, and prints a line that says so; these tests assert that line, and
+that a restore that loses part of the state makes the example fail."""
 
 from __future__ import annotations
 
@@ -15,6 +19,16 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 
 pytestmark = pytest.mark.timeout(60)
+
+#: What every example verifies after its restore (AdamW's state names, sorted).
+OPTIMIZER = "optimizer (exp_avg, exp_avg_sq, step, param_groups)"
+
+
+def restored(step: int, *, scheduler: bool = False) -> str:
+    """The line an example prints once its restore of ``step`` compared bit-exact."""
+    if scheduler:
+        return f"restored step {step}: model, {OPTIMIZER}, LR scheduler and step counter bit-exact"
+    return f"restored step {step}: model, {OPTIMIZER} and step counter bit-exact"
 
 
 def run_example(name: str, *args: str, timeout: float = 45) -> str:
@@ -48,6 +62,7 @@ def test_every_example_is_tested() -> None:
 def test_training_examples(name: str, tmp_path: Path) -> None:
     out = run_example(name, "--steps", "30", "--every", "10", "--width", "16", "--out", str(tmp_path))
     assert "trained 30 steps" in out
+    assert restored(30) in out.splitlines(), out
     saved = sorted(p.name for p in tmp_path.glob("step*.pt"))
     assert saved and "step30.pt" in saved
     last = torch.load(tmp_path / "step30.pt")
@@ -56,26 +71,61 @@ def test_training_examples(name: str, tmp_path: Path) -> None:
 
 def test_dcp_async_save_example(tmp_path: Path) -> None:
     out = run_example("dcp_async_save.py", "--steps", "2", "--width", "32", "--out", str(tmp_path))
-    assert "loaded step 2: bit-exact" in out
+    assert restored(2) in out.splitlines(), out
     assert (tmp_path / "step2" / ".metadata").exists()
 
 
 def test_budgeted_checkpoint_example(tmp_path: Path) -> None:
     out = run_example("budgeted_checkpoint.py", "--out", str(tmp_path), "--width", "256", "--budget-mib", "1")
-    assert "restored step 6: bit-exact" in out
+    assert restored(6) in out.splitlines(), out
     peak = float(out.split("(peak ")[1].split(" MiB")[0])
     assert peak <= 1.0, out
 
 
 def test_writer_process_example(tmp_path: Path) -> None:
     out = run_example("writer_process.py", "--steps", "2", "--width", "32", "--out", str(tmp_path))
-    assert "bit-exact" in out and (tmp_path / "step2.pt").exists()
+    assert restored(2) in out.splitlines(), out
+    assert (tmp_path / "step2.pt").exists()
 
 
-def test_orchestrator_final_checkpoint_on_sigterm(tmp_path: Path) -> None:
+# Run in the example's process before it starts: a restore that silently drops the
+# optimizer's state (the defect issue 22 fixed in the Checkpointer's DCP format).
+_DROP_OPTIMIZER_STATE = """
+import runpy, sys, torch
+load = torch.optim.Optimizer.load_state_dict
+def dropping(self, state_dict):
+    return load(self, {**state_dict, "state": {}})
+torch.optim.Optimizer.load_state_dict = dropping
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_example_fails_when_restore_drops_optimizer_state(tmp_path: Path) -> None:
+    """The check is not vacuous: the budgeted example (Checkpointer, DCP format) exits
+    non-zero naming the optimizer's state when the restore loses it."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [
+        sys.executable,
+        "-W",
+        "error",
+        "-c",
+        _DROP_OPTIMIZER_STATE,
+        str(EXAMPLES / "budgeted_checkpoint.py"),
+    ]
+    cmd += ["--steps", "2", "--every", "1", "--width", "64", "--layers", "1", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=45)
+    assert proc.returncode != 0, proc.stdout
+    assert "state.optim.state (keys)" in proc.stderr, proc.stderr
+    assert "bit-exact" not in proc.stdout
+
+
+def orchestrate(out: Path) -> tuple[str, str]:
+    """Run examples/orchestrator.py until its first periodic checkpoint, SIGTERM it and
+    return (what it printed before the signal, after it); asserts exit status 0."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-W", "error", str(EXAMPLES / "orchestrator.py")]
-    cmd += ["--out", str(tmp_path), "--interval", "0.1", "--deadline", "20", "--width", "16"]
+    cmd += ["--out", str(out), "--interval", "0.1", "--deadline", "20", "--width", "16"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
@@ -91,10 +141,30 @@ def test_orchestrator_final_checkpoint_on_sigterm(tmp_path: Path) -> None:
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, f"{''.join(lines)}{rest}\n{err}"
+    return "".join(lines), rest
+
+
+def final_step(rest: str) -> int:
     final = [ln for ln in rest.splitlines() if ln.startswith("final step")]
     assert final, rest
-    step = int(final[0].split()[2])
+    return int(final[0].split()[2])
+
+
+@pytest.mark.timeout(90)
+def test_orchestrator_final_checkpoint_on_sigterm_then_resume(tmp_path: Path) -> None:
+    _, rest = orchestrate(tmp_path)
+    step = final_step(rest)
+    assert restored(step, scheduler=True) in rest.splitlines(), rest
     assert (tmp_path / "latest").read_text().strip() == f"step-{step:08d}"
     ckpt = torch.load(tmp_path / f"step-{step:08d}" / "state.pt")
     assert ckpt["step"] == step and step > 0
+    assert ckpt["sched"]["last_epoch"] == step
     assert not list(tmp_path.glob(".tmp-*"))
+
+    # A restart resumes from that final step, trains on and verifies its own final one.
+    before, rest = orchestrate(tmp_path)
+    assert f" at step {step}\n" in before, before
+    again = final_step(rest)
+    assert again > step
+    assert restored(again, scheduler=True) in rest.splitlines(), rest
+    assert (tmp_path / "latest").read_text().strip() == f"step-{again:08d}"

@@ -71,6 +71,8 @@ def test_fsdp_kill_then_resume_at_one_rank(tmp_path: Path) -> None:
     step = resumed_step(after)
     assert step in (4, 6)  # 6 if its commit beat the kill
     assert digests(after, "after resume")[step] == saved[step]
+    line = "restored step 8: model, optimizer (exp_avg, exp_avg_sq, step, param_groups) and step counter bit-exact"
+    assert line in after.splitlines(), after
 
 
 @pytest.mark.stress
