@@ -845,3 +845,31 @@ async def test_torch_format_refuses_a_mismatched_restore_target(tmp_path: Path) 
         with pytest.raises(CheckpointError, match=r"state\['extra'\] is not in checkpoint step 1"):
             await ckpt.restore({"model": {"w": torch.zeros(3)}, "extra": 5})
         assert w.tolist() == [0.0] * 4  # nothing loaded
+
+
+async def test_budgeted_saves_back_to_back_commit_and_a_cancelled_one_commits_nothing(tmp_path: Path) -> None:
+    state = {f"w{i}": torch.zeros(1 << 18) for i in range(8)}  # 8 x 1 MiB through a 2 MiB ring
+
+    def fill(v: float) -> None:
+        for t in state.values():
+            t.fill_(v)
+
+    async with Checkpointer(tmp_path, keep=10, host_budget_bytes=2 << 20) as ckpt:
+        fill(1.0)
+        first = ckpt.save(state, step=1)
+        second = ckpt.save({k: v.clone() + 1 for k, v in state.items()}, step=2)
+        with anyio.fail_after(30):
+            assert await first and await second
+            await ckpt.wait()
+        assert ckpt.steps() == [1, 2]
+        fill(3.0)
+        with anyio.move_on_after(0.001) as scope:
+            await ckpt.save(state, step=3)
+        fill(4.0)  # "nothing is saved": a cancelled save must not commit these values
+        await ckpt.wait()
+        assert scope.cancelled_caught, "the save finished within 1 ms: make the state bigger"
+        assert ckpt.steps() == [1, 2]
+        out = {k: torch.empty(1 << 18) for k in state}
+        step = await ckpt.restore(out)
+        assert all(t.unique().tolist() == [float(step or 0)] for t in out.values())
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")]
