@@ -1,26 +1,49 @@
 """``dcp.save(..., host_budget_bytes=N)``: the call, the coroutine and cancellation.
 
 The pipeline itself (ring, copier thread, DCP planner and writer) is ``_budget``.
+
+What the budget bounds: the ring, ``N`` bytes of host memory at most, through which
+every byte DCP writes passes in pieces: tensor items (a tensor, a DTensor's local
+shard: each must fit the ring whole), and the serialized non-tensor values (DCP's
+bytes items: ints, lists, tuples, dataclasses, user objects), CPU tensors inside them
+included, which are cut into pieces of any size. What ``torch.save`` builds whole for
+one value at a time (its pickle, without the CPU tensors' data; a host copy of a
+device tensor's storage inside it) is not in pieces, so each must be at most ``N``:
+BudgetTooSmallError otherwise, naming the value (or the device tensor inside it) and
+the budget it needs. The call checks what it can see without pickling (``survey``:
+tensor items, bytes-likes, strings, numpy arrays, numbers, device tensors, inside
+plain containers and objects); the rest is checked as each value is serialized, and
+the save then fails with that error before any metadata is written.
 """
 
 from __future__ import annotations
 
+import copyreg
 import functools
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import numpy as np
 import torch
 
 from ._budget import BudgetStats, Pipeline, PipelinePlanner, PipelineWriter
 from ._copiers import CudaEvent
 from ._device import caller_cuda_device, cuda_context_devices
-from ._errors import BudgetTooSmallError, ClosedError, InvalidOptionError, UnsupportedError
+from ._errors import (
+    Attr,
+    BudgetTooSmallError,
+    ClosedError,
+    InvalidOptionError,
+    Nth,
+    StagingError,
+    UnsupportedError,
+)
 from ._options import AUTO, loop_friendly_threads
 from ._ring import ALIGN, padded
 from ._waiting import wait_future, wait_future_uninterrupted
@@ -30,18 +53,56 @@ if TYPE_CHECKING:
 
     from ._stager import Stager
 
-__all__ = ["abandon", "budgeted_save", "largest_tensor"]
+__all__ = ["abandon", "budgeted_save", "largest_tensor", "survey"]
 
 
-def _tensors(obj: Any, path: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], torch.Tensor]]:
-    if isinstance(obj, torch.Tensor):
-        yield path, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _tensors(v, (*path, k))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _tensors(v, (*path, i))
+#: Nodes the call's look inside non-tensor values may visit, per save (the event loop
+#: waits for it): what it does not reach is checked when the value is serialized.
+_SURVEY_NODES = 20_000
+#: About what ``torch.save`` writes for a value besides its data (zip records).
+_ITEM_OVERHEAD = 1536
+
+
+def _dcp_terminal(value: Any) -> bool:
+    """DCP's ``traverse_state_dict`` rule: a mapping is walked into; a list only when
+    it holds a tensor or a container that is walked into; anything else (a tuple too)
+    is one value, written as a tensor item or pickled as one bytes item."""
+    if isinstance(value, Mapping):
+        return False
+    if not isinstance(value, list):
+        return True
+    for entry in value:
+        if isinstance(entry, (Mapping, list)) and not _dcp_terminal(entry):
+            return False
+        if isinstance(entry, torch.Tensor):
+            return False
+    return True
+
+
+def _dcp_values(state_dict: Any) -> Iterator[tuple[tuple[Any, ...], str, Any]]:
+    """``(path, fqn, value)`` for each value DCP's default planner (flattening) makes
+    write items of: ``path`` with the state dict's own keys, ``fqn`` DCP's flattened
+    name. A top-level Stateful is left out: DCP calls its ``state_dict()`` later."""
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    def walk(
+        path: tuple[Any, ...], names: tuple[Any, ...], value: Any
+    ) -> Iterator[tuple[tuple[Any, ...], str, Any]]:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                yield from walk((*path, k), (*names, str(k)), v)
+        elif _dcp_terminal(value):
+            yield path, ".".join(map(str, names)), value
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                yield from walk((*path, i), (*names, i), v)
+
+    if not isinstance(state_dict, Mapping):
+        return
+    for key, value in state_dict.items():
+        if isinstance(value, Stateful) and not isinstance(value, torch.Tensor):
+            continue
+        yield from walk((key,), (str(key),), value)
 
 
 def _local_nbytes(t: torch.Tensor) -> int:
@@ -53,14 +114,161 @@ def _local_nbytes(t: torch.Tensor) -> int:
 
 
 def largest_tensor(state_dict: Any) -> tuple[tuple[Any, ...], int]:
-    """The path and ring bytes (padded) of the biggest tensor of ``state_dict`` (a
-    DTensor counts its local shard: what this rank writes)."""
+    """The path and ring bytes (padded) of the biggest tensor DCP writes as a tensor
+    item (a DTensor counts its local shard: what this rank writes). Tensors inside
+    non-tensor values are not tensor items: they are streamed in pieces."""
     best: tuple[tuple[Any, ...], int] = ((), 0)
-    for path, t in _tensors(state_dict, ()):
-        n = padded(_local_nbytes(t))
-        if n > best[1]:
-            best = (path, n)
+    for path, _, value in _dcp_values(state_dict):
+        if isinstance(value, torch.Tensor):
+            n = padded(_local_nbytes(value))
+            if n > best[1]:
+                best = (path, n)
     return best
+
+
+_PLAIN_PICKLING = frozenset({"builtins", "collections"})
+
+
+def _plainly_pickled(tp: type) -> bool:
+    """Whether pickle saves an instance of ``tp`` by its contents (``__dict__``,
+    ``__slots__``, items): its reduce and getstate are those of a builtin or of
+    ``collections``, not the class's own (which may drop or add anything), and no
+    ``copyreg`` reducer is registered for it."""
+    if tp in copyreg.dispatch_table:
+        return False
+    for name in ("__reduce_ex__", "__reduce__", "__getstate__"):
+        owner = next((c for c in tp.__mro__ if name in c.__dict__), object)
+        if owner.__module__ not in _PLAIN_PICKLING:
+            return False
+    return True
+
+
+class _Survey:
+    """What ``dcp.save`` can see at the call of the values DCP pickles (its bytes
+    items), without pickling them: a lower bound of each one's pickle (bytes-likes,
+    strings, numpy arrays, numbers, walked into plain containers and objects), the
+    device tensors inside them (which ``torch.save`` moves to host memory whole) and
+    the CPU tensors' storage bytes (streamed in pieces; they only size the ring).
+    At most ``_SURVEY_NODES`` nodes in all: the rest is checked when serialized."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.nodes = _SURVEY_NODES
+        self.ring_bytes = 0  # estimated bytes streamed through the ring, all values
+        self.refusal: BudgetTooSmallError | None = None
+
+    def value(self, path: tuple[Any, ...], value: Any) -> None:
+        seen: set[int] = set()
+        storages: set[int] = set()
+        pickled = 0
+        stack: list[tuple[tuple[Any, ...], Any]] = [(path, value)]
+        while stack and self.nodes > 0:
+            where, v = stack.pop()
+            self.nodes -= 1
+            if isinstance(v, torch.Tensor):
+                try:
+                    storage = v.untyped_storage()
+                except Exception:  # noqa: BLE001 - a wrapper subclass without storage
+                    continue
+                key = storage.data_ptr() or id(storage)
+                if key in storages or v.device.type == "meta":
+                    continue
+                storages.add(key)
+                n = storage.nbytes()
+                if v.device.type != "cpu" and n > self.budget and self.refusal is None:
+                    self.refusal = BudgetTooSmallError(
+                        f"this {v.device.type} tensor sits inside a value DCP pickles whole, and "
+                        f"torch.save moves its storage of {n} bytes to host memory in one piece, "
+                        f"more than host_budget_bytes={self.budget}; make it a tensor of the state "
+                        "dict (a dict or list entry: DCP writes those in pieces of the budget), "
+                        f"or pass host_budget_bytes >= {n}",
+                        path=where,
+                        needed_bytes=n,
+                    )
+                self.ring_bytes += n
+                continue
+            if isinstance(v, float):
+                pickled += 9
+                continue
+            if isinstance(v, (bool, int)) or v is None:
+                pickled += 1
+                continue
+            if id(v) in seen:  # pickle's memo: written once
+                continue
+            seen.add(id(v))
+            if isinstance(v, (bytes, bytearray, str)):
+                pickled += len(v)
+            elif isinstance(v, np.ndarray):
+                pickled += int(v.nbytes) if v.dtype != object else 0
+            elif not _plainly_pickled(type(v)):
+                continue
+            elif isinstance(v, Mapping):
+                for k, x in v.items():
+                    if isinstance(k, (str, bytes)) and id(k) not in seen:
+                        seen.add(id(k))
+                        pickled += len(k)
+                    stack.append(((*where, k), x))
+            elif isinstance(v, (list, tuple)):
+                stack.extend(((*where, i), x) for i, x in enumerate(v))
+            elif isinstance(v, (set, frozenset)):
+                stack.extend(((*where, Nth(i)), x) for i, x in enumerate(v))
+            else:
+                self._attributes(where, v, stack)
+        self.ring_bytes += pickled + _ITEM_OVERHEAD
+        if pickled > self.budget and self.refusal is None:
+            self.refusal = BudgetTooSmallError(
+                f"this value is not a tensor: DCP pickles it, and its pickle (at least {pickled} "
+                f"bytes) is held in host memory in one piece, more than host_budget_bytes="
+                f"{self.budget}; store its data as a tensor (torch.from_numpy, torch.frombuffer: "
+                f"DCP writes tensors in pieces of the budget), or pass host_budget_bytes >= {pickled}",
+                path=path,
+                needed_bytes=pickled,
+            )
+
+    @staticmethod
+    def _attributes(where: tuple[Any, ...], v: Any, stack: list[tuple[tuple[Any, ...], Any]]) -> None:
+        # object.__getattribute__: never a class's __getattr__ (no user code runs here).
+        try:
+            attrs = object.__getattribute__(v, "__dict__")
+        except AttributeError:
+            attrs = None
+        if isinstance(attrs, dict):
+            stack.extend(((*where, Attr(k)), x) for k, x in attrs.items() if isinstance(k, str))
+        for cls in type(v).__mro__:
+            slots = cls.__dict__.get("__slots__", ())
+            for name in (slots,) if isinstance(slots, str) else slots:
+                if name in ("__dict__", "__weakref__"):
+                    continue
+                try:
+                    stack.append(((*where, Attr(name)), object.__getattribute__(v, name)))
+                except AttributeError:
+                    continue
+
+
+def survey(state_dict: Any, budget: int) -> tuple[int, dict[str, tuple[Any, ...]]]:
+    """Check ``state_dict`` against ``budget`` at the call, before anything is staged:
+    BudgetTooSmallError naming the first tensor item bigger than the budget, else the
+    first non-tensor value (or device tensor inside one) that ``torch.save`` would hold
+    whole beyond it. Returns the estimated ring bytes of the non-tensor values (to size
+    the ring) and each one's path by DCP name (for errors found when serialized)."""
+    path, need = largest_tensor(state_dict)
+    if need > budget:
+        raise BudgetTooSmallError(
+            f"this tensor takes {need} bytes of host memory, more than host_budget_bytes={budget}; "
+            f"pass host_budget_bytes >= {need}",
+            path=path,
+            needed_bytes=need,
+        )
+    look = _Survey(budget)
+    paths: dict[str, tuple[Any, ...]] = {}
+    for where, fqn, value in _dcp_values(state_dict):
+        if isinstance(value, torch.Tensor) or hasattr(value, "__create_write_items__"):
+            continue
+        paths[fqn] = where
+        look.value(where, value)
+    if look.refusal is not None:
+        raise look.refusal
+    return look.ring_bytes, paths
 
 
 def budgeted_save(
@@ -78,7 +286,12 @@ def budgeted_save(
 ) -> Coroutine[Any, Any, Metadata]:
     """Checks and the snapshot point at the call; the save in the coroutine.
     ``digests`` (the Checkpointer's): filled with each written chunk's manifest entry
-    (``_integrity``), hashed from its ring piece as it lands, before it is written."""
+    (``_integrity``), hashed from its ring piece as it lands, before it is written.
+
+    Raises at the call: InvalidOptionError, UnsupportedError, ClosedError, and
+    BudgetTooSmallError (``survey``) for a tensor item or a value seen to need more than
+    ``budget`` in one piece. The coroutine raises BudgetTooSmallError itself (not DCP's
+    CheckpointException around it) for a value found too big when serialized."""
     t0 = time.perf_counter()
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < ALIGN:
         raise InvalidOptionError(
@@ -93,14 +306,7 @@ def budgeted_save(
         raise InvalidOptionError("a budgeted save needs checkpoint_id (the checkpoint's folder)")
     if stager.closed:
         raise ClosedError("the stager is closed")
-    path, need = largest_tensor(state_dict)
-    if need > budget:
-        raise BudgetTooSmallError(
-            f"this tensor takes {need} bytes of host memory, more than host_budget_bytes={budget}; "
-            f"pass host_budget_bytes >= {need}",
-            path=path,
-            needed_bytes=need,
-        )
+    object_hint, object_paths = survey(state_dict, budget)
     # The snapshot point: the caller's current stream of every device with a context.
     captures = {d: CudaEvent(torch.cuda.current_stream(d)) for d in cuda_context_devices()}
     threads = stager.options.copy_threads
@@ -111,6 +317,8 @@ def budgeted_save(
         # One core is left to the writer, as by default for the loop.
         copy_threads=loop_friendly_threads() if threads == AUTO or isinstance(threads, str) else threads,
         digests=digests,
+        object_hint=object_hint,
+        object_paths=object_paths,
     )
     remove = stager.add_fence(pipeline.fence)
     coro = _run(
@@ -186,6 +394,12 @@ async def _run(
             result = fn()
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
             error = e
+            own = pipeline.error
+            if isinstance(own, StagingError) and own is not e:
+                # DCP wraps what failed in its writer (CheckpointException); a refusal
+                # of ours (a value beyond the budget, found when serialized) is raised
+                # as itself.
+                error = own
         # Before the waiter wakes: the ring is freed and the stats are delivered.
         pipeline.finish()  # also when DCP failed before write_data
         if on_stats is not None:

@@ -99,20 +99,35 @@ def save(
     when it is garbage collected.
 
     ``host_budget_bytes=N``: stage and write in a pipeline that holds at most ``N``
-    bytes of host memory for the tensors (plus the serialized non-tensor values) instead
-    of a full staged copy; the stager's buffer sets are not used. Each write item (a
-    tensor, a DTensor's local shard) is copied into a ring of ``N`` bytes just ahead of
-    DCP's ``FileSystemWriter`` (one thread, its serial loader) and its memory reused as
-    soon as it is written; ``await stager.fence()`` returns once the last copy is
-    enqueued (the sources must not change until then), so it waits as long as the
-    budget forces. ``on_budget_stats`` is called (in the save's thread, before the save
-    returns; an exception from it fails the save) with the
-    BudgetStats (blocked seconds, peak bytes). ``storage_writer`` and ``planner`` must be
-    None (the pipeline brings its own; UnsupportedError otherwise). A tensor bigger than
-    ``N`` raises BudgetTooSmallError at the call, before anything is staged. Cancellation
-    stops the copies; DCP then fails the write on every rank before any metadata is
-    written (no checkpoint becomes visible), the ring is freed, and the cancellation is
-    raised once DCP's thread has returned. docs/concepts.md has the pipeline.
+    bytes of host memory for what it writes instead of a full staged copy; the stager's
+    buffer sets are not used. Each write item is copied into a ring of ``N`` bytes just
+    ahead of DCP's ``FileSystemWriter`` (one thread, its serial loader) and its memory
+    reused as soon as it is written: a tensor item (a tensor, a DTensor's local shard)
+    in one piece, a non-tensor value (what DCP pickles as a bytes item: an int, a
+    tuple, a dataclass or other object, with the tensors inside it) serialized by
+    ``torch.save`` as DCP would, in pieces, so a CPU tensor inside an object needs no
+    more than the ring. ``await stager.fence()`` returns once the last copy is enqueued
+    (the sources, tensors inside objects included, must not change until then), so it
+    waits as long as the budget forces. ``on_budget_stats`` is called (in the save's
+    thread, before the save returns; an exception from it fails the save) with the
+    BudgetStats (blocked seconds, peak bytes). ``storage_writer`` and ``planner`` must
+    be None (the pipeline brings its own; UnsupportedError otherwise).
+
+    BudgetTooSmallError (with ``path`` and ``needed_bytes``) for what cannot be cut
+    into pieces and is bigger than ``N``: a tensor item; a value's pickle (the value
+    without its CPU tensors' data, which ``torch.save`` builds whole: a big bytes
+    object, numpy array, string or list of numbers); a device tensor inside a value
+    (``torch.save`` moves its storage to host memory whole). Raised at the call, before
+    anything is staged, for what can be seen without pickling; otherwise by the
+    coroutine when the value is serialized (before any metadata is written). The fix
+    it names: store such data as a tensor of the state dict, or a bigger budget.
+    Besides the ring, one such pickle (at most ``N``) is held while its value is
+    serialized.
+
+    Cancellation stops the copies; DCP then fails the write on every rank before any
+    metadata is written (no checkpoint becomes visible), the ring is freed, the fence
+    no longer waits for the save, and the cancellation is raised once DCP's thread has
+    returned. docs/concepts.md has the pipeline.
 
     Raises ClosedError (at the call) if the stager is closed.
     """
