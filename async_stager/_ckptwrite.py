@@ -116,6 +116,13 @@ class Writer:
         self.root = options.directory
         self._commit_lock = threading.Lock()
 
+    async def _collective(self, fn: Callable[[], T]) -> T:
+        """A collective on the Checkpointer's group, in a thread; one process: inline
+        (it returns at once, and a thread per no-op would cost the loop turns)."""
+        if not self.ranks.distributed:
+            return fn()
+        return await run_daemon(fn, "async-stager-collective")
+
     def tmp(self, item: SaveItem) -> Path:
         return _commit.tmp_dir(self.root, item.step, self.token, item.seq)
 
@@ -206,7 +213,7 @@ class Writer:
         """Gather the ranks' manifests; the coordinator commits; every rank learns the
         outcome (a CheckpointError on every rank if the commit failed)."""
         ranks = self.ranks
-        manifests = await run_daemon(lambda: ranks.gather(manifest), "async-stager-collective")
+        manifests = await self._collective(lambda: ranks.gather(manifest))
         error: str | None = None
         if ranks.coordinator:
             assert manifests is not None
@@ -214,7 +221,7 @@ class Writer:
                 await run_daemon(lambda: self._commit(item, manifests, file_entry), "async-stager-commit")
             except Exception as exc:  # noqa: BLE001 - told to every rank, raised below
                 error = f"{type(exc).__name__}: {exc}"
-        error = await run_daemon(lambda: ranks.broadcast(error), "async-stager-collective")
+        error = await self._collective(lambda: ranks.broadcast(error))
         if error is not None:
             raise CheckpointError(f"checkpoint step {item.step} was not committed: {error}", step=item.step)
         item.committed = True

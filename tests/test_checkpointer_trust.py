@@ -877,10 +877,13 @@ async def test_budgeted_saves_back_to_back_commit_and_a_cancelled_one_commits_no
 
 async def test_skip_gives_the_background_write_its_turns(tmp_path: Path) -> None:
     """A loop whose only await is save() with policy "skip" still gets its writes done."""
+    import time
+
     t = torch.zeros(1 << 12)
     accepted = 0
     async with Checkpointer(tmp_path, keep=100, policy="skip") as ckpt:
-        for step in range(400):
+        for step in range(2000):
+            time.sleep(0.002)  # a training step: blocks the loop, as compute does
             t.fill_(float(step))
             accepted += await ckpt.save({"t": t}, step=step)
             await ckpt.fence()
