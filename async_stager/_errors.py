@@ -191,10 +191,12 @@ class CopyError(StagingError):
 
 
 class BudgetTooSmallError(StagingError, ValueError):
-    """A tensor (a DTensor's local shard) is bigger than a budgeted save's
-    ``host_budget_bytes``: it cannot be staged in one piece. Raised at the
-    ``dcp.save`` call, before anything is staged; ``path`` names the tensor and
-    ``needed_bytes`` is the smallest budget that fits it."""
+    """What a budgeted save cannot cut into pieces is bigger than its
+    ``host_budget_bytes``: a tensor item (a DTensor's local shard), a non-tensor value's
+    pickle, or a device tensor inside such a value. Raised at the ``dcp.save`` call,
+    before anything is staged, where it can be seen without pickling; otherwise by the
+    save when the value is serialized, before any metadata is written. ``path`` names
+    the tensor or value and ``needed_bytes`` is the smallest budget that fits it."""
 
     def __init__(self, message: str, *, path: Sequence[Any] | None = None, needed_bytes: int = 0) -> None:
         super().__init__(message, path=path)
