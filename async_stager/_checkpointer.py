@@ -10,6 +10,7 @@ place, falling back to older commits that verify.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
@@ -40,6 +41,39 @@ if TYPE_CHECKING:
 __all__ = ["Checkpointer", "CheckpointerOptions", "SaveStats"]
 
 _log = logging.getLogger("async_stager.checkpoint")
+
+
+_exit_hook: list[int] = []
+
+
+def _exit_fast_if_abandoned(code: int) -> None:
+    """At interpreter exit, if an abandoned write's thread is still inside torch (a
+    daemon thread), leave with ``os._exit(code)`` after flushing stdio: finalizing the
+    interpreter under it aborts the process ("terminate called without an active
+    exception", status 134), so the exit status a scheduler reads would be lost."""
+    if _exit_hook:
+        _exit_hook[0] = code
+        return
+    _exit_hook.append(code)
+
+    def hook() -> None:
+        import sys
+        import threading
+
+        busy = [
+            t
+            for t in threading.enumerate()
+            if t.daemon and t.is_alive() and t.name.startswith("async-stager-")
+        ]
+        if busy:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except (OSError, ValueError):
+                    pass
+            os._exit(_exit_hook[0])
+
+    atexit.register(hook)
 
 
 class _GivenUp(Exception):
@@ -147,6 +181,7 @@ class Checkpointer:
         self._streams: list[MemoryObjectSendStream[SaveStats]] = []
         self._write_lock: anyio.Lock | None = None
         self._leave_at: float | None = None
+        self._exit_code = 1
         self._closing = False
         self._abandoned = False
         self.dropped: list[int] = []
@@ -220,6 +255,8 @@ class Checkpointer:
         threads go on until the process exits; their folders are left for the next
         open to remove (their writer lock is released when this Checkpointer closes)."""
         self._abandoned = True
+        if self._items:
+            _exit_fast_if_abandoned(self._exit_code)
         for item in list(self._items):
             if item.phase == "writing":
                 item.scope.cancel()
@@ -253,10 +290,12 @@ class Checkpointer:
         if failure is not None:
             raise failure
 
-    def _leave_by(self, deadline: float) -> None:
+    def _leave_by(self, deadline: float, exit_code: int) -> None:
         """Make leaving the block stop waiting for writes at ``deadline`` (anyio clock):
-        ``Shutdown.final_checkpoint`` after it missed its deadline."""
+        ``Shutdown.final_checkpoint`` after it missed its deadline. ``exit_code``: the
+        status the process exits with if an abandoned write is still running then."""
         self._leave_at = deadline
+        self._exit_code = exit_code
 
     # -- saving -----------------------------------------------------------------------
 

@@ -121,5 +121,5 @@ class Shutdown:
             self.seconds = time.monotonic() - t0
             return EXIT_SAVED
         self.seconds = time.monotonic() - t0
-        ckpt._leave_by(anyio.current_time())
+        ckpt._leave_by(anyio.current_time(), EXIT_MISSED)
         return EXIT_MISSED

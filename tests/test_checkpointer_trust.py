@@ -891,3 +891,27 @@ async def test_skip_gives_the_background_write_its_turns(tmp_path: Path) -> None
                 break
         assert accepted >= 2 and len(ckpt.steps()) >= 2, "nothing committed while the loop ran"
         await ckpt.wait()
+
+
+_EXIT_CHILD = textwrap.dedent(
+    """
+    import sys, tempfile, anyio, torch
+    from async_stager import Checkpointer, Shutdown
+    async def main():
+        async with Shutdown() as stop, Checkpointer(sys.argv[2]) as ckpt:
+            await ckpt.save({"t": torch.randn(2**25)}, step=1)
+            return await stop.final_checkpoint(ckpt, {"t": torch.randn(2**25)}, step=2, deadline=0.01)
+    sys.exit(anyio.run(main, backend=sys.argv[1]))
+    """
+)
+
+
+@pytest.mark.timeout(90)
+async def test_a_missed_final_checkpoint_exits_with_its_status(tmp_path: Path, anyio_backend: str) -> None:
+    """The abandoned write's thread is still in torch when the interpreter exits:
+    finalizing under it used to abort (status 134) instead of the 1 a scheduler reads."""
+    run = await anyio.run_process(
+        [sys.executable, "-c", _EXIT_CHILD, anyio_backend, str(tmp_path / "ckpt")], check=False
+    )
+    assert run.returncode == 1, run.stderr.decode()[-2000:]
+    assert b"terminate called" not in run.stderr
