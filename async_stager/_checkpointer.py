@@ -244,7 +244,12 @@ class Checkpointer:
                     await self._stager.aclose()
                     self._stager = None
                 if self._session is not None:
-                    await anyio.to_thread.run_sync(self._session.close)
+                    session = self._session
+                    if not self._abandoned:
+                        await anyio.to_thread.run_sync(
+                            _commit.remove_own_leftovers, session.root, session.token
+                        )
+                    await anyio.to_thread.run_sync(session.close)
                     self._session = None
         if exc is None:
             self._raise_failure()

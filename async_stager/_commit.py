@@ -60,6 +60,7 @@ __all__ = [
     "folder_lock",
     "fsync_dir",
     "read_latest",
+    "remove_own_leftovers",
     "remove_tmp",
     "retain",
     "step_dir",
@@ -283,6 +284,16 @@ def retain(root: Path, keep: int) -> list[int]:
 def remove_tmp(tmp: Path) -> None:
     """Remove a save's temporary folder after it failed or was abandoned."""
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_own_leftovers(root: Path, token: str) -> None:
+    """At a writer's close, once none of its saves runs: remove its ``.tmp-`` folders
+    that are left (a cancelled save's thread may still have written into its folder
+    after the folder was removed)."""
+    suffix = f".{token}."
+    for name in os.listdir(root):
+        if name.startswith(".tmp-") and suffix in name:
+            shutil.rmtree(root / name, ignore_errors=True)
 
 
 def clean_stale(root: Path) -> None:
