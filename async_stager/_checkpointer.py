@@ -544,6 +544,10 @@ class Checkpointer:
         failure not yet raised. Cancellation: only the wait; the writes go on."""
         self._check_open()
         await self._drain()
+        session = self._session
+        if session is not None and not self._abandoned:
+            live = frozenset(i.seq for i in self._items)
+            await anyio.to_thread.run_sync(_commit.remove_own_leftovers, session.root, session.token, live)
         self._raise_failure()
 
     async def _drain(self) -> None:

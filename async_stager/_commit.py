@@ -43,6 +43,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import re
 import secrets
@@ -67,6 +68,8 @@ __all__ = [
     "step_name",
     "tmp_dir",
 ]
+
+_log = logging.getLogger("async_stager.checkpoint")
 
 LATEST = "latest"
 #: The record of a committed folder's place in commit order.
@@ -113,14 +116,32 @@ def _fsync_tree(folder: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
-def _commit_seq(folder: Path) -> int:
-    """A committed folder's place in commit order; -1 without a readable record."""
+def _commit_seq(folder: Path) -> int | None:
+    """A committed folder's place in commit order: its COMMIT record's number; -1 for a
+    folder an earlier version committed (no record, no format-4 manifest); None when
+    the record is damaged or missing from a folder this version wrote (it always writes
+    one): such a step cannot be placed in commit order, so it is not listed (never
+    restored as the newest, never retired in its place)."""
     try:
-        doc = json.loads((folder / COMMIT).read_text(encoding="utf-8"))
-        seq = doc["seq"] if isinstance(doc, dict) and doc.get("format") == _COMMIT_FORMAT else None
-    except (OSError, ValueError, KeyError):
-        return -1
-    return seq if isinstance(seq, int) and not isinstance(seq, bool) else -1
+        text = (folder / COMMIT).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None if _written_by_this_version(folder) else -1
+    except (OSError, UnicodeDecodeError):
+        return None
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return None
+    seq = doc.get("seq") if isinstance(doc, dict) and doc.get("format") == _COMMIT_FORMAT else None
+    return seq if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0 else None
+
+
+def _written_by_this_version(folder: Path) -> bool:
+    try:
+        doc = json.loads((folder / "checksums.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(doc, dict) and doc.get("format") == "async_stager-checksums/4"
 
 
 def _committed(root: Path) -> list[tuple[int, int]]:
@@ -133,7 +154,11 @@ def _committed(root: Path) -> list[tuple[int, int]]:
     for name in names:
         m = _STEP.match(name)
         if m and (root / name).is_dir():
-            found.append((_commit_seq(root / name), int(m.group(1))))
+            seq = _commit_seq(root / name)
+            if seq is None:
+                _log.warning("%s: its %s record is damaged or missing: not listed", root / name, COMMIT)
+                continue
+            found.append((seq, int(m.group(1))))
     return sorted(found)
 
 
@@ -286,13 +311,16 @@ def remove_tmp(tmp: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def remove_own_leftovers(root: Path, token: str) -> None:
-    """At a writer's close, once none of its saves runs: remove its ``.tmp-`` folders
-    that are left (a cancelled save's thread may still have written into its folder
-    after the folder was removed)."""
-    suffix = f".{token}."
+def remove_own_leftovers(root: Path, token: str, live: frozenset[int] = frozenset()) -> None:
+    """Remove this writer's ``.tmp-`` folders except those of the saves in ``live``
+    (by sequence number): after ``wait()`` and at close, a cancelled save's thread may
+    have written into its folder after the folder was removed."""
+    prefix = f".{token}."
     for name in os.listdir(root):
-        if name.startswith(".tmp-") and suffix in name:
+        if not name.startswith(".tmp-") or prefix not in name:
+            continue
+        seq = name.rsplit(".", 1)[-1]
+        if not (seq.isdigit() and int(seq) in live):
             shutil.rmtree(root / name, ignore_errors=True)
 
 

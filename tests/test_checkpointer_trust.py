@@ -915,3 +915,25 @@ async def test_a_missed_final_checkpoint_exits_with_its_status(tmp_path: Path, a
     )
     assert run.returncode == 1, run.stderr.decode()[-2000:]
     assert b"terminate called" not in run.stderr
+
+
+@ASYNCIO_ONLY
+@pytest.mark.parametrize("damage", ["garbage", "missing"])
+async def test_a_damaged_commit_record_never_demotes_the_newest_step(tmp_path: Path, damage: str) -> None:
+    async with Checkpointer(tmp_path, keep=2) as ckpt:
+        for step in (1, 2):
+            await ckpt.save({"t": torch.full((4,), float(step))}, step=step)
+        await ckpt.wait()
+    record = tmp_path / "step-00000002" / "COMMIT"
+    if damage == "garbage":
+        record.write_text("{")
+    else:
+        record.unlink()
+    async with Checkpointer(tmp_path, keep=2) as ckpt:
+        assert ckpt.steps() == [1]  # step 2 cannot be placed in commit order: not listed
+        out = {"t": torch.zeros(4)}
+        assert await ckpt.restore(out) == 1
+        await ckpt.save({"t": torch.full((4,), 3.0)}, step=3)
+        await ckpt.wait()
+        assert ckpt.steps() == [1, 3]
+    assert (tmp_path / "step-00000002").is_dir()  # never retired in another's place
