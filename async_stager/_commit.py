@@ -316,7 +316,11 @@ def remove_own_leftovers(root: Path, token: str, live: frozenset[int] = frozense
     (by sequence number): after ``wait()`` and at close, a cancelled save's thread may
     have written into its folder after the folder was removed."""
     prefix = f".{token}."
-    for name in os.listdir(root):
+    try:
+        names = os.listdir(root)
+    except OSError:  # the folder is gone or replaced: nothing of ours is left there
+        return
+    for name in names:
         if not name.startswith(".tmp-") or prefix not in name:
             continue
         seq = name.rsplit(".", 1)[-1]
