@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import time
+import traceback
 import weakref
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -177,7 +178,7 @@ class Checkpointer:
         self._items: list[SaveItem] = []
         self._writing = 0
         self._changed: anyio.Event | None = None
-        self._failure: BaseException | None = None
+        self._failures: list[BaseException] = []
         self._streams: list[MemoryObjectSendStream[SaveStats]] = []
         self._write_lock: anyio.Lock | None = None
         self._leave_at: float | None = None
@@ -291,9 +292,8 @@ class Checkpointer:
         await self._changed.wait()
 
     def _raise_failure(self) -> None:
-        failure, self._failure = self._failure, None
-        if failure is not None:
-            raise failure
+        if self._failures:
+            raise self._failures.pop(0)
 
     def _leave_by(self, deadline: float, exit_code: int) -> None:
         """Make leaving the block stop waiting for writes at ``deadline`` (anyio clock):
@@ -623,16 +623,22 @@ class Checkpointer:
         exc: BaseException = group
         while len(getattr(exc, "exceptions", ())) == 1:  # a task group's wrapper
             exc = exc.exceptions[0]  # type: ignore[attr-defined]
+        # The traceback's frames hold the staged copy (torch.save's locals): a handler
+        # or caller keeping the error must not keep the buffer set held.
+        seen: BaseException | None = exc
+        while seen is not None:
+            if seen.__traceback__ is not None:
+                traceback.clear_frames(seen.__traceback__)
+            seen = seen.__cause__ or seen.__context__
         _log.error("checkpoint step %d failed: %s", item.step, exc)
-        if self._failure is None:
-            failure = (
-                exc
-                if isinstance(exc, CheckpointError)
-                else CheckpointError(f"checkpoint step {item.step} failed: {exc}", step=item.step)
-            )
-            if failure is not exc:
-                failure.__cause__ = exc
-            self._failure = failure
+        failure = (
+            exc
+            if isinstance(exc, CheckpointError)
+            else CheckpointError(f"checkpoint step {item.step} failed: {exc}", step=item.step)
+        )
+        if failure is not exc:
+            failure.__cause__ = exc
+        self._failures.append(failure)  # each raised once, oldest first
 
     def _deliver(self, stats: SaveStats) -> None:
         self.last = stats
