@@ -81,6 +81,31 @@ class _GivenUp(Exception):
     """A save whose caller was cancelled before ``save`` returned: not committed."""
 
 
+def _clear_frames(exc: BaseException) -> None:
+    """Clear the locals of every frame an error's tracebacks reach: they hold the staged
+    copy (``torch.save``'s and DCP's locals), and a handler or caller keeping the error
+    must not keep the buffer set held. Walks causes, contexts, exception groups and
+    DCP's ``CheckpointException.failures`` (per rank: an error or an (error, stack)
+    pair), each error once."""
+    todo: list[Any] = [exc]
+    seen: set[int] = set()
+    while todo:
+        e = todo.pop()
+        if isinstance(e, tuple):
+            todo.extend(e)
+            continue
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
+        todo.extend((e.__cause__, e.__context__))
+        todo.extend(getattr(e, "exceptions", ()) or ())
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo.extend(failures.values())
+
+
 async def _returns(value: bool) -> bool:
     # A skipped save still yields once: a loop whose only await is save() must give
     # the background write its turns.
@@ -178,7 +203,8 @@ class Checkpointer:
         self._items: list[SaveItem] = []
         self._writing = 0
         self._changed: anyio.Event | None = None
-        self._failures: list[BaseException] = []
+        #: Failed writes not yet raised, (call order, error): raised oldest call first.
+        self._failures: list[tuple[int, BaseException]] = []
         self._streams: list[MemoryObjectSendStream[SaveStats]] = []
         self._write_lock: anyio.Lock | None = None
         self._leave_at: float | None = None
@@ -203,9 +229,17 @@ class Checkpointer:
         root, ranks = self.options.directory, self._ranks
         token = ""
         if ranks.coordinator:
-            self._session = await anyio.to_thread.run_sync(_commit.Session.open, root)
-            token = self._session.token if self._session is not None else ""
+            try:
+                self._session = await anyio.to_thread.run_sync(_commit.Session.open, root)
+            except CheckpointError as exc:
+                if not ranks.distributed:
+                    raise
+                token = "!" + str(exc)  # every rank raises it, none waits for the others
+            else:
+                token = self._session.token if self._session is not None else ""
         token = await anyio.to_thread.run_sync(ranks.broadcast, token)
+        if token.startswith("!"):
+            raise CheckpointError(token[1:])
         self._read_only = not token
         self._writer = Writer(self.options, ranks, token)
         self._changed = anyio.Event()
@@ -252,6 +286,18 @@ class Checkpointer:
                         )
                     await anyio.to_thread.run_sync(session.close)
                     self._session = None
+        if exc is None and len(self._failures) > 1:
+            # Nothing comes after a close to raise the others: one error for all of
+            # them (each is also logged when it happened), the oldest as its cause.
+            failures = [f for _, f in self._failures]
+            self._failures = []
+            steps = [getattr(f, "step", None) for f in failures]
+            err = CheckpointError(
+                f"{len(failures)} checkpoint writes failed before the close (steps {steps}): "
+                + "; ".join(str(f).splitlines()[0] for f in failures)
+            )
+            err.failures = failures  # type: ignore[attr-defined]
+            raise err from failures[0]
         if exc is None:
             self._raise_failure()
         return None
@@ -293,7 +339,7 @@ class Checkpointer:
 
     def _raise_failure(self) -> None:
         if self._failures:
-            raise self._failures.pop(0)
+            raise self._failures.pop(0)[1]
 
     def _leave_by(self, deadline: float, exit_code: int) -> None:
         """Make leaving the block stop waiting for writes at ``deadline`` (anyio clock):
@@ -457,10 +503,22 @@ class Checkpointer:
         item.phase = "queued"
         item.read.set()
         self._advance()
-        if item.phase == "queued" and self.options.policy == "coalesce":
-            for older in [i for i in self._items if i.phase == "queued" and i.seq < item.seq]:
-                self._end(older, dropped=True)  # replaced, now that this one is staged
+        self._coalesce()
         self._notify()
+
+    def _coalesce(self) -> None:
+        """``"coalesce"``: of the queued saves, keep the newest whose ``save()``
+        returned and every newer one (still cancellable); drop the older ones. Keyed by
+        call order, not by when a stage finished: concurrent stages finish in any
+        order, and an older one finishing last must not stay queued beside a newer."""
+        if self.options.policy != "coalesce":
+            return
+        kept = [i.seq for i in self._items if i.phase == "queued" and i.returned]
+        if not kept:
+            return
+        newest = max(kept)
+        for older in [i for i in self._items if i.phase == "queued" and i.seq < newest]:
+            self._end(older, dropped=True)
 
     def _start_budgeted(self, tg: anyio.abc.TaskGroup, item: SaveItem) -> None:
         """Build a budgeted save's pipeline (its snapshot point) and start its write;
@@ -523,6 +581,11 @@ class Checkpointer:
             if item.error is None:
                 self._cancel(item)
             raise
+        # No await from the loop's exit to here: a cancellation cannot come between
+        # "staged" and "returned", so a queued save replaces older ones only once its
+        # caller can no longer give it up.
+        item.returned = True
+        self._coalesce()
         return True
 
     def fence(self) -> Coroutine[Any, Any, None]:
@@ -562,24 +625,40 @@ class Checkpointer:
         return receive
 
     async def _write_task(self, item: SaveItem) -> None:
-        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
         writer = self._writer
         assert writer is not None and self._write_lock is not None
         stats: SaveStats | None = None
         try:
-            with item.scope:  # shielded: outer cancellation does not stop a write
-                stats = await self._write(writer, item)
-        except _GivenUp:
-            pass  # its caller was cancelled before save() returned: nothing is committed
-        except (Exception, CheckpointException) as group:  # noqa: BLE001 - kept for the next save/wait
-            self._record_failure(item, group)
+            outcome = await self._write_outcome(writer, item)
+            if isinstance(outcome, BaseException):
+                # Caught one frame down, in a frame that has returned: clearing the
+                # error's frames then reaches every frame that held the staged copy
+                # (an executing frame, this one, cannot be cleared).
+                self._record_failure(item, outcome)
+            else:
+                stats = outcome
+            del outcome
         finally:
             if not item.committed and not self._abandoned:
                 await writer.discard(item)
             self._end(item)
         if stats is not None:
             self._deliver(stats)
+
+    async def _write_outcome(self, writer: Writer, item: SaveItem) -> SaveStats | BaseException | None:
+        """Run the write: its stats, its failure (returned, not raised), or None when
+        its caller gave it up before ``save()`` returned (nothing committed)."""
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+        try:
+            with item.scope:  # shielded: outer cancellation does not stop a write
+                return await self._write(writer, item)
+        except _GivenUp:
+            return None
+        except (Exception, CheckpointException) as group:  # noqa: BLE001 - kept for the next save/wait
+            return group
+        return None  # its scope was cancelled (a budgeted save given up): nothing committed
 
     async def _write(self, writer: Writer, item: SaveItem) -> SaveStats:
         # Several ranks: one write at a time, so every rank runs the collectives in the
@@ -623,13 +702,7 @@ class Checkpointer:
         exc: BaseException = group
         while len(getattr(exc, "exceptions", ())) == 1:  # a task group's wrapper
             exc = exc.exceptions[0]  # type: ignore[attr-defined]
-        # The traceback's frames hold the staged copy (torch.save's locals): a handler
-        # or caller keeping the error must not keep the buffer set held.
-        seen: BaseException | None = exc
-        while seen is not None:
-            if seen.__traceback__ is not None:
-                traceback.clear_frames(seen.__traceback__)
-            seen = seen.__cause__ or seen.__context__
+        _clear_frames(exc)
         _log.error("checkpoint step %d failed: %s", item.step, exc)
         failure = (
             exc
@@ -638,7 +711,8 @@ class Checkpointer:
         )
         if failure is not exc:
             failure.__cause__ = exc
-        self._failures.append(failure)  # each raised once, oldest first
+        self._failures.append((item.seq, failure))  # each raised once, oldest call first
+        self._failures.sort(key=lambda f: f[0])
 
     def _deliver(self, stats: SaveStats) -> None:
         self.last = stats

@@ -90,6 +90,10 @@ class SaveItem:
     cancelled: bool = False
     #: Dropped by ``"coalesce"``: a newer save replaced it before its write.
     superseded: bool = False
+    #: Its ``save()`` returned (the caller can no longer give it up): only then does it
+    #: replace older queued saves (``"coalesce"``), so a save cancelled before it
+    #: returned never drops the one it would have replaced.
+    returned: bool = False
     error: BaseException | None = None
     #: Its write started (a budgeted save's pipeline, or a staged copy's write).
     wrote: bool = False
@@ -103,6 +107,17 @@ class SaveItem:
         stage, self.stage = self.stage, None
         if stage is not None:
             stage.close()  # never awaited: no warning; the stager abandons its job
+
+
+def drop_planner_state(planner: Any) -> None:
+    """Empty a DCP save planner's references to the state it planned (its flattened
+    state dict, mappings and plans), whatever DCP still holds the planner by."""
+    for name in ("state_dict", "original_state_dict", "mappings"):
+        if isinstance(getattr(planner, name, None), dict):
+            setattr(planner, name, {})
+    for name in ("plan", "metadata"):
+        if hasattr(planner, name):
+            setattr(planner, name, None)
 
 
 class Writer:
@@ -188,7 +203,21 @@ class Writer:
             kwargs.update(process_group=self.ranks.group, no_dist=False)
         else:
             kwargs.update(no_dist=True)
-        return lambda: _save_blocking(staged, **kwargs)
+
+        def write() -> Any:
+            from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+            planner = DefaultSavePlanner()
+            try:
+                return _save_blocking(staged, planner=planner, **kwargs)
+            finally:
+                # Hazard: after a failed save DCP keeps the planner reachable (a closure
+                # of its write step outlives the call, out of reach of the collector),
+                # and the planner holds its flattened copy of the staged dict: the
+                # staged buffers would count as held for ever. Drop what it holds.
+                drop_planner_state(planner)
+
+        return write
 
     async def write_budgeted(self, item: SaveItem) -> tuple[dict[str, dict[str, Any]], int]:
         """Run a budgeted save's pipeline into its folder: the manifest's tensors table

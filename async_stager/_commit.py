@@ -50,6 +50,9 @@ import secrets
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+from ._errors import CheckpointError
 
 __all__ = [
     "COMMIT",
@@ -74,7 +77,56 @@ _log = logging.getLogger("async_stager.checkpoint")
 LATEST = "latest"
 #: The record of a committed folder's place in commit order.
 COMMIT = "COMMIT"
-_COMMIT_FORMAT = "async_stager-commit/1"
+#: Format 1: ``seq`` and ``step``. Format 2 adds ``manifest`` (the byte size and digest
+#: of ``checksums.json`` as written, or null without checksums) and ``check`` (XXH3-64
+#: of the record's other fields in compact canonical JSON): a flipped byte of either
+#: file is found, even one that leaves valid JSON behind.
+_COMMIT_FORMAT_1 = "async_stager-commit/1"
+_COMMIT_FORMAT = "async_stager-commit/2"
+_MANIFEST = "checksums.json"
+
+
+def _canonical(doc: dict[str, Any]) -> str:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+
+def _record_check(doc: dict[str, Any]) -> int:
+    from ._digest import hasher
+
+    return int(
+        hasher().xxh3_64_intdigest(_canonical({k: v for k, v in doc.items() if k != "check"}).encode())
+    )
+
+
+def _read_record(folder: Path) -> dict[str, Any] | None:
+    """A folder's COMMIT record, checked (format 2: its own check and its step); None
+    when it is missing, unreadable or damaged."""
+    try:
+        doc = json.loads((folder / COMMIT).read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    if doc.get("format") == _COMMIT_FORMAT:
+        if doc.get("check") != _record_check(doc):
+            return None
+        m = _STEP.match(folder.name)
+        if m is not None and doc.get("step") != int(m.group(1)):
+            return None
+    elif doc.get("format") != _COMMIT_FORMAT_1:
+        return None
+    return doc
+
+
+def recorded_manifest(folder: Path) -> dict[str, Any] | None:
+    """The ``{"bytes", "digest"}`` of ``checksums.json`` that ``folder``'s COMMIT
+    record holds (format 2), else None (an older record, a folder without one, or a
+    damaged one: the listing already refuses that)."""
+    doc = _read_record(folder)
+    entry = doc.get("manifest") if doc is not None else None
+    return entry if isinstance(entry, dict) else None
+
+
 _STEP = re.compile(r"^step-(\d{8,})$")
 # A leftover of a writer: .tmp-/.old-/.del- + step-N + .<token>[.<seq>]
 _LEFTOVER = re.compile(r"^\.(tmp|old|del)-(step-\d{8,})(?:\.([0-9a-f]+)(?:\.\d+)?)?$")
@@ -122,17 +174,10 @@ def _commit_seq(folder: Path) -> int | None:
     the record is damaged or missing from a folder this version wrote (it always writes
     one): such a step cannot be placed in commit order, so it is not listed (never
     restored as the newest, never retired in its place)."""
-    try:
-        text = (folder / COMMIT).read_text(encoding="utf-8")
-    except FileNotFoundError:
+    if not (folder / COMMIT).exists():
         return None if _written_by_this_version(folder) else -1
-    except (OSError, UnicodeDecodeError):
-        return None
-    try:
-        doc = json.loads(text)
-    except ValueError:
-        return None
-    seq = doc.get("seq") if isinstance(doc, dict) and doc.get("format") == _COMMIT_FORMAT else None
+    doc = _read_record(folder)
+    seq = doc.get("seq") if doc is not None else None
     return seq if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0 else None
 
 
@@ -226,7 +271,14 @@ class Session:
         except OSError as exc:
             if exc.errno in _READ_ONLY:
                 return None
-            raise
+            raise _unusable(root, exc) from exc
+        latest = root / LATEST
+        if latest.exists() and not latest.is_file():
+            lock.__exit__(None, None, None)
+            raise CheckpointError(
+                f"{root} cannot hold checkpoints: its {LATEST!r} is not a file (a folder of that "
+                "name? move it away)"
+            )
         try:
             token = secrets.token_hex(6)
             fd = os.open(root / f".writer-{token}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
@@ -250,6 +302,18 @@ class Session:
         with contextlib.suppress(OSError):
             (self.root / f".writer-{self.token}").unlink()
         os.close(fd)
+
+
+def _unusable(root: Path, exc: OSError) -> CheckpointError:
+    """Why ``root`` cannot be opened for checkpoints, as a CheckpointError."""
+    name = Path(exc.filename).name if exc.filename else str(root)
+    if exc.errno == errno.EEXIST or (exc.errno == errno.ENOTDIR and root.exists() and not root.is_dir()):
+        why = f"{root} is a file, not a folder"
+    elif exc.errno == errno.EISDIR:
+        why = f"{name!r} in it is a folder, where a lock file belongs (move it away)"
+    else:
+        why = f"{exc.strerror or exc}: {name}"
+    return CheckpointError(f"{root} cannot hold checkpoints: {why}")
 
 
 def _writer_alive(root: Path, token: str | None) -> bool:
@@ -277,8 +341,13 @@ def commit(root: Path, tmp: Path, step: int) -> Path:
     ``folder_lock``. Returns the committed folder."""
     dst = step_dir(root, step)
     seq = max((s for s, _ in _committed(root)), default=-1) + 1
-    record = {"format": _COMMIT_FORMAT, "seq": seq, "step": step}
-    (tmp / COMMIT).write_text(json.dumps(record), encoding="utf-8")
+    record: dict[str, Any] = {"format": _COMMIT_FORMAT, "seq": seq, "step": step, "manifest": None}
+    if (tmp / _MANIFEST).exists():
+        from ._stored import file_digest
+
+        record["manifest"] = file_digest(tmp / _MANIFEST)
+    record["check"] = _record_check(record)
+    (tmp / COMMIT).write_text(_canonical(record), encoding="utf-8")
     _fsync_tree(tmp)
     old = root / f".old-{step_name(step)}.{tmp.name.split('.')[2]}"
     if dst.exists():
@@ -288,7 +357,12 @@ def commit(root: Path, tmp: Path, step: int) -> Path:
     fsync_dir(root)
     if old.exists():
         shutil.rmtree(old, ignore_errors=True)
-    _write_latest(root, step)
+    try:
+        _write_latest(root, step)
+    except OSError as exc:
+        # After the commit point: the step is committed (steps() and restore() read
+        # the COMMIT records); ``latest`` is a pointer for people and tools.
+        _log.warning("%s: step %d is committed, but %s was not updated: %s", root, step, LATEST, exc)
     return dst
 
 

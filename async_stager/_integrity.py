@@ -299,6 +299,39 @@ def _os_reason(exc: OSError) -> str:
     return f"{exc.strerror}: {name}" if name else exc.strerror
 
 
+def _check_recorded(folder: Path, step: int | None, text: str) -> None:
+    """The manifest's bytes against the digest its COMMIT record took at the commit
+    (format 2 records): a changed byte that still parses (a digit of an offset, a
+    letter of a name) is found here, before any entry is trusted."""
+    from ._commit import recorded_manifest
+    from ._stored import bytes_digest
+
+    entry = recorded_manifest(folder)
+    if entry is None:
+        return
+    data = text.encode("utf-8")
+    if entry.get("bytes") != len(data) or entry.get("digest") != bytes_digest(data):
+        raise IntegrityError(
+            f"{folder}: {MANIFEST} is not the manifest committed with this step "
+            f"({len(data)} bytes; its COMMIT record took {entry.get('bytes')} and another digest)",
+            step=step,
+        )
+
+
+def _is_ranges(value: Any) -> bool:
+    """A sorted list of disjoint ``[offset, length]`` pairs of counts."""
+    if not isinstance(value, list):
+        return False
+    at = 0
+    for pair in value:
+        if not (isinstance(pair, list) and len(pair) == 2 and all(map(_is_count, pair))):
+            return False
+        if pair[0] < at:
+            return False
+        at = pair[0] + pair[1]
+    return True
+
+
 def _table(folder: Path, step: int | None, doc: dict[str, Any], name: str) -> dict[str, Any]:
     if name not in doc:
         raise IntegrityError(f"{folder}: {MANIFEST} has no {name!r} table", step=step)
@@ -354,6 +387,14 @@ def load_manifest(folder: Path, step: int | None) -> Manifest:
         ) from exc
     if not isinstance(doc, dict):
         raise IntegrityError(f"{folder}: {MANIFEST} holds {_json_type(doc)}, not an object", step=step)
+    manifest = _parse_manifest(folder, step, doc)
+    # After the shape checks, so a damaged entry is named precisely; then the bytes
+    # against the commit's record, which finds a change that still parses.
+    _check_recorded(folder, step, text)
+    return manifest
+
+
+def _parse_manifest(folder: Path, step: int | None, doc: dict[str, Any]) -> Manifest:
     tensors: dict[str, Any] = _table(folder, step, doc, "tensors")
     fmt = (doc.get("format"), doc.get("hash"), doc.get("piece_bytes"))
     if fmt == (_FORMAT_CRC, "crc32", _CRC_PIECE_BYTES):
@@ -386,6 +427,13 @@ def load_manifest(folder: Path, step: int | None) -> Manifest:
     files = _table(folder, step, doc, "files")
     objects = _table(folder, step, doc, "objects")
     _check_entries(folder, step, "file", files, _STORED_FIELDS)
+    for name, entry in files.items():
+        if "skip" in entry and not _is_ranges(entry["skip"]):
+            raise IntegrityError(
+                f"{folder}: {MANIFEST}: file {name!r}: 'skip' is {_shown(entry['skip'])}, "
+                "not a sorted list of disjoint [offset, length] pairs",
+                step=step,
+            )
     _check_entries(folder, step, "value", objects, _OBJECT_FIELDS)
     return Manifest(tensors, files, objects)
 
@@ -399,13 +447,17 @@ def verify_stored(folder: Path, step: int | None, manifest: Manifest) -> int:
     """Check the stored bytes that are not tensor data (whole files, DCP's bytes items)
     against a format-4 manifest; returns how many were checked (0 for older formats).
     Runs before anything in them is unpickled."""
-    from ._stored import check_path, file_digest
+    from ._stored import check_path, file_digest, framing_digest
 
     checked = 0
     for name, entry in (manifest.files or {}).items():
-        _compare_stored(
-            folder, step, f"file {name!r}", entry, lambda n=name: file_digest(check_path(folder, n))
-        )
+        skip = entry.get("skip")  # a DCP data file: all but its tensors' raw bytes
+
+        def read(skip: Any = skip, name: str = name) -> dict[str, Any]:
+            path = check_path(folder, name)
+            return file_digest(path) if skip is None else framing_digest(path, skip)
+
+        _compare_stored(folder, step, f"file {name!r}", entry, read)
         checked += 1
     for fqn, entry in (manifest.objects or {}).items():
         _compare_stored(
@@ -422,6 +474,8 @@ def verify_stored(folder: Path, step: int | None, manifest: Manifest) -> int:
 def _compare_stored(folder: Path, step: int | None, what: str, entry: dict[str, Any], read: Any) -> None:
     try:
         got = read()
+    except FileNotFoundError as exc:
+        raise IntegrityError(f"{folder}: {what} is missing", step=step) from exc
     except (OSError, ValueError) as exc:
         raise IntegrityError(f"{folder}: {what} is unreadable ({exc})", step=step) from exc
     if got["bytes"] != entry["bytes"]:

@@ -165,6 +165,15 @@ def typed_paths(sd: dict[str, Any]) -> dict[str, list[Any]]:
                 real = table.get(str(comp), comp)
                 if isinstance(real, int) and not isinstance(real, bool):
                     comp, changed = real, True
+                elif not isinstance(real, str):
+                    # DCP keeps every dict key as its str(): a bool, None, float or
+                    # tuple key would restore as a string into a target lacking it.
+                    raise CheckpointError(
+                        f"a dict key of type {type(real).__name__} cannot be "
+                        "saved in the dcp format (only str and int keys restore as themselves); "
+                        'use str keys, or format="torch"',
+                        path=(*typed, real),
+                    )
             typed.append(comp)
             try:
                 node = node[comp]
@@ -259,6 +268,18 @@ def load_dcp(state: dict[str, Any], folder: Path, step: int, *, group: Any, dist
                 f"{tuple(md.size)} in checkpoint step {step}",
                 step=step,
             )
+        if (
+            isinstance(value, torch.Tensor)
+            and isinstance(md, TensorStorageMetadata)
+            and value.dtype != md.properties.dtype
+        ):
+            # DCP would convert on load (a copy_ into the target): values silently
+            # rounded or widened are not what was saved.
+            raise CheckpointError(
+                f"restore: {where} is {value.dtype} in the state, {md.properties.dtype} in checkpoint "
+                f"step {step}: convert after restoring, not by restoring",
+                step=step,
+            )
     typed = _read_typed_paths(folder, step)
     for fqn, md in saved.items():
         if fqn in flat:
@@ -333,6 +354,12 @@ def check_matches(target: Any, loaded: Any, step: int, where: str = "state") -> 
             raise CheckpointError(
                 f"restore: {where} has shape {tuple(target.shape)} in the state, "
                 f"{tuple(loaded.shape)} in checkpoint step {step}",
+                step=step,
+            )
+        if target.dtype != loaded.dtype:
+            raise CheckpointError(
+                f"restore: {where} is {target.dtype} in the state, {loaded.dtype} in checkpoint "
+                f"step {step}: convert after restoring, not by restoring",
                 step=step,
             )
     elif isinstance(target, Mapping) and isinstance(loaded, Mapping):

@@ -151,6 +151,9 @@ async def test_a_first_format_crc_manifest_still_verifies(tmp_path: Path) -> Non
     del entry["digest"]
     doc.update(format="async_stager-checksums/1", hash="crc32", piece_bytes=16 * 2**20)
     path.write_text(json.dumps(doc))
+    # As the version that wrote the first format would have: a COMMIT record without
+    # the manifest's digest (the current one would refuse the rewritten manifest).
+    (path.parent / "COMMIT").write_text(json.dumps({"format": "async_stager-commit/1", "seq": 0, "step": 1}))
     async with Checkpointer(tmp_path, stager=Stager()) as ckpt:
         out = {"w": torch.zeros(1000)}
         assert await ckpt.restore(out) == 1 and torch.equal(out["w"], w)
