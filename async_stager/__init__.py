@@ -10,6 +10,7 @@ from ._checkpointer import Checkpointer, CheckpointerOptions, SaveStats
 from ._default_stager import DefaultStager
 from ._digest import Checksums
 from ._errors import (
+    AcceleratorRequiredError,
     BudgetTooSmallError,
     BuffersHeldError,
     CheckpointError,
@@ -39,6 +40,7 @@ from ._waiting import Backoff
 __version__ = "0.1.0"
 
 __all__ = [
+    "AcceleratorRequiredError",
     "AttachedStateDict",
     "Backoff",
     "BudgetTooSmallError",

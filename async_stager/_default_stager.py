@@ -6,9 +6,15 @@ state dict, or a ``concurrent.futures.Future`` of it when ``use_async_staging``.
 DefaultStager also satisfies DCP's ``AsyncStager`` protocol, so it can be passed as
 ``async_stager=`` to ``torch.distributed.checkpoint.async_save``.
 
-Differences from the seed, on purpose: flags left as None take what the machine
-supports (so ``DefaultStager()`` works on a CPU-only machine), while asking explicitly
-for a CUDA-only feature there raises UnsupportedError at construction; using a closed
+A drop-in for torch_checkpointing's stager too: its config defaults, its interface
+(``get_staged_state_dict`` abstract), its thread and metric-prefix names.
+
+Differences from the seed, on purpose: flags defaulted take what the machine supports
+(so ``DefaultStager()`` works on a CPU-only machine), while asking explicitly for a
+CUDA-only feature there raises AcceleratorRequiredError (an UnsupportedError and an
+AssertionError) at construction; results kept while staging again each get a buffer
+set of their own, up to ``DEFAULT_MAX_BUFFER_SETS`` (a warning names the memory past
+two), instead of being overwritten; using a closed
 stager raises ClosedError; ``close()`` is idempotent and never raises a stage's error
 (nor CancelledError); ``synchronize_staging()`` skips stages whose Future was
 cancelled (they staged nothing) instead of raising CancelledError; a stager cannot be
@@ -48,14 +54,38 @@ from ._checkpoint_stager import (
     check_name,
 )
 from ._engine import Cancelled, StageRecord, build_engine
-from ._errors import ClosedError, InvalidOptionError, InvalidOptionTypeError, UnsupportedError
+from ._errors import (
+    AcceleratorRequiredError,
+    ClosedError,
+    InvalidOptionError,
+    InvalidOptionTypeError,
+    UnsupportedError,
+)
 from ._jobs import log_stage_done
 from ._options import StagerOptions
 from ._worker import FifoLock, Worker, WorkerForked, WorkerStopped, clear_locals
 
-__all__ = ["DefaultStager"]
+__all__ = ["DEFAULT_MAX_BUFFER_SETS", "AcceleratorRequiredError", "DefaultStager"]
 
 _log = logging.getLogger("async_stager.stage")
+
+#: DefaultStager's bound on buffer sets (``max_buffer_sets``): torch_checkpointing's
+#: callers may keep several staged results while staging again (its stager overwrites
+#: them; ours never does), so the drop-in grows to this many sets, each one more host
+#: copy of the state dict, before a stage waits for a result to be dropped. A warning
+#: names the memory each time a set beyond ``_QUIET_BUFFER_SETS`` is made.
+DEFAULT_MAX_BUFFER_SETS = 4
+#: Sets a stager holds in the usual cycle (one being written, one staging): no warning.
+_QUIET_BUFFER_SETS = 2
+
+
+def _needs_accelerator(e: UnsupportedError) -> bool:
+    # resolve_options raises a plain UnsupportedError (not a subclass: those are the
+    # invalid-value errors) naming the flag for exactly these two machine limits.
+    msg = str(e)
+    return type(e) is UnsupportedError and (
+        msg.startswith("pin_memory=True needs CUDA") or msg.startswith("non_blocking=True needs CUDA")
+    )
 
 
 def _passed_keys(state_dict: Any, keys: Any) -> dict[Any, Any]:
@@ -81,7 +111,9 @@ class DefaultStager(CheckpointStager):
 
     A staged result is never overwritten while it is reachable (the dict, the Future
     holding it, a tensor or view taken from it): a later ``stage()`` then writes into
-    another buffer set, or waits for one to be dropped. Host buffers are reused as in
+    another buffer set (up to ``max_buffer_sets``, default ``DEFAULT_MAX_BUFFER_SETS``
+    = 4, one host copy of the state dict each; a warning past two), or waits for one
+    to be dropped. Host buffers are reused as in
     the seed once a result is dropped. Accepts PyTorch's ``StagingOptions`` as well as
     our config.
 
@@ -144,15 +176,30 @@ class DefaultStager(CheckpointStager):
         )
         backend = engine_options.pop("backend", None)
         pinner = engine_options.pop("pinner", None)
-        # Passed through as given: resolve_options checks their types.
-        self._engine = build_engine(
-            backend=backend,
-            pinner=pinner,
-            pin_memory=getattr(config, "use_pinned_memory", None),
-            share_memory=getattr(config, "use_shared_memory", True),
-            non_blocking=getattr(config, "use_non_blocking_copy", None),
-            **engine_options,
+        engine_options.setdefault("max_buffer_sets", DEFAULT_MAX_BUFFER_SETS)
+        # Flags our config filled in from the machine: the device backend decides them
+        # (the same answer with the real one), as when they were None.
+        machine: frozenset[str] = getattr(config, "machine_defaults", frozenset())
+        pin = None if "use_pinned_memory" in machine else getattr(config, "use_pinned_memory", None)
+        non_blocking = (
+            None if "use_non_blocking_copy" in machine else getattr(config, "use_non_blocking_copy", None)
         )
+        # Passed through as given: resolve_options checks their types.
+        try:
+            self._engine = build_engine(
+                backend=backend,
+                pinner=pinner,
+                pin_memory=pin,
+                share_memory=getattr(config, "use_shared_memory", True),
+                non_blocking=non_blocking,
+                **engine_options,
+            )
+        except UnsupportedError as e:
+            if _needs_accelerator(e):
+                raise AcceleratorRequiredError(str(e)) from None
+            raise
+        #: The most buffer sets seen so far (a warning each time it passes the quiet two).
+        self._sets_seen = 0
         options = self._engine.options
         self._async = use_async
         # Starts no thread before the first stage (never, with an executor).
@@ -293,6 +340,7 @@ class DefaultStager(CheckpointStager):
                 raise ClosedError("the stage was stopped: the interpreter is exiting") from None
             raise
         self._engine.settle(staged)
+        self._warn_if_grown()
         result: STATE_DICT = staged.result
         # The result goes to the Future only: a StageRecord that kept it reachable
         # would hold its buffer set.
@@ -318,6 +366,26 @@ class DefaultStager(CheckpointStager):
             if seq == self._seq and not self._closed:
                 self._latest = result
         return result
+
+    def _warn_if_grown(self) -> None:
+        """Log a warning when this stage made a buffer set beyond the usual two: every
+        set costs one more host copy of the state dict, for the stager's lifetime."""
+        sets = self._engine.buffer_sets
+        if sets <= self._sets_seen:
+            return
+        self._sets_seen = sets
+        if sets > _QUIET_BUFFER_SETS:
+            _log.warning(
+                "DefaultStager now holds %d buffer sets (%d host bytes in all, about %d per "
+                "set): earlier staged results are still reachable, and a stage never "
+                "overwrites one. Each further set costs one more host copy of the state "
+                "dict; at max_buffer_sets=%d a stage waits for a result to be dropped. Drop "
+                "staged results once written (del staged) to stay at one or two sets.",
+                sets,
+                self._engine.host_bytes,
+                self._engine.host_bytes // sets,
+                self._engine.options.max_buffer_sets,
+            )
 
     def get_staged_state_dict(self) -> STATE_DICT | None:
         """The latest stage's staged dict, once it is done: None before the first

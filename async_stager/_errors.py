@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
+    "AcceleratorRequiredError",
     "BudgetTooSmallError",
     "BuffersHeldError",
     "CheckpointError",
@@ -135,6 +136,12 @@ class IntegrityError(CheckpointError):
     def __init__(self, message: str, *, step: int | None, tensor: str | None = None) -> None:
         super().__init__(message, step=step)
         self.tensor = tensor
+
+
+class AcceleratorRequiredError(UnsupportedError, AssertionError):
+    """A CUDA-only feature (``use_pinned_memory``, ``use_non_blocking_copy``) asked for
+    where CUDA is not available. Also an AssertionError: torch_checkpointing's
+    DefaultStager asserts the same condition, and callers catch that."""
 
 
 class UncopyableObjectError(StagingError):

@@ -13,19 +13,24 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, ClassVar
+from unittest import mock
 
 import pytest
 import torch
 from helpers import assert_same
 
 from async_stager import (
+    AcceleratorRequiredError,
+    BuffersHeldError,
     CheckpointStager,
     CheckpointStagerConfig,
     ClosedError,
     DefaultStager,
     Stager,
     StagingError,
+    UnsupportedError,
 )
+from async_stager._default_stager import DEFAULT_MAX_BUFFER_SETS
 from async_stager.testing import FakeBackend, FakePinner
 
 pytestmark = pytest.mark.timeout(60)
@@ -77,7 +82,86 @@ def test_unknown_keyword_and_bad_keys_raise_type_error() -> None:
         assert_same(staged_of(stager.stage(sd, ())), sd)  # still usable
 
 
+# -- torch_checkpointing's defaults and held results (issue 26) -----------------------
+
+
+@pytest.mark.parametrize("can_pin", [False, True])
+def test_config_defaults_follow_the_accelerator(can_pin: bool) -> None:
+    # As torch_checkpointing's: read at construction, from torch.cuda.
+    with (
+        mock.patch("torch.cuda.is_available", return_value=can_pin),
+        mock.patch("torch.cuda.cudart", return_value=object() if can_pin else None),
+    ):
+        config = CheckpointStagerConfig()
+    assert config.use_pinned_memory is can_pin
+    assert config.use_non_blocking_copy is can_pin
+    assert config.use_shared_memory and config.use_async_staging
+    assert (config.thread_name, config.metric_prefix) == ("ckpt-staging", "train.checkpoint_write")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_cuda_only_flags_without_cuda_raise_an_assertion_error_too() -> None:
+    # torch_checkpointing asserts; ours is typed and is also an AssertionError.
+    off: dict[str, Any] = {"use_pinned_memory": False, "use_non_blocking_copy": False}
+    for flags in ({"use_pinned_memory": True}, {"use_non_blocking_copy": True}):
+        config = CheckpointStagerConfig(**{**off, **flags})
+        with pytest.raises(AssertionError) as info:
+            DefaultStager(config)
+        assert isinstance(info.value, AcceleratorRequiredError)
+        assert isinstance(info.value, UnsupportedError)
+        assert "needs CUDA" in str(info.value)
+
+
+def test_held_results_grow_buffer_sets_up_to_the_bound(caplog: pytest.LogCaptureFixture) -> None:
+    # torch_checkpointing's test_multiple_staging_operations keeps every result: no
+    # wait, a warning naming the memory for each set beyond two.
+    caplog.set_level(logging.WARNING, logger="async_stager.stage")
+    sd = sample()
+    with DefaultStager(SYNC) as stager:
+        held = [stager.stage(sd) for _ in range(DEFAULT_MAX_BUFFER_SETS)]
+        assert stager._engine.buffer_sets == DEFAULT_MAX_BUFFER_SETS
+        for staged in held:
+            assert_same(staged, sd)
+    grown = [r.getMessage() for r in caplog.records if "buffer sets" in r.getMessage()]
+    assert len(grown) == DEFAULT_MAX_BUFFER_SETS - 2
+    assert "host bytes" in grown[0] and "max_buffer_sets=4" in grown[0]
+
+
+def test_held_results_past_the_bound_raise() -> None:
+    sd = sample()
+    with DefaultStager(SYNC, max_buffer_sets=2, buffer_wait_timeout=0.2) as stager:
+        held = [stager.stage(sd) for _ in range(2)]
+        with pytest.raises(BuffersHeldError, match="max_buffer_sets=2"):
+            stager.stage(sd)
+        del held
+        assert_same(stager.stage(sd), sd)  # dropped: a set is free again
+
+
+def test_get_staged_state_dict_is_abstract() -> None:
+    class NoLatest(CheckpointStager):
+        def stage(self, state_dict: Any, keys_not_requiring_copy: Any = ()) -> Any:
+            return state_dict
+
+        def close(self) -> None:
+            pass
+
+    with pytest.raises(TypeError):
+        NoLatest()  # type: ignore[abstract]
+
+
 # -- get_staged_state_dict -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", [SYNC, ASYNC], ids=["sync", "async"])
+def test_get_staged_state_dict_none_after_a_failed_stage(config: CheckpointStagerConfig) -> None:
+    # torch_checkpointing's test_get_staged_state_dict_none_after_failure, through the
+    # public API (a stage that fails on its own) instead of a patched private stager.
+    with DefaultStager(config) as stager:
+        staged_of(stager.stage(sample()))
+        assert stager.get_staged_state_dict() is not None
+        with pytest.raises(StagingError, match="bad"):
+            staged_of(stager.stage({"bad": torch.empty(1, device="meta")}))
+        assert stager.get_staged_state_dict() is None
 
 
 def test_get_staged_state_dict() -> None:
@@ -118,6 +202,9 @@ def test_pinned_num_bytes() -> None:
     class Minimal(CheckpointStager):
         def stage(self, state_dict: Any, keys_not_requiring_copy: Any = ()) -> Any:
             return state_dict
+
+        def get_staged_state_dict(self) -> Any:
+            return None
 
         def close(self) -> None:
             pass
