@@ -24,7 +24,7 @@ import torch
 
 from ._arena import Arena, HostPool, Pinner
 from ._device import Completion
-from ._errors import BuffersHeldError, ClosedError
+from ._errors import BuffersHeldError, ClosedError, CopyError
 from ._layout import Plan
 from ._lease import Lease
 from ._storage_cache import StorageCache
@@ -115,10 +115,14 @@ class BufferSet:
         while len(self.plans) > MAX_PLANS:
             self.plans.popitem(last=False)
 
-    def wait_inflight(self) -> None:
-        """Block (worker thread) until copies still in flight into this set finish."""
+    def wait_inflight(self, timeout: float | None = None) -> None:
+        """Block (worker thread) until copies still in flight into this set finish.
+
+        Bounded (``HOST_WAIT_SECONDS`` by default): a wedged device raises CopyError
+        saying what is stuck instead of hanging every thread that waits behind it.
+        """
         for c in list(self.inflight):
-            c.synchronize()
+            wait_bounded(c, "copies into a buffer set", HOST_WAIT_SECONDS if timeout is None else timeout)
         self.inflight.clear()
 
     def close(self) -> None:
@@ -127,6 +131,29 @@ class BufferSet:
         self.plans.clear()
         self.cache.clear()
         self.pool.close()
+
+
+#: Seconds a host wait for device copies may last before it fails (a healthy device
+#: copies far more than the largest state dict in this time).
+HOST_WAIT_SECONDS = 600.0
+
+
+def wait_bounded(c: Completion, what: str, timeout: float) -> None:
+    """Wait for ``c`` on the host, at most ``timeout`` seconds; CopyError names ``what``.
+
+    Polls ``query()`` with a sleep that doubles up to 10 ms: a blocking synchronize
+    cannot be given a bound.
+    """
+    deadline = time.monotonic() + timeout
+    delay = 0.0001
+    while not c.query():
+        if time.monotonic() >= deadline:
+            raise CopyError(
+                f"{what} still not finished after {timeout:.0f} s: the device looks wedged "
+                "(a kernel that never ends, an Xid error); see nvidia-smi"
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, 0.01)
 
 
 #: Seconds a stage waits for a buffer set before it logs a warning.
@@ -312,16 +339,27 @@ class BufferSets:
         as the source lives, and a model's storages live for the whole run; dropping
         only the entries of dead sources would keep every block, and so every arena,
         allocated (trim would return 0 with nothing held)."""
-        released = 0
+        # Hazard: waiting for copies in flight while holding ``cond`` would block the
+        # event loop's releases (they notify it) for as long as the device takes. The
+        # sets are marked busy under the lock (no stage selects them), waited for and
+        # trimmed outside it, then handed back.
         with self.cond:
-            for s in self._sets:
-                if s.busy or s.held():
-                    continue
+            picked = [s for s in self._sets if not (s.busy or s.held())]
+            for s in picked:
+                s.busy = True
+        released = 0
+        try:
+            for s in picked:
                 s.wait_inflight()
                 s.forget_plans()
                 s.cache.clear()
                 released += s.pool.trim()
                 s.watch()
+        finally:
+            with self.cond:
+                for s in picked:
+                    s.busy = False
+                self.cond.notify_all()
         return released
 
     def mark_closed(self) -> None:

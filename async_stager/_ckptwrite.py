@@ -196,9 +196,14 @@ class Writer:
         return manifest, file_entry, checksum_seconds, nbytes
 
     def _dcp_writer(self, staged: dict[str, Any], tmp: Path) -> Callable[[], Any]:
-        from .dcp import _save_blocking
+        from .dcp import _save_blocking, host_writer
 
-        kwargs: dict[str, Any] = {"checkpoint_id": str(tmp), "cuda_device": caller_cuda_device()}
+        kwargs: dict[str, Any] = {
+            "checkpoint_id": str(tmp),
+            "cuda_device": caller_cuda_device(),
+            # The staged copy is on the host: a writer that never syncs a CUDA stream.
+            "storage_writer": host_writer(None, str(tmp)),
+        }
         if self.ranks.distributed:
             kwargs.update(process_group=self.ranks.group, no_dist=False)
         else:

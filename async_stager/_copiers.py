@@ -134,6 +134,34 @@ class CpuCopier(Copier):
         self._pool.close()
 
 
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as a flat uint8 view when it is contiguous, else ``t`` itself."""
+    if t.is_contiguous() and t.dtype != torch.uint8:
+        return t.reshape(-1).view(torch.uint8)
+    return t
+
+
+def bytewise(
+    dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The pairs as bytes where both sides are contiguous and of one dtype.
+
+    Hazard: CUDA's ``_foreach_copy_`` fast path converts bf16/fp16/fp8 through float
+    and back, which may change NaN payloads and signs; a uint8 copy cannot. Pairs that
+    are not both contiguous keep their dtype (an elementwise same-dtype ``copy_``).
+    """
+    out_d: list[torch.Tensor] = []
+    out_s: list[torch.Tensor] = []
+    for d, s in zip(dsts, srcs, strict=True):
+        if d.dtype == s.dtype and d.is_contiguous() and s.is_contiguous() and d.shape == s.shape:
+            out_d.append(_as_bytes(d))
+            out_s.append(_as_bytes(s))
+        else:
+            out_d.append(d)
+            out_s.append(s)
+    return out_d, out_s
+
+
 def _storage_key(t: torch.Tensor) -> int:
     return int(t.untyped_storage()._cdata)
 
@@ -194,10 +222,12 @@ class ScratchCopier(Copier):
         key = _storage_key(dsts[0])
         if key in self._bases:
             # A gather into a run's scratch.
+            # Bytes, not values: a gather is a bit copy whatever the dtype.
+            bd, bs = bytewise(dsts, srcs)
             if key not in self._direct and self._materialize(key):
-                self.copy_now(dsts, srcs)
+                self.copy_now(bd, bs)
             else:
-                self._direct.setdefault(key, []).append((list(dsts), list(srcs)))
+                self._direct.setdefault(key, []).append((bd, bs))
             return
         if len(srcs) == 1:
             key = _storage_key(srcs[0])
@@ -342,7 +372,9 @@ class CudaCopier(ScratchCopier):
 
     def copy_now(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
         if dsts:
-            torch._foreach_copy_(list(dsts), list(srcs), non_blocking=self.non_blocking)
+            # Bytes, not values: see ``bytewise`` (bf16/fp16/fp8 through float).
+            bd, bs = bytewise(dsts, srcs)
+            torch._foreach_copy_(bd, bs, non_blocking=self.non_blocking)
 
     def hash_sources(
         self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], checksums: Checksums

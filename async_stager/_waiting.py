@@ -1,6 +1,7 @@
 """The event-loop adapter: wait for worker results and device events without blocking.
 
-Two waits, both usable on asyncio, uvloop and trio (through anyio and sniffio):
+Two waits, both usable on asyncio, uvloop and trio (through anyio; the running library
+is told by ``current_async_library`` below, without sniffio):
 
 - ``wait_future``: a ``concurrent.futures.Future`` completed by the worker thread wakes
   the loop through a thread-safe call (asyncio ``call_soon_threadsafe``, trio's token).
@@ -14,6 +15,7 @@ Two waits, both usable on asyncio, uvloop and trio (through anyio and sniffio):
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -22,14 +24,41 @@ from typing import Any, TypeVar
 
 import anyio
 import anyio.lowlevel
-import sniffio
 
 from ._device import Completion
 from ._errors import UnsupportedError
 
-__all__ = ["Backoff", "poll_completion", "prepare_backend", "wait_future", "wait_future_uninterrupted"]
+__all__ = [
+    "Backoff",
+    "current_async_library",
+    "poll_completion",
+    "prepare_backend",
+    "wait_future",
+    "wait_future_uninterrupted",
+]
 
 T = TypeVar("T")
+
+
+def current_async_library() -> str | None:
+    """``"trio"`` or ``"asyncio"`` for the event loop running in this thread, else None.
+
+    Why not sniffio: recent anyio no longer depends on it, and a machine with the
+    package copied in (not pip-installed) lacks it. Cheap and non-blocking: trio is
+    asked only if something already imported it (a trio run has), then asyncio's
+    running-loop slot is read (uvloop fills the same slot).
+    """
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            trio.lowlevel.current_trio_token()
+        except RuntimeError:
+            pass  # not inside trio.run in this thread
+        else:
+            return "trio"
+    if asyncio._get_running_loop() is not None:
+        return "asyncio"
+    return None
 
 
 def prepare_backend() -> None:
@@ -37,17 +66,13 @@ def prepare_backend() -> None:
     imports it at its first use, which would otherwise be the first stage's wait (about
     20 ms, once per process, on the first checkpoint's critical path). A no-op outside
     an event loop."""
-    try:
-        lib = sniffio.current_async_library()
-    except sniffio.AsyncLibraryNotFoundError:
-        return
-    if lib in ("asyncio", "trio"):
+    if current_async_library() is not None:
         anyio.current_time()  # any call of the backend imports it
 
 
 def _threadsafe(fn: Callable[[], Any]) -> Callable[[], None]:
     """A function any thread may call to run ``fn`` soon on the current event loop."""
-    lib = sniffio.current_async_library()
+    lib = current_async_library()
     if lib == "asyncio":
         loop = asyncio.get_running_loop()
 
@@ -70,7 +95,9 @@ def _threadsafe(fn: Callable[[], Any]) -> Callable[[], None]:
                 pass
 
         return call_trio
-    raise UnsupportedError(f"async_stager runs on asyncio and trio, not {lib!r}")
+    raise UnsupportedError(
+        "async_stager runs on asyncio (or uvloop) and trio: no such event loop is running here"
+    )
 
 
 class _OneShot:

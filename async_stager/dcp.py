@@ -266,6 +266,25 @@ def _current_cuda_device() -> int | None:
     return caller_cuda_device()
 
 
+def host_writer(storage_writer: StorageWriter | None, checkpoint_id: Any) -> StorageWriter | None:
+    """The writer DCP would pick for a plain path, told that the data is on the host.
+
+    Hazard: DCP's default ``FileSystemWriter`` loads through ``_OverlappingCpuLoader``
+    whenever CUDA is available, which synchronizes the caller's current stream every
+    ``per_thread_copy_ahead`` bytes (10 MB), so a save of host tensors waited for
+    training every 10 MB. ``per_thread_copy_ahead=0`` selects the serial loader, which
+    needs no stream. A caller's own writer is kept as given; a non-path id (an fsspec
+    URL, None) is left to DCP.
+    """
+    if storage_writer is not None or not isinstance(checkpoint_id, (str, os.PathLike)):
+        return storage_writer
+    if "://" in os.fspath(checkpoint_id):
+        return None
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    return FileSystemWriter(checkpoint_id, per_thread_copy_ahead=0)
+
+
 def _save_blocking(
     staged: dict[str, Any], *, no_dist: bool, cuda_device: int | None = None, **kwargs: Any
 ) -> Metadata:
@@ -279,6 +298,7 @@ def _save_blocking(
 
     if cuda_device is not None:
         torch.cuda.set_device(cuda_device)
+    kwargs["storage_writer"] = host_writer(kwargs.get("storage_writer"), kwargs.get("checkpoint_id"))
     if not no_dist:
         metadata: Metadata = dcp_save(staged, no_dist=False, **kwargs)
         return metadata

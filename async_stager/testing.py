@@ -236,6 +236,28 @@ def _check_broadcast(dst: torch.Tensor, src: torch.Tensor) -> None:
         )
 
 
+_REDUCED_FLOATS = frozenset(
+    {torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2}
+    | {getattr(torch, n) for n in ("float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n)}
+)
+
+
+def _foreach_copy_through_float(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``torch._foreach_copy_`` as CUDA's fast path does it: bf16, fp16 and fp8 pass
+    through float32 and back (NaN payloads become the canonical NaN). A copier that
+    gathers values instead of bytes is then caught on the CPU."""
+    plain_d: list[torch.Tensor] = []
+    plain_s: list[torch.Tensor] = []
+    for d, src in zip(dsts, srcs, strict=True):
+        if d.dtype == src.dtype and d.dtype in _REDUCED_FLOATS:
+            d.copy_(src.float().to(d.dtype))
+        else:
+            plain_d.append(d)
+            plain_s.append(src)
+    if plain_d:
+        torch._foreach_copy_(plain_d, plain_s)
+
+
 class FakeCopier(ScratchCopier):
     """An 'accelerator' copier over CPU tensors, with deferred, batched copies.
 
@@ -280,7 +302,7 @@ class FakeCopier(ScratchCopier):
         # (see BufferSet.held) for as long as the copy is in flight.
         where = [_Where.of(t) for t in dsts]
         self._backend.launches += 1
-        self._ops.append(lambda: torch._foreach_copy_([w.view() for w in where], s))
+        self._ops.append(lambda: _foreach_copy_through_float([w.view() for w in where], s))
 
     def hash_sources(
         self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], checksums: Checksums

@@ -132,6 +132,55 @@ def test_failing_contender_is_a_result(
     assert sum("| dcp" in line and "failed" in line and "[1]" in line for line in table.splitlines()) == 2
 
 
+def test_contender_failing_on_its_second_stage_is_a_footnote(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # DCP's DefaultStager on torch 2.11: the cold stage works, the next one raises.
+    class SecondFails:
+        def __init__(self, name: str, **kw: Any) -> None:
+            self.name = name
+            self.calls = 0
+
+        async def stage(self, sd: Any) -> None:
+            self.calls += 1
+            if self.calls > 1:
+                raise KeyError(type)
+
+        def host_bytes(self) -> int | None:
+            return None
+
+        async def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(_bench, "DcpContender", SecondFails)
+    rc = cli.main(["bench", *TINY, "--workloads", "small20k", "--no-all-threads", "--json", "-"])
+    assert rc == 0
+    (w,) = json.loads(capsys.readouterr().out)["workloads"]
+    ours, _seed, dcp = w["stagers"]
+    assert "KeyError" in dcp["error"] and "<class 'type'>" in dcp["error"]
+    assert ours["error"] is None and ours["seconds"] > 0 and ours["vs_dcp"] is None
+
+
+def test_dcp_direct_path_stages_twice() -> None:
+    # The torch-2.11 path: DCP's StateDictStager driven directly, cache kept.
+    from async_stager._cli.measure import DcpContender, dcp_available
+
+    if dcp_available() is not None:
+        pytest.skip("no DCP staging in this torch")
+
+    async def main() -> int | None:
+        c = DcpContender("dcp", cuda=False, direct=True)
+        sd = {"a": torch.arange(1000, dtype=torch.float32), "b": {"c": torch.ones(7)}}
+        try:
+            await c.stage(sd)
+            await c.stage(sd)
+            return c.host_bytes()
+        finally:
+            await c.close()
+
+    assert asyncio.run(main()) is not None
+
+
 @pytest.mark.timeout(30)
 def test_missing_matplotlib_fails_fast(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -138,6 +138,9 @@ EVERY_FAILURE_RAISED = True
 #: item) may go unnoticed if every value restores intact; False: every flipped byte
 #: of a committed step must make it fail verification.
 BENIGN_DAMAGE_MAY_RESTORE = False
+#: What the machines ran in this process: sequences (examples), and rules checked
+#: (``checks``: one per rule, plus one per open). Printed by the model tests (-s).
+RUNS: Counter[str] = Counter()
 #: Sequence numbers, unique in the process (gates are found by them).
 SEQ = itertools.count(1)
 
@@ -1437,6 +1440,7 @@ class CheckpointerMachine(RuleBasedStateMachine):
 
     @invariant()
     def check(self) -> None:
+        RUNS["checks"] += 1  # once after every rule (and once after the open)
         if not self.opened or self.broken:
             return
         self.broken = True
@@ -1492,6 +1496,7 @@ class CheckpointerMachine(RuleBasedStateMachine):
         self.broken = False
 
     def teardown(self) -> None:
+        RUNS["sequences"] += 1
         broken = self.broken or not self.opened
         clean = False
         stopped = True
@@ -1729,6 +1734,7 @@ class CrashMachine(RuleBasedStateMachine):
         self.on_disk = on_disk
 
     def teardown(self) -> None:
+        RUNS["crash_sequences"] += 1
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
@@ -1776,7 +1782,7 @@ def test_model(fmt: str) -> None:
         suppress_health_check=_HEALTH,
         print_blob=True,
     )
-    _with_log_capture(lambda: run_state_machine_as_test(machine(fmt), settings=cfg))
+    _run_and_report(fmt, cfg)
 
 
 @pytest.mark.stress
@@ -1791,7 +1797,18 @@ def test_model_stress(fmt: str) -> None:
         suppress_health_check=_HEALTH,
         print_blob=True,
     )
+    _run_and_report(fmt, cfg)
+
+
+def _run_and_report(fmt: str, cfg: settings) -> None:
+    before = Counter(RUNS)
+    t0 = time.monotonic()
     _with_log_capture(lambda: run_state_machine_as_test(machine(fmt), settings=cfg))
+    ran = RUNS - before
+    print(
+        f"model[{fmt}]: {ran['sequences']} sequences, {ran['checks']} rules checked, "
+        f"{time.monotonic() - t0:.1f} s"
+    )
 
 
 @pytest.mark.timeout(600)
@@ -1806,7 +1823,9 @@ def test_crash_machine() -> None:
         suppress_health_check=_HEALTH,
         print_blob=True,
     )
+    before = Counter(RUNS)
     run_state_machine_as_test(CrashMachine, settings=cfg)
+    print(f"crash machine: {(RUNS - before)['crash_sequences']} sequences")
 
 
 @pytest.mark.stress
@@ -1819,7 +1838,9 @@ def test_crash_machine_stress() -> None:
         suppress_health_check=_HEALTH,
         print_blob=True,
     )
+    before = Counter(RUNS)
     run_state_machine_as_test(CrashMachine, settings=cfg)
+    print(f"crash machine: {(RUNS - before)['crash_sequences']} sequences")
 
 
 @pytest.mark.timeout(300)

@@ -395,3 +395,32 @@ def test_no_context_is_created_on_gpu0() -> None:
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-4000:]
+
+
+def _odd_bit_tensors(device: str) -> dict[str, torch.Tensor]:
+    """bf16/fp16/fp8 tensors whose bits a value copy changes: NaN payloads, negative
+    NaNs, negative zero; small (gathered) and large (copied directly)."""
+    sd: dict[str, torch.Tensor] = {}
+    bf16 = torch.tensor([0x7FC1, 0xFFA5, 0x8000, 0x7F81, 0x3F80], dtype=torch.int32).to(torch.int16)
+    fp16 = torch.tensor([0x7E01, 0xFC01, 0x8000, 0x7C01, 0x3C00], dtype=torch.int32).to(torch.int16)
+    fp8 = torch.tensor([0x7F, 0xFF, 0x80, 0x01], dtype=torch.uint8)
+    for i in range(64):
+        sd[f"bf16.{i}"] = bf16.to(device).view(torch.bfloat16)
+        sd[f"fp16.{i}"] = fp16.to(device).view(torch.float16)
+        sd[f"fp8.{i}"] = fp8.to(device).view(torch.float8_e4m3fn)
+    sd["bf16.large"] = bf16.repeat(1 << 18).to(device).view(torch.bfloat16)
+    return sd
+
+
+async def test_reduced_float_gathers_are_bit_copies(anyio_backend: Any) -> None:
+    # CUDA's _foreach_copy_ fast path converts bf16/fp16/fp8 through float: the
+    # gather must copy bytes.
+    sd = _odd_bit_tensors("cuda")
+    async with Stager() as stager:
+        for _ in range(2):  # the first stage (plans) and the cached one
+            staged = await stager.stage(sd)
+            for k, v in sd.items():
+                got = staged[k]
+                assert got.dtype == v.dtype, k
+                assert torch.equal(got.view(torch.uint8), v.cpu().view(torch.uint8)), k
+            del staged

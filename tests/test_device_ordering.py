@@ -454,3 +454,48 @@ def test_fake_copier_takes_a_source_that_broadcasts(dst: tuple[int, ...], src: t
     event.complete()
     assert torch.equal(out, torch.empty(dst).copy_(source))
     copier.close()
+
+
+def test_host_wait_is_bounded_and_says_what_is_stuck() -> None:
+    from async_stager._buffer_sets import wait_bounded
+
+    stuck = FakeEvent([], delay=0.0, polls=None, manual=True)  # a wedged device
+    with pytest.raises(CopyError, match=r"copies into a buffer set still not finished after 0 s"):
+        wait_bounded(stuck, "copies into a buffer set", 0.05)
+    done = FakeEvent([], delay=0.0, polls=3, manual=False)
+    wait_bounded(done, "copies", 5.0)
+    assert done.fired
+
+
+def test_trim_waits_for_copies_without_the_lock() -> None:
+    # trim() waiting for copies in flight must leave the lock free: releases (from the
+    # event loop) take it.
+    from async_stager._buffer_sets import BufferSet
+
+    e = make_engine(backend=FakeBackend())
+    try:
+        stage_sync(e, {"a": torch.ones(1000)})
+        sets = e.sets
+        bs = sets._sets[0]
+        pending = FakeEvent([], delay=0.0, polls=None, manual=True)
+        bs.inflight.append(pending)
+        took_lock = threading.Event()
+        result: list[int] = []
+        t = threading.Thread(target=lambda: result.append(sets.trim()))
+        t.start()
+
+        def grab() -> None:
+            with sets.cond:
+                took_lock.set()
+
+        g = threading.Thread(target=grab)
+        g.start()
+        assert took_lock.wait(5), "trim() held the lock while waiting for copies"
+        assert t.is_alive()  # still waiting for the copy
+        assert isinstance(bs, BufferSet) and bs.busy  # and no stage may select the set
+        pending.complete()
+        t.join(5)
+        g.join(5)
+        assert not t.is_alive() and result and result[0] > 0 and not bs.busy
+    finally:
+        e.close()

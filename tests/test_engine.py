@@ -424,3 +424,42 @@ def test_structure_change_takes_slow_path(engine: Any) -> None:
     assert not s.fast_path
     assert_same(s.result, sd)
     gc.collect()
+
+
+def _odd_bits() -> dict[str, torch.Tensor]:
+    """Small bf16/fp16/fp8 tensors whose bits a value copy changes: NaN payloads,
+    negative NaNs, negative zero."""
+    sd: dict[str, torch.Tensor] = {}
+    for dtype, patterns in (
+        (torch.bfloat16, [0x7FC1, 0xFFA5, 0x8000, 0x7F81, 0x3F80]),
+        (torch.float16, [0x7E01, 0xFC01, 0x8000, 0x7C01, 0x3C00]),
+    ):
+        bits = torch.tensor(patterns * 4, dtype=torch.int32).to(torch.int16)  # wraps to the bit pattern
+        sd[str(dtype)] = bits.view(dtype)
+    sd["fp8"] = torch.tensor([0x7F, 0xFF, 0x80, 0x01] * 4, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    return sd
+
+
+def test_fake_copier_models_the_float_round_trip() -> None:
+    # The hazard the fake device reproduces: a value copy canonicalizes NaN payloads.
+    from async_stager.testing import _foreach_copy_through_float
+
+    src = _odd_bits()["torch.bfloat16"]
+    dst = torch.empty_like(src)
+    _foreach_copy_through_float([dst], [src])
+    assert not torch.equal(dst.view(torch.int16), src.view(torch.int16))
+
+
+@pytest.mark.parametrize("backend", [None, "fake"], ids=["cpu", "fake-device"])
+def test_small_reduced_float_gathers_are_bit_copies(backend: str | None) -> None:
+    # Small tensors go through the gather into scratch: bytes, not values.
+    e = make_engine(backend=FakeBackend()) if backend else make_engine()
+    try:
+        sd = {f"{k}.{i}": v.clone() for i in range(40) for k, v in _odd_bits().items()}
+        staged = stage_sync(e, sd)
+        for k, v in sd.items():
+            got = staged.result[k]
+            assert got.dtype == v.dtype
+            assert torch.equal(got.view(torch.uint8), v.view(torch.uint8)), k
+    finally:
+        e.close()

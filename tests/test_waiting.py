@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 from async_stager import Backoff
-from async_stager._waiting import poll_completion, wait_future
+from async_stager._waiting import current_async_library, poll_completion, wait_future
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
@@ -158,3 +158,17 @@ async def test_wait_future_lets_go_of_its_waiter(anyio_backend: Any) -> None:
         callbacks = fut._done_callbacks  # type: ignore[attr-defined]
         assert callbacks and all(getattr(cb, "fn", "not a one-shot") is None for cb in callbacks)
     abandoned.set_result(2)  # firing a spent callback is harmless
+
+
+async def test_current_async_library_names_the_running_loop(anyio_backend: Any) -> None:
+    # uvloop fills asyncio's running-loop slot, so it reads as asyncio.
+    expected = "trio" if "trio" in str(anyio_backend) else "asyncio"
+    assert current_async_library() == expected
+
+
+def test_current_async_library_outside_a_loop_and_without_sniffio() -> None:
+    assert current_async_library() is None
+    import async_stager._waiting as waiting
+
+    # The package must import where sniffio is not installed (recent anyio dropped it).
+    assert "sniffio" not in vars(waiting)

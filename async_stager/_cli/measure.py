@@ -123,31 +123,79 @@ def dcp_available() -> str | None:
     return None
 
 
+def dcp_stage_closes_itself() -> bool:
+    """True on torch before 2.13, where DCP's ``DefaultStager._stage`` calls
+    ``StateDictStager.close()``, which clears its deepcopy dispatch: the second
+    ``stage()`` then fails with ``KeyError: <class 'type'>``."""
+    major, minor = (int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    return (major, minor) < (2, 13)
+
+
 class DcpContender:
     """PyTorch DCP's ``DefaultStager`` in async mode: pinned memory and non-blocking
-    copies exactly when the device is CUDA (both need an accelerator)."""
+    copies exactly when the device is CUDA (both need an accelerator).
 
-    def __init__(self, name: str, *, cuda: bool, share_memory: bool = False) -> None:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    ``direct`` (default: on torch before 2.13, see ``dcp_stage_closes_itself``): DCP's
+    ``StateDictStager`` driven directly, the way 2.13's ``DefaultStager._stage`` does
+    (one worker thread, a staging stream made on the calling thread, the stream
+    synchronized after the copies), without the ``close()`` that breaks the second
+    stage; its pinned-storage cache is kept across stages as in 2.13.
+    """
 
+    def __init__(
+        self, name: str, *, cuda: bool, share_memory: bool = False, direct: bool | None = None
+    ) -> None:
         self.name = name
-        self._stager = DefaultStager(StagingOptions(cuda, share_memory, True, cuda))
+        self.direct = dcp_stage_closes_itself() if direct is None else direct
+        self._cuda = cuda
+        if self.direct:
+            from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+
+            self._sds = StateDictStager(pin_memory=cuda, share_memory=share_memory)
+            self._executor: concurrent.futures.ThreadPoolExecutor | None = (
+                concurrent.futures.ThreadPoolExecutor(1)
+            )
+            # Made here, on the calling thread, as DCP does: not the training stream.
+            self._stream = torch.cuda.Stream() if cuda else None
+        else:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            self._stager = DefaultStager(StagingOptions(cuda, share_memory, True, cuda))
+
+    def _direct_stage(self, sd: Any) -> Any:
+        if self._stream is None:
+            return self._sds.stage(sd, non_blocking=False)
+        with torch.cuda.stream(self._stream):
+            staged = self._sds.stage(sd, non_blocking=True)
+        self._stream.synchronize()
+        return staged
 
     async def stage(self, sd: Any) -> None:
-        fut = self._stager.stage(sd)
-        staged = await asyncio.wrap_future(fut)  # type: ignore[arg-type]
+        if self.direct:
+            assert self._executor is not None
+            staged = await asyncio.wrap_future(self._executor.submit(self._direct_stage, sd))
+        else:
+            fut = self._stager.stage(sd)
+            staged = await asyncio.wrap_future(fut)  # type: ignore[arg-type]
         del staged
 
     def host_bytes(self) -> int | None:
         """The bytes of DCP's cached host storages (a private attribute: None if gone)."""
         try:
-            mapping = self._stager._state_dict_stager._cached_storage_mapping
+            sds = self._sds if self.direct else self._stager._state_dict_stager
+            mapping = sds._cached_storage_mapping
             return int(sum(s.nbytes() for s in mapping.values()))
         except (AttributeError, TypeError):
             return None
 
     async def close(self) -> None:
-        self._stager.close()
+        if self.direct:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+            self._sds.close()
+        else:
+            self._stager.close()
 
 
 async def timed_stage(
