@@ -5,11 +5,24 @@ into reusable pinned and/or shared host memory without blocking an asyncio or tr
 event loop. ``DefaultStager`` keeps PyTorch DCP's staging API on the same engine.
 """
 
-from ._checkpoint_stager import CheckpointStager, CheckpointStagerConfig
-from ._checkpointer import Checkpointer, CheckpointerOptions, SaveStats
-from ._default_stager import DefaultStager
-from ._digest import Checksums
-from ._errors import (
+from async_stager._checkpoint.checkpointer import Checkpointer, CheckpointerOptions, SaveStats
+from async_stager._checkpoint.shutdown import Shutdown
+from async_stager._core.aio.lease import Lease
+from async_stager._core.aio.stager import Stager
+from async_stager._core.aio.waiting import Backoff
+from async_stager._core.checksum.digest import Checksums
+from async_stager._core.options import StagerOptions
+from async_stager._core.stats import StageStats
+from async_stager._dcp.default_stager import DefaultStager
+from async_stager._dcp.interface import CheckpointStager, CheckpointStagerConfig
+from async_stager._share.handoff import (
+    AttachedStateDict,
+    SharedArenaRef,
+    SharedHandle,
+    attach_shared,
+    export_shared,
+)
+from async_stager.errors import (
     AcceleratorRequiredError,
     BudgetTooSmallError,
     BuffersHeldError,
@@ -28,13 +41,6 @@ from ._errors import (
     UnsupportedError,
     UnsupportedTensorError,
 )
-from ._lease import Lease
-from ._options import StagerOptions
-from ._share import AttachedStateDict, SharedArenaRef, SharedHandle, attach_shared, export_shared
-from ._shutdown import Shutdown
-from ._stager import Stager
-from ._stats import StageStats
-from ._waiting import Backoff
 
 # The one source of the version: pyproject.toml reads it (dynamic, setuptools attr:).
 __version__ = "0.1.0"

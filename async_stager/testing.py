@@ -42,12 +42,12 @@ from typing import Any
 
 import torch
 
-from ._arena import Pinner
-from ._copiers import CpuCopier, ScratchCopier
-from ._device import Backend, Completion, Copier
-from ._digest import Checksums
-from ._errors import PinningError
-from ._wordhash import hash_layout, piece_hashes, raw_bytes
+from async_stager._core.checksum.digest import Checksums
+from async_stager._core.checksum.wordhash import hash_layout, piece_hashes, raw_bytes
+from async_stager._core.copy.copiers import CpuCopier, ScratchCopier
+from async_stager._core.copy.device import Backend, Completion, Copier
+from async_stager._core.memory.arena import Pinner
+from async_stager.errors import PinningError
 
 __all__ = [
     "Backend",

@@ -38,8 +38,8 @@ import torch
 from torch import nn
 
 from async_stager import Checkpointer, SaveStats, Stager
+from async_stager._checkpoint.integrity import checksum_state, tensor_crcs
 from async_stager._cli.workloads import build_transformer, count_tensors
-from async_stager._integrity import checksum_state, tensor_crcs
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

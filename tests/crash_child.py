@@ -105,7 +105,7 @@ def arm(spec: str) -> None:
     import torch.distributed.checkpoint.filesystem as fs
 
     import async_stager
-    from async_stager import _digest
+    from async_stager._core.checksum import digest as _digest
 
     targets = {
         "lease": (async_stager.Stager, "lease"),

@@ -84,7 +84,7 @@ def arm(spec: str, rank: int, kill_rank: int) -> None:
     import torch.distributed.checkpoint.filesystem as fs
 
     import async_stager
-    from async_stager import _ckptdist
+    from async_stager._checkpoint import ranks as _ckptdist
 
     targets: dict[str, tuple[Any, str]] = {
         "lease": (async_stager.Stager, "lease"),

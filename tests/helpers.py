@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from async_stager._engine import Engine, StageRecord, build_engine
+from async_stager._core.run.engine import Engine, StageRecord, build_engine
 
 
 def make_engine(**opts: Any) -> Engine:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from async_stager import PinningError
-from async_stager._arena import ALIGN, HostPool
+from async_stager._core.memory.arena import ALIGN, HostPool
 from async_stager.testing import FakePinner
 
 pytestmark = pytest.mark.timeout(30)

@@ -22,14 +22,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from async_stager import (
-    Checkpointer,
-    CheckpointError,
-    IntegrityError,
-    InvalidOptionError,
-    Shutdown,
-    Stager,
-)
+from async_stager import Checkpointer, CheckpointError, IntegrityError, InvalidOptionError, Shutdown, Stager
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 

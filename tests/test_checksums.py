@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-from async_stager import Checkpointer, IntegrityError, Stager, UnsupportedError, _digest
-from async_stager._digest import PIECE_BYTES, tensor_digest
-from async_stager._integrity import checksum_state, tensor_crcs
+from async_stager import Checkpointer, IntegrityError, Stager, UnsupportedError
+from async_stager._checkpoint.integrity import checksum_state, tensor_crcs
+from async_stager._core.checksum import digest as _digest
+from async_stager._core.checksum.digest import PIECE_BYTES, tensor_digest
 
 pytestmark = pytest.mark.anyio
 

@@ -15,8 +15,8 @@ import pytest
 
 from async_stager._cli.check import add_check_parser, checkpoint_bytes, parse_bytes, parse_count, run_check
 from async_stager._cli.main import main
-from async_stager._host_limits import CgroupLimit, HostLimits
-from async_stager._preflight import set_bytes
+from async_stager._core.memory.host_limits import CgroupLimit, HostLimits
+from async_stager._core.memory.preflight import set_bytes
 
 pytestmark = pytest.mark.timeout(120)
 

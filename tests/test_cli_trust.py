@@ -23,12 +23,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import async_stager.dcp
-from async_stager import Checkpointer, HostLimitError, IntegrityError, Stager, _integrity, _preflight
+from async_stager import Checkpointer, HostLimitError, IntegrityError, Stager
+from async_stager._checkpoint import integrity as _integrity
 from async_stager._cli import main as cli
 from async_stager._cli.check import add_check_parser, run_check
 from async_stager._cli.process import format_rows
 from async_stager._cli.workloads import describe_transformer
-from async_stager._host_limits import CgroupLimit, HostLimits
+from async_stager._core.memory import preflight as _preflight
+from async_stager._core.memory.host_limits import CgroupLimit, HostLimits
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -25,7 +25,7 @@ from async_stager import (
     UnsupportedError,
     UnsupportedTensorError,
 )
-from async_stager._copiers import CudaCopier
+from async_stager._core.copy.copiers import CudaCopier
 
 pytestmark = [pytest.mark.cuda, pytest.mark.anyio, pytest.mark.timeout(120)]
 

@@ -30,7 +30,7 @@ from async_stager import (
     StagingError,
     UnsupportedError,
 )
-from async_stager._default_stager import DEFAULT_MAX_BUFFER_SETS
+from async_stager._dcp.default_stager import DEFAULT_MAX_BUFFER_SETS
 from async_stager.testing import FakeBackend, FakePinner
 
 pytestmark = pytest.mark.timeout(60)

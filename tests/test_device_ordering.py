@@ -16,10 +16,11 @@ import pytest
 import torch
 from helpers import assert_same, make_engine, stage_sync
 
+import async_stager._dcp.save as _dcp_save
 import async_stager.dcp as adcp
 from async_stager import CopyError, Stager, UnsupportedError
-from async_stager._copiers import CudaEvent, RealBackend, ScratchCopier
-from async_stager._device import caller_cuda_device, order_after
+from async_stager._core.copy.copiers import CudaEvent, RealBackend, ScratchCopier
+from async_stager._core.copy.device import caller_cuda_device, order_after
 from async_stager.testing import FakeBackend, FakeCapture, FakeEvent, FakePinner, FakeStream
 
 pytestmark = pytest.mark.timeout(60)
@@ -273,13 +274,13 @@ async def test_dcp_save_reads_the_device_at_the_call(
 ) -> None:
     current = [3]
     seen: list[Any] = []
-    monkeypatch.setattr(adcp, "_current_cuda_device", lambda: current[0])
+    monkeypatch.setattr(_dcp_save, "_current_cuda_device", lambda: current[0])
 
     def fake_save(staged: Any, *, cuda_device: Any = None, **kwargs: Any) -> str:
         seen.append(cuda_device)
         return "metadata"
 
-    monkeypatch.setattr(adcp, "_save_blocking", fake_save)
+    monkeypatch.setattr(_dcp_save, "_save_blocking", fake_save)
     async with Stager(backend=FakeBackend()) as stager:
         pending = adcp.save({"w": torch.ones(4)}, stager=stager, checkpoint_id=tmp_path, no_dist=True)
         current[0] = 5  # the coroutine runs where another device is current
@@ -457,7 +458,7 @@ def test_fake_copier_takes_a_source_that_broadcasts(dst: tuple[int, ...], src: t
 
 
 def test_host_wait_is_bounded_and_says_what_is_stuck() -> None:
-    from async_stager._buffer_sets import wait_bounded
+    from async_stager._core.memory.buffer_sets import wait_bounded
 
     stuck = FakeEvent([], delay=0.0, polls=None, manual=True)  # a wedged device
     with pytest.raises(CopyError, match=r"copies into a buffer set still not finished after 0 s"):
@@ -470,7 +471,7 @@ def test_host_wait_is_bounded_and_says_what_is_stuck() -> None:
 def test_trim_waits_for_copies_without_the_lock() -> None:
     # trim() waiting for copies in flight must leave the lock free: releases (from the
     # event loop) take it.
-    from async_stager._buffer_sets import BufferSet
+    from async_stager._core.memory.buffer_sets import BufferSet
 
     e = make_engine(backend=FakeBackend())
     try:

@@ -13,11 +13,7 @@ import pytest
 import torch
 from helpers import assert_no_alias, assert_same, make_engine, stage_sync
 
-from async_stager import (
-    StagingError,
-    UncopyableObjectError,
-    UnsupportedTensorError,
-)
+from async_stager import StagingError, UncopyableObjectError, UnsupportedTensorError
 from async_stager.testing import FakeBackend
 
 pytestmark = pytest.mark.timeout(60)

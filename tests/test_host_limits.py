@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from async_stager import HostLimitError, Stager
-from async_stager import _preflight as preflight_mod
-from async_stager._host_limits import CgroupLimit, HostLimits
-from async_stager._preflight import Need, check, set_bytes
+from async_stager._core.memory import preflight as preflight_mod
+from async_stager._core.memory.host_limits import CgroupLimit, HostLimits
+from async_stager._core.memory.preflight import Need, check, set_bytes
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,16 +14,10 @@ import pytest
 import torch
 from helpers import assert_same, make_engine, stage_sync
 
-from async_stager import _hostcopy, _openmp
-from async_stager._hostcopy import (
-    GROUP_MAX,
-    MIN_POOL_BYTES,
-    CopyPool,
-    Schedule,
-    pieces,
-    schedule,
-)
-from async_stager._openmp import helpers_supported, omp_threads
+from async_stager._core.copy import hostcopy as _hostcopy
+from async_stager._core.copy import openmp as _openmp
+from async_stager._core.copy.hostcopy import GROUP_MAX, MIN_POOL_BYTES, CopyPool, Schedule, pieces, schedule
+from async_stager._core.copy.openmp import helpers_supported, omp_threads
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -388,7 +382,7 @@ def test_reshaped_leaf_is_not_flattened_into_the_old_plan() -> None:
 
 @needs_helpers
 def test_one_big_tensor_is_copied_in_pieces() -> None:
-    from async_stager._copiers import CpuCopier
+    from async_stager._core.copy.copiers import CpuCopier
 
     copier = CpuCopier(torch.device("cpu"), threads=2)
     try:
@@ -406,7 +400,12 @@ def test_the_openmp_runtime_found_is_torchs() -> None:
 
 
 def test_auto_copy_threads_rule() -> None:
-    from async_stager._options import AUTO_BIG_SHARE, auto_copy_threads, loop_friendly_threads, usable_cores
+    from async_stager._core.options import (
+        AUTO_BIG_SHARE,
+        auto_copy_threads,
+        loop_friendly_threads,
+        usable_cores,
+    )
 
     every = max(1, min(torch.get_num_threads(), usable_cores()))
     assert auto_copy_threads(100, 100) == every
@@ -432,7 +431,7 @@ def test_auto_decides_per_program(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under "auto" a program mostly of big (cut) tensors, and any first stage into new
     memory, copies with every core; a cached program of medium tensors leaves the
     loop's core free."""
-    from async_stager._options import loop_friendly_threads, usable_cores
+    from async_stager._core.options import loop_friendly_threads, usable_cores
 
     _wait_no_copy_threads()
     every = max(1, min(torch.get_num_threads(), usable_cores()))

@@ -25,8 +25,8 @@ from async_stager import (
     Stager,
     UnsupportedError,
     UnsupportedTensorError,
-    _interp,
 )
+from async_stager._core.run import interp as _interp
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -294,7 +294,7 @@ def test_fork_while_a_copy_pool_runs_closes_in_the_child() -> None:
     r = run_script(
         """
         import os, signal
-        from async_stager._hostcopy import CopyPool
+        from async_stager._core.copy.hostcopy import CopyPool
         pool = CopyPool(1)
         pool._lock.acquire()  # as a run in progress on another thread would
         pid = os.fork()

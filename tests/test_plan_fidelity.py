@@ -20,7 +20,7 @@ import torch
 from helpers import bits
 
 from async_stager import Stager, StagingError, UncopyableObjectError, UnsupportedTensorError
-from async_stager._errors import format_path
+from async_stager.errors import format_path
 from async_stager.testing import FakeBackend
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]

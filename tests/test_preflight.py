@@ -28,10 +28,10 @@ from async_stager import (
     Stager,
     StagingError,
 )
-from async_stager import _preflight as preflight_mod
-from async_stager._arena import MIN_ARENA_BYTES
-from async_stager._host_limits import CgroupLimit, HostLimits
-from async_stager._preflight import Need, check, human, set_bytes
+from async_stager._core.memory import preflight as preflight_mod
+from async_stager._core.memory.arena import MIN_ARENA_BYTES
+from async_stager._core.memory.host_limits import CgroupLimit, HostLimits
+from async_stager._core.memory.preflight import Need, check, human, set_bytes
 from async_stager.testing import FakePinner
 
 pytestmark = pytest.mark.timeout(120)
@@ -257,7 +257,7 @@ def test_memlock_set_in_a_subprocess_with_a_real_mlock_pinner() -> None:
         + """
 import asyncio, torch
 from async_stager import HostLimitError, Stager
-from async_stager._host_limits import HostLimits
+from async_stager._core.memory.host_limits import HostLimits
 drop_ipc_lock()
 resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 * 1024, resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]))
 limits = HostLimits.read()
@@ -382,7 +382,7 @@ def test_no_descriptor_left_reads_as_all_in_use() -> None:
     _run(
         """
 import os, resource
-from async_stager._host_limits import HostLimits
+from async_stager._core.memory.host_limits import HostLimits
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 fds = []
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))

@@ -25,8 +25,9 @@ import pytest
 import torch
 from helpers import bits
 
-from async_stager import CheckpointStagerConfig, DefaultStager, Stager, _mp_reduce
+from async_stager import CheckpointStagerConfig, DefaultStager, Stager
 from async_stager._cli import process as bench_process
+from async_stager._share import reducers as _mp_reduce
 
 pytestmark = [pytest.mark.timeout(120)]
 

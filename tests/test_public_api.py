@@ -53,7 +53,10 @@ def test_testing_module_exports() -> None:
 
 
 def test_seam_types_are_exported_from_testing_and_are_the_engines() -> None:
-    from async_stager import _arena, _device, _engine, testing
+    from async_stager import testing
+    from async_stager._core.copy import device as _device
+    from async_stager._core.memory import arena as _arena
+    from async_stager._core.run import engine as _engine
     from async_stager.testing import Backend, Completion, Copier, Pinner
 
     for name in ("Backend", "Completion", "Copier", "Pinner"):

@@ -28,8 +28,8 @@ from async_stager import (
     PinningError,
     Stager,
     StagingError,
-    _arena,
 )
+from async_stager._core.memory import arena as _arena
 from async_stager.testing import FakeBackend, FakePinner
 
 pytestmark = [pytest.mark.timeout(60)]

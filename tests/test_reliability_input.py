@@ -21,13 +21,8 @@ import pytest
 import torch
 from helpers import assert_same, make_engine, stage_sync
 
-from async_stager import (
-    Stager,
-    StagingError,
-    UncopyableObjectError,
-    UnsupportedTensorError,
-)
-from async_stager._errors import NestingError
+from async_stager import Stager, StagingError, UncopyableObjectError, UnsupportedTensorError
+from async_stager.errors import NestingError
 
 STRESS = bool(os.environ.get("ASYNC_STAGER_STRESS"))
 stress = pytest.mark.skipif(not STRESS, reason="stress run: set ASYNC_STAGER_STRESS=1")

@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 from async_stager import Backoff
-from async_stager._waiting import current_async_library, poll_completion, wait_future
+from async_stager._core.aio.waiting import current_async_library, poll_completion, wait_future
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
@@ -168,7 +168,7 @@ async def test_current_async_library_names_the_running_loop(anyio_backend: Any) 
 
 def test_current_async_library_outside_a_loop_and_without_sniffio() -> None:
     assert current_async_library() is None
-    import async_stager._waiting as waiting
+    import async_stager._core.aio.waiting as waiting
 
     # The package must import where sniffio is not installed (recent anyio dropped it).
     assert "sniffio" not in vars(waiting)

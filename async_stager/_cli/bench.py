@@ -30,7 +30,8 @@ from typing import Any, TextIO
 
 import torch
 
-from .._options import loop_friendly_threads, usable_cores
+from async_stager._core.options import loop_friendly_threads, usable_cores
+
 from .measure import (
     Contender,
     DcpContender,
@@ -43,15 +44,7 @@ from .measure import (
     synchronize,
     timed_stage,
 )
-from .report import (
-    BenchError,
-    BenchReport,
-    BoundResult,
-    StagerResult,
-    WorkloadResult,
-    lag_stats,
-    median,
-)
+from .report import BenchError, BenchReport, BoundResult, StagerResult, WorkloadResult, lag_stats, median
 from .workloads import WORKLOADS, count_tensors, renew
 
 __all__ = [

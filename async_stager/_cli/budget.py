@@ -233,8 +233,8 @@ def _write_alone(sd: dict[str, torch.Tensor], path: str) -> float:
 
 
 def _save(sd: dict[str, torch.Tensor], path: str, budget: int | None) -> BudgetRow:
-    from .. import dcp as adcp
-    from .._stager import Stager
+    from async_stager._core.aio.stager import Stager
+    from async_stager._dcp import save as adcp
 
     stats: list[Any] = []
     fence = [0.0]

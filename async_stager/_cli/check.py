@@ -24,8 +24,8 @@ import re
 import textwrap
 from typing import TextIO
 
-from .._host_limits import HostLimits
-from .._preflight import Need, check, human, set_bytes
+from async_stager._core.memory.host_limits import HostLimits
+from async_stager._core.memory.preflight import Need, check, human, set_bytes
 
 __all__ = ["DTYPE_BYTES", "OPTIMIZER_STATES", "add_check_parser", "parse_bytes", "parse_count", "run_check"]
 

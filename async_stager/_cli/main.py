@@ -23,7 +23,8 @@ from typing import Any, TextIO
 
 import torch
 
-from .._stats import StageStats
+from async_stager._core.stats import StageStats
+
 from . import bench as _bench
 from .args import add_arguments, options_from_args, scale_argument, unwritable
 from .budget import add_budget_parser, run_budget_bench
@@ -65,7 +66,7 @@ async def demo(
     second reuses its buffer set (cache hits, no new host memory); a result still
     referenced would hold its buffer set and send the second stage to a new one.
     Returns both stages' StageStats. Runs on any anyio backend."""
-    from .._stager import Stager
+    from async_stager._core.aio.stager import Stager
 
     out = out if out is not None else sys.stdout
     sd = build_transformer(scale, device)

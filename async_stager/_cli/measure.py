@@ -29,9 +29,9 @@ from typing import Any, Protocol
 
 import torch
 
-from .._checkpoint_stager import CheckpointStagerConfig
-from .._default_stager import DefaultStager
-from .._stager import Stager
+from async_stager._core.aio.stager import Stager
+from async_stager._dcp.default_stager import DefaultStager
+from async_stager._dcp.interface import CheckpointStagerConfig
 
 __all__ = [
     "OneBufferCopy",

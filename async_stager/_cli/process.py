@@ -79,9 +79,9 @@ def _make_stager(kind: str) -> Any:
                 use_non_blocking_copy=False,
             )
         )
-    from .. import _mp_reduce
-    from .._checkpoint_stager import CheckpointStagerConfig
-    from .._default_stager import DefaultStager
+    from async_stager._dcp.default_stager import DefaultStager
+    from async_stager._dcp.interface import CheckpointStagerConfig
+    from async_stager._share import reducers as _mp_reduce
 
     if kind == "ours-torch-reducers":
         from multiprocessing.reduction import ForkingPickler
@@ -120,7 +120,7 @@ def rank_main(rank: int, world: int, port: int, kind: str, opts: dict[str, Any],
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-    from .. import _mp_reduce
+    from async_stager._share import reducers as _mp_reduce
 
     result: dict[str, Any] = {"rank": rank, "kind": kind}
     try:

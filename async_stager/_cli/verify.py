@@ -33,13 +33,13 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from .._digest import PIECE_BYTES
-from .._integrity import interrupt_in
-from .._statefuls import TORCH_FILE as _TORCH_FILE
-from .._stored import METADATA as _DCP_METADATA
+from async_stager._checkpoint.integrity import interrupt_in
+from async_stager._checkpoint.statefuls import TORCH_FILE as _TORCH_FILE
+from async_stager._checkpoint.stored import METADATA as _DCP_METADATA
+from async_stager._core.checksum.digest import PIECE_BYTES
 
 if TYPE_CHECKING:
-    from .._integrity import Manifest
+    from async_stager._checkpoint.integrity import Manifest
 
 __all__ = ["add_verify_parser", "describe", "run_verify", "verify_folder"]
 
@@ -80,7 +80,7 @@ class UsageProblem(Exception):
 
 def _folders(directory: Path, newest: bool) -> list[tuple[int | None, Path]]:
     """The step folders to check, newest commit first; UsageProblem if there are none."""
-    from .._commit import committed_steps, step_dir
+    from async_stager._checkpoint.commit import committed_steps, step_dir
 
     if not directory.exists():
         raise UsageProblem(f"{directory} does not exist")
@@ -185,8 +185,8 @@ def _verify_torch(step: int | None, folder: Path, manifest: Manifest) -> str:
     ``weights_only`` (nothing runs) so that a damaged tensor is named."""
     import torch
 
-    from .._errors import IntegrityError
-    from .._integrity import verify_flat, verify_stored
+    from async_stager._checkpoint.integrity import verify_flat, verify_stored
+    from async_stager.errors import IntegrityError
 
     torch_file = folder / _TORCH_FILE
     if not torch_file.is_file():
@@ -220,8 +220,8 @@ def _verify_dcp(step: int | None, folder: Path, manifest: Manifest) -> str:
     """The DCP format: ``.metadata``'s digest (format 4) before it is unpickled, then
     the data files' sizes against it (a missing or truncated file named as such), then
     ``_integrity.verify_dcp`` (every stored byte against the manifest)."""
-    from .._errors import IntegrityError
-    from .._integrity import verify_dcp, verify_stored
+    from async_stager._checkpoint.integrity import verify_dcp, verify_stored
+    from async_stager.errors import IntegrityError
 
     if not (folder / _DCP_METADATA).exists():
         if any(folder.glob("*.distcp")):
@@ -248,7 +248,7 @@ def _verify_dcp(step: int | None, folder: Path, manifest: Manifest) -> str:
 def _verify(step: int | None, folder: Path) -> str:
     """``checksums.json`` first (``load_manifest``: missing, not JSON, not shaped as a
     manifest, an unknown format or hash), then the format's data."""
-    from .._integrity import load_manifest
+    from async_stager._checkpoint.integrity import load_manifest
 
     manifest = load_manifest(folder, step)
     torch_file = folder / _TORCH_FILE
@@ -278,7 +278,7 @@ def verify_folder(step: int | None, folder: Path) -> str:
     """Verify one step folder (either format); returns a summary (``2 tensor chunks``).
     Raises IntegrityError, with a one-line message, for whatever keeps it from
     verifying: a mismatch, and any damage to its files (see the module doc)."""
-    from .._errors import IntegrityError
+    from async_stager.errors import IntegrityError
 
     try:
         return _verify(step, folder)
@@ -297,7 +297,7 @@ def verify_folder(step: int | None, folder: Path) -> str:
 def run_verify(ns: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     """Check the parsed ``verify`` command's folders (newest commit first), one line each on
     ``out``; the exit status (see the module doc)."""
-    from .._errors import IntegrityError
+    from async_stager.errors import IntegrityError
 
     try:
         folders = _folders(ns.directory, ns.newest)

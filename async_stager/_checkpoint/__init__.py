@@ -1,0 +1,1 @@
+"""_checkpoint: see CONTRIBUTING.md (the layers)."""

@@ -1,0 +1,91 @@
+"""A Checkpointer's options and the statistics of one commit (frozen records)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from async_stager.errors import InvalidOptionError
+
+if TYPE_CHECKING:
+    from async_stager._dcp.budget import BudgetStats
+
+__all__ = ["CheckpointerOptions", "Format", "Policy", "SaveStats"]
+
+Policy = Literal["wait", "skip", "coalesce"]
+Format = Literal["dcp", "torch"]
+
+
+@dataclass(frozen=True)
+class CheckpointerOptions:
+    """A Checkpointer's settings (see ``Checkpointer``), checked at construction."""
+
+    directory: Path
+    keep: int = 3
+    format: Format = "dcp"
+    max_in_flight: int = 1
+    policy: Policy = "wait"
+    checksum: bool = True
+    checksum_threads: int = 1
+    host_budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.keep, int) or isinstance(self.keep, bool) or self.keep < 1:
+            raise InvalidOptionError(f"keep must be an int >= 1, got {self.keep!r}")
+        if self.format not in ("dcp", "torch"):
+            raise InvalidOptionError(f"format must be 'dcp' or 'torch', got {self.format!r}")
+        if not isinstance(self.max_in_flight, int) or self.max_in_flight < 1:
+            raise InvalidOptionError(f"max_in_flight must be an int >= 1, got {self.max_in_flight!r}")
+        if self.policy not in ("wait", "skip", "coalesce"):
+            raise InvalidOptionError(f"policy must be 'wait', 'skip' or 'coalesce', got {self.policy!r}")
+        if not isinstance(self.checksum_threads, int) or self.checksum_threads < 1:
+            raise InvalidOptionError(f"checksum_threads must be an int >= 1, got {self.checksum_threads!r}")
+        budget = self.host_budget_bytes
+        if budget is not None:
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 4096:
+                raise InvalidOptionError(
+                    f"host_budget_bytes must be None or an int >= 4096 (bytes), got {budget!r}"
+                )
+            if self.format != "dcp":
+                raise InvalidOptionError(
+                    "host_budget_bytes needs format='dcp' (a torch.save file is written whole)"
+                )
+            if self.policy == "coalesce":
+                raise InvalidOptionError(
+                    "host_budget_bytes cannot coalesce: a queued save would need a full staged copy; "
+                    "use policy 'wait' or 'skip'"
+                )
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """One committed checkpoint. Seconds and bytes.
+
+    ``stage_seconds``: from ``save`` starting to stage until the staged copy was ready
+    (what ``save`` blocked the caller for, besides a ``wait``-policy wait, which is
+    ``queued_seconds``). ``write_seconds``: the background write of this rank's files
+    (DCP or ``torch.save``, fsynced), with the checksum of what staging did not hash
+    running alongside; ``checksum_seconds``: that pass alone (wall time, in its
+    threads; about zero when every chunk was hashed by the copy threads, whose time is
+    in ``stage_seconds``);
+    ``commit_seconds``: checksums file, fsyncs, rename, ``latest`` and retention.
+    ``bytes``: this rank's staged tensor bytes. ``budget``: with ``host_budget_bytes``,
+    the save's ``dcp.BudgetStats`` (peak ring bytes, blocked seconds); there
+    ``stage_seconds`` is the time until the last piece was copied (the fence), and
+    ``write_seconds`` the whole pipeline, copies included."""
+
+    step: int
+    path: str
+    bytes: int
+    queued_seconds: float
+    stage_seconds: float
+    write_seconds: float
+    checksum_seconds: float
+    commit_seconds: float
+    budget: BudgetStats | None = None
+
+    @property
+    def bytes_per_second(self) -> float:
+        """Written bytes over write seconds (0.0 if unmeasurably fast)."""
+        return self.bytes / self.write_seconds if self.write_seconds > 0 else 0.0

@@ -1,0 +1,125 @@
+"""Shutdown: SIGTERM/SIGINT as an event a training loop checks at step boundaries, and a
+final checkpoint within a deadline, for services that get a preemption notice."""
+
+from __future__ import annotations
+
+import signal
+import time
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.abc
+
+if TYPE_CHECKING:
+    from async_stager._checkpoint.checkpointer import Checkpointer
+
+__all__ = ["Shutdown"]
+
+#: Exit statuses of ``Shutdown.final_checkpoint``.
+EXIT_SAVED, EXIT_MISSED = 0, 1
+
+
+class Shutdown:
+    """``async with Shutdown() as stop:`` catches ``signals`` (default SIGTERM and
+    SIGINT; main thread only, asyncio or trio) for the block; a caught signal sets
+    ``stop.requested`` (and ``stop.signal``), so the loop stops at its next step
+    boundary instead of being killed mid-step::
+
+        async with Checkpointer(path) as ckpt, Shutdown() as stop:
+            while not stop.requested and step < steps:
+                train_one_step(); step += 1
+                if step % every == 0:
+                    await ckpt.save(state, step=step)
+            code = await stop.final_checkpoint(ckpt, state, step=step, deadline=25.0)
+        sys.exit(code)
+
+    Outside the block the previous handlers are back.
+    """
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+        self.signals = signals
+        self.signal: signal.Signals | int | None = None
+        """The signal caught, as a ``signal.Signals`` (``stop.signal.name`` is
+        ``'SIGTERM'``; an int too), 0 after ``request()``; None: none yet."""
+        self.seconds: float | None = None
+        """How long ``final_checkpoint`` took (None before it ran)."""
+        self._event: anyio.Event | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._receiver: Any = None
+        self._previous: dict[signal.Signals, Any] = {}
+
+    @property
+    def requested(self) -> bool:
+        """True once a signal was caught (or ``request()`` called)."""
+        return self.signal is not None
+
+    def request(self) -> None:
+        """Ask for a shutdown as a signal would (e.g. from a health check)."""
+        if self.signal is None:
+            self.signal = 0
+        if self._event is not None:
+            self._event.set()
+
+    async def wait(self) -> None:
+        """Wait until a shutdown is requested. Cancellation: only the wait."""
+        assert self._event is not None, "use Shutdown as `async with Shutdown() as stop:`"
+        await self._event.wait()
+
+    async def __aenter__(self) -> Shutdown:
+        self._event = anyio.Event()
+        # anyio on asyncio puts SIG_DFL back on exit, not the handler that was there:
+        # the previous handlers are saved here and put back in __aexit__.
+        self._previous = {s: signal.getsignal(s) for s in self.signals}
+        self._receiver = anyio.open_signal_receiver(*self.signals)
+        signals = self._receiver.__enter__()
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+
+        async def listen() -> None:
+            async for signum in signals:
+                self.signal = signal.Signals(signum)
+                assert self._event is not None
+                self._event.set()
+
+        self._tg.start_soon(listen)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        assert self._tg is not None
+        self._tg.cancel_scope.cancel()
+        try:
+            await self._tg.__aexit__(exc_type, exc, tb)
+        finally:
+            self._receiver.__exit__(None, None, None)
+            for s, handler in self._previous.items():
+                if handler is not None and signal.getsignal(s) != handler:
+                    signal.signal(s, handler)
+        return None
+
+    async def final_checkpoint(
+        self, ckpt: Checkpointer, state: dict[str, Any], *, step: int, deadline: float
+    ) -> int:
+        """Wait for the writes in flight, save ``state`` as ``step`` (unless that step is
+        already the newest commit) and wait for it to be committed, all within
+        ``deadline`` seconds. Returns 0 (``EXIT_SAVED``) if it was committed in time, 1
+        (``EXIT_MISSED``) if the deadline passed first: leaving the Checkpointer's block
+        then abandons the saves still in flight instead of waiting for them (so the
+        exit status is seen before a SIGKILL): nothing more is committed, their threads
+        end with the process, their temporary folders are removed by the next open, and
+        the newest earlier commit stays the one a restart restores.
+
+        A save in flight's failure propagates. Cancellation: only the wait."""
+        t0 = time.monotonic()
+        with anyio.move_on_after(deadline):
+            await ckpt.wait()
+            if ckpt.last is None or ckpt.last.step != step:
+                await ckpt.save(state, step=step)
+                await ckpt.wait()
+            self.seconds = time.monotonic() - t0
+            return EXIT_SAVED
+        self.seconds = time.monotonic() - t0
+        ckpt._leave_by(anyio.current_time(), EXIT_MISSED)
+        return EXIT_MISSED

@@ -1,0 +1,1 @@
+"""_core: see CONTRIBUTING.md (the layers)."""

@@ -1,0 +1,1 @@
+"""_core/aio: see CONTRIBUTING.md (the layers)."""

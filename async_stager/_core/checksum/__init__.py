@@ -1,0 +1,1 @@
+"""_core/checksum: see CONTRIBUTING.md (the layers)."""

@@ -1,0 +1,1 @@
+"""_core/copy: see CONTRIBUTING.md (the layers)."""

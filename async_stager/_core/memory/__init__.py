@@ -1,0 +1,1 @@
+"""_core/memory: see CONTRIBUTING.md (the layers)."""

@@ -1,0 +1,1 @@
+"""_core/plan: see CONTRIBUTING.md (the layers)."""

@@ -1,0 +1,1 @@
+"""_core/run: see CONTRIBUTING.md (the layers)."""

@@ -1,0 +1,450 @@
+"""The staging engine: walk, reserve host blocks, enqueue copies. Synchronous.
+
+Both public APIs sit on this: the async Stager (``_stager.py``) and the seed's
+DefaultStager (``_default_stager.py``). ``capture`` runs on the caller's thread at the call;
+``run`` runs on the stager's worker thread; ``settle`` may run anywhere.
+
+Fast path: the state dict is walked once with the host tensors of the plan that
+matches its signature; if every leaf's fingerprint (see ``_layout.FINGERPRINT``)
+equals the plan's, the plan's copy program runs as is. Otherwise the slow path
+validates every leaf, groups leaves by source storage, looks each storage up in the
+storage cache (allocating exact-size blocks for misses), makes a new plan and walks
+again to build the result around it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from async_stager._core.aio.lease import Lease
+from async_stager._core.checksum.digest import Checksums
+from async_stager._core.copy.copiers import RealBackend, ScratchCopier
+from async_stager._core.copy.device import Backend, Completion, Copier, graph_capture_error
+from async_stager._core.memory.arena import Arena, Pinner
+from async_stager._core.memory.buffer_sets import BufferSet, BufferSets
+from async_stager._core.memory.preflight import engine_hook
+from async_stager._core.options import StagerOptions, resolve_options
+from async_stager._core.plan.build import make_plan
+from async_stager._core.plan.layout import signature_of
+from async_stager._core.plan.reuse import plan_holds, take_over
+from async_stager._core.run.enqueue import diagnose_copy_error, enqueue, no_torch_function
+from async_stager._core.run.interp import gc_paused, gil_interval
+from async_stager._core.walk.tree import Interrupt, Walk
+from async_stager.errors import ClosedError, StagingError
+
+__all__ = ["Cancelled", "Engine", "StageRecord", "build_engine"]
+
+
+_log = logging.getLogger("async_stager")
+
+
+class Cancelled(Interrupt):
+    """Internal: the job was cancelled before its copies were enqueued."""
+
+
+class _PlanStale(Exception):
+    """Internal: the fast path's copy failed; retry on the slow path."""
+
+
+@dataclass(eq=False)
+class StageRecord:
+    """The worker's half of a stage: the result and what is still in flight."""
+
+    #: The staged structure; whoever hands it on sets this to None, so the stager
+    #: itself never keeps a result reachable (which would hold its buffer set).
+    result: Any
+    bufset: BufferSet
+    completions: list[Completion]
+    #: The hold on ``bufset`` when the stage was leased (released exactly once).
+    lease: Lease[Any] | None
+    tensors: int
+    storages: int
+    nbytes: int
+    hits: int
+    misses: int
+    fast_path: bool
+    worker_seconds: float
+    devices: list[torch.device]
+    #: The digests the copy threads computed (a stage asked for checksums), else None.
+    checksums: Checksums | None = None
+
+
+def build_engine(*, backend: Backend | None = None, pinner: Pinner | None = None, **given: object) -> Engine:
+    """The engine of a stager, from its options as given (StagerOptions fields, ``None``
+    for what the machine supports; see ``resolve_options``) and the device seam:
+    ``backend`` (default: the real one, configured from the resolved options) and
+    ``pinner`` (default: the backend's). Used by both stagers and the tests; checks
+    every option before anything is made."""
+    options, pinner = resolve_options(backend if backend is not None else RealBackend(), pinner, **given)
+    if backend is None:
+        backend = RealBackend(non_blocking=options.non_blocking, copy_threads=options.copy_threads)
+    return Engine(options, backend=backend, pinner=pinner)
+
+
+class Engine:
+    """Host buffers, caches, plans and copiers of one stager."""
+
+    def __init__(self, options: StagerOptions, *, backend: Backend, pinner: Pinner | None) -> None:
+        """Made by ``build_engine`` (options resolved against ``backend``, ``pinner``
+        the one it pins with, None when not pinning)."""
+        self.options = options
+        self.backend = backend
+        self._pinner = pinner
+        self.sets = BufferSets(
+            max_sets=options.max_buffer_sets,
+            shared=options.share_memory,
+            pinner=self._pinner,
+            wait_timeout=options.buffer_wait_timeout,
+        )
+        self._copiers: dict[torch.device, Copier] = {}
+        self._copiers_lock = threading.Lock()
+        #: The latest completion enqueued per device, by any stage (also one that
+        #: failed or was cancelled after enqueueing part of its copies): what fence()
+        #: must order after.
+        self.latest: dict[torch.device, Completion] = {}
+        #: Measured bytes/second of device-to-host copies, per device (for polling).
+        self.bandwidth: dict[torch.device, float] = {}
+
+    # -- caller thread ----------------------------------------------------------------
+
+    def capture(self) -> dict[torch.device, Any]:
+        """Snapshot point: an event on the caller's current stream of every device a
+        source may live on (every CUDA device with a context, the caller's current one
+        first, and every device staged from before). The leaves are not known before
+        the walk, so all of them: an event record each, microseconds.
+
+        Raises UnsupportedError if one of those streams is capturing a CUDA graph."""
+        if self.closed:
+            raise ClosedError("the stager is closed")
+        devices = dict.fromkeys(self.backend.known_devices())
+        devices.update(dict.fromkeys(d for d in list(self._copiers) if d.type != "cpu"))
+        # Checked before anything is made or recorded on a device (a capturing stream
+        # would take an event record into its graph).
+        for d in devices:
+            if self.backend.capturing(d):
+                raise graph_capture_error("stage()", d)
+        return {d: self._copier(d).capture() for d in devices}
+
+    def _copier(self, device: torch.device) -> Copier:
+        # Called from the caller's thread (capture, fence) and the worker: one copier
+        # (one copy stream) per device, or scratch made on one stream could be used on
+        # another without ordering.
+        c = self._copiers.get(device)
+        if c is None:
+            with self._copiers_lock:
+                c = self._copiers.get(device)
+                if c is None:
+                    c = self.backend.copier(device)
+                    if isinstance(c, ScratchCopier) and c.scratch_budget is None:
+                        # One budget for all of this copier's plans (see ScratchCopier).
+                        c.scratch_budget = self.options.scratch_bytes
+                    self._copiers[device] = c
+        return c
+
+    def _device_context(self, captures: dict[torch.device, Any]) -> Any:
+        """The CUDA device of this stage (the caller's current one when it has a
+        context, else another captured one, else that of any copier) as the worker's
+        current device: a new thread starts on device 0, and pinning, event waits or
+        stream work there would create a CUDA context on GPU 0 for every rank. With no
+        such device (a CPU-only state dict before CUDA is initialised) and pinning on,
+        the backend's ``host_device`` (pinning needs a context somewhere)."""
+        devs = [d for d in captures if d.type == "cuda"] or [
+            d for d in list(self._copiers) if d.type == "cuda"
+        ]
+        device = devs[0] if devs else None
+        if device is None and self._pinner is not None:
+            device = self.backend.host_device()
+        if device is not None:
+            return self.backend.device_guard(device)
+        return contextlib.nullcontext()
+
+    # -- worker thread ----------------------------------------------------------------
+
+    def run(
+        self,
+        sd: Any,
+        captures: dict[torch.device, Any],
+        *,
+        lease: bool = False,
+        cancel: threading.Event | None = None,
+        copy: bool = True,
+        checksums: bool = False,
+    ) -> StageRecord:
+        """Stage ``sd`` into a free buffer set; returns once the copies are enqueued
+        (on the CPU: done, and with ``checksums`` hashed). Raises StagingError
+        subclasses, or Cancelled."""
+        with gil_interval(self.options.yield_interval), self._device_context(captures):
+            try:
+                return self._run(sd, captures, lease, cancel, copy, checksums, allow_fast=True)
+            except _PlanStale:
+                pass
+            # A leaf changed in a way the fingerprint does not see: the plan is gone;
+            # the slow path checks everything. Retried outside the except block, so the
+            # failed attempt's frame (and the result it built) is gone: a stale result
+            # alive now would skew the buffer set's reachability baseline.
+            return self._run(sd, captures, lease, cancel, copy, checksums, allow_fast=False)
+
+    def _run(
+        self,
+        sd: Any,
+        captures: dict[torch.device, Any],
+        lease: bool,
+        cancel: threading.Event | None,
+        copy: bool,
+        checksums: bool,
+        *,
+        allow_fast: bool,
+    ) -> StageRecord:
+        t0 = time.perf_counter()
+        tick = CancelCheck(cancel, self)
+        sig = signature_of(sd)
+        bufset, held = self.sets.select(sig, lease, tick.check_cancelled)
+        track = functools.partial(self.sets.track, bufset)
+        succeeded = False
+        try:
+            bufset.wait_inflight()
+            plan = bufset.plan_for(sig) if allow_fast else None
+            result: Any = None
+            walk: Walk | None = None
+            leaves: list[torch.Tensor] = []
+            fast = False
+            hits = misses = 0
+            if plan is not None:
+                walk = Walk(plan.hosts, validate=False, tick=tick)
+                result = walk.rebuild(sd)
+                leaves = walk.leaves
+                with no_torch_function():
+                    fast = plan_holds(plan, leaves, tick)
+                if not fast:
+                    # New tensors of the plan's layout, their predecessors dead (a full
+                    # state dict rebuilt every checkpoint): they take the memory over.
+                    # gc paused: it makes an object per storage, as make_plan does.
+                    with gc_paused(), no_torch_function():
+                        fast = take_over(plan, leaves, bufset.cache, bufset.pool, tick)
+            if not fast:
+                # Drop what the failed fast attempt built before the set is re-watched.
+                result = walk = None
+                # The cyclic GC paused for the whole slow path, not only make_plan:
+                # the walks and checks make objects per leaf too, and collections
+                # scanning a heap that grows with every plan doubled the first stage
+                # of 20k tensors in a process already holding other plans.
+                with gc_paused():
+                    collect = Walk((), validate=True, tick=tick)
+                    collect.rebuild(sd)
+                    with no_torch_function():
+                        plan, hits, misses = make_plan(
+                            self._copier,
+                            self.options,
+                            bufset,
+                            sig,
+                            collect.leaves,
+                            tick,
+                            prefault=not copy,
+                            preflight=self._preflight(bufset, reserve=not copy),
+                        )
+                    # Remembered and watched before the walk below builds the result: the
+                    # baseline of ``held`` must count the stager's references only.
+                    bufset.remember(plan)
+                    bufset.watch()
+                    walk = Walk(plan.hosts, validate=False, tick=tick)
+                    result = walk.rebuild(sd)
+                    leaves = walk.leaves
+                    # Hazard: the copies read the second walk's leaves into the plan of the
+                    # first. Their memory may differ (an object's __getstate__ may make new
+                    # tensors each call), their layout may not: another thread may have
+                    # changed the state dict between the walks (a (1,)-tensor swapped in
+                    # for a (4,)-tensor would even broadcast silently), and then the stage
+                    # is refused.
+                    with no_torch_function():
+                        holds = plan_holds(plan, leaves, tick, planned=collect.leaves, pool=bufset.pool)
+                    if not holds:
+                        result = walk = None
+                        bufset.forget_plan(sig)
+                        bufset.watch()
+                        raise StagingError(
+                            "the state dict changed while it was being staged: "
+                            "do not mutate it until stage() returns"
+                        )
+            else:
+                assert plan is not None
+                hits = plan.storages
+            tick()
+            completions: list[Completion] = []
+            devices: list[torch.device] = []
+            digests = Checksums() if checksums and copy else None
+            if copy:
+                try:
+                    with no_torch_function():
+                        completions, devices = enqueue(
+                            self._copier,
+                            plan,
+                            leaves,
+                            captures,
+                            tick,
+                            self.latest,
+                            track,
+                            digests,
+                            first=misses > 0,
+                        )
+                except RuntimeError as e:
+                    if fast:
+                        result = walk = None
+                        bufset.forget_plan(sig)
+                        bufset.watch()
+                        raise _PlanStale() from None
+                    err = diagnose_copy_error(self._copier, sd, plan, leaves, captures, e, self.latest, track)
+                    raise err from err.__cause__
+            track(completions)
+            succeeded = True
+            return StageRecord(
+                result=result,
+                bufset=bufset,
+                completions=completions,
+                lease=held,
+                tensors=len(leaves),
+                storages=plan.storages,
+                nbytes=plan.nbytes,
+                hits=hits,
+                misses=misses,
+                fast_path=fast,
+                worker_seconds=time.perf_counter() - t0,
+                devices=devices,
+                checksums=digests,
+            )
+        except BaseException:
+            if held is not None:
+                held.release()
+            raise
+        finally:
+            self.sets.done_writing(bufset, succeeded=succeeded)
+
+    def _preflight(self, bufset: BufferSet, *, reserve: bool) -> Callable[[list[int]], None] | None:
+        """The pre-flight check ``make_plan`` runs before it allocates (see
+        ``_preflight``): at reserve(), and at a stage into a set that maps nothing yet.
+        None otherwise, so a stage into a set that holds memory pays nothing."""
+        if not self.options.preflight or (not reserve and bufset.pool.arenas):
+            return None
+        with self.sets.cond:
+            held = [s for s in self.sets.all() if s.pool.arenas]
+        return engine_hook(
+            self.options,
+            self._pinner,
+            reserve=reserve,
+            held_bytes=sum(s.pool.host_bytes for s in held),
+            held_sets=len(held),
+        )
+
+    # -- any thread -------------------------------------------------------------------
+
+    def settle(self, staged: StageRecord) -> None:
+        """The stage's completions have been observed: the set has nothing in flight."""
+        self.sets.settle(staged.bufset, staged.completions)
+
+    def fence(self) -> Callable[[], None]:
+        """Caller's thread, at the call: read the caller's current stream of every
+        device (as ``capture`` does); returns the function (any thread, once the last
+        submitted stage has enqueued its copies) that makes each of those streams wait
+        for the latest copies enqueued on its device (by whichever stage: a later stage
+        that failed validation or was a reserve() must not hide an earlier one's copies
+        still in flight). Raises UnsupportedError if one of the streams is capturing a
+        CUDA graph."""
+        devices = dict.fromkeys(self.backend.known_devices())
+        devices.update(dict.fromkeys(d for d in list(self._copiers) if d.type != "cpu"))
+        for d in devices:
+            if self.backend.capturing(d):
+                raise graph_capture_error("fence()", d)
+        points = {d: self._copier(d).fence_point() for d in devices}
+
+        def apply() -> None:
+            for d, c in list(self.latest.items()):
+                # A device first used after the call (no point read): the current
+                # stream of the thread applying the fence.
+                self._copier(d).fence(c, points.get(d))
+
+        return apply
+
+    def observe_bandwidth(self, devices: Sequence[torch.device], nbytes: int, seconds: float) -> None:
+        """A stage's ``nbytes`` bytes of copies on ``devices`` completed ``seconds``
+        after they were enqueued: fold that into each device's bandwidth estimate (an
+        exponential moving average; the first observation sets it)."""
+        if seconds <= 0 or not nbytes:
+            return
+        seen = nbytes / max(seconds, 1e-6)
+        for d in devices:
+            old = self.bandwidth.get(d)
+            self.bandwidth[d] = seen if old is None else 0.7 * old + 0.3 * seen
+
+    def shared_arenas(self) -> list[Arena]:
+        """Every open shared-memory arena of every buffer set (for ``export_shared``)."""
+        return self.sets.shared_arenas()
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory (bytes) mapped by every buffer set."""
+        return self.sets.host_bytes
+
+    @property
+    def buffer_sets(self) -> int:
+        return len(self.sets)
+
+    @property
+    def closed(self) -> bool:
+        return self.sets.closed
+
+    def begin_close(self) -> None:
+        """Any thread: stop taking stages (a running walk stops at its next tick, a
+        stage waiting for a buffer set raises ClosedError); ``close`` then releases."""
+        self.sets.mark_closed()
+
+    def trim(self) -> int:
+        """Return host memory no result uses (worker thread, between stages): see
+        ``BufferSets.trim``. Returns the bytes released; held sets are left as they
+        are."""
+        return self.sets.trim()
+
+    def close(self) -> None:
+        """Wait for copies in flight, release every arena and stream; idempotent."""
+        with self._device_context({}):
+            errors = self.sets.close()
+        self.latest.clear()
+        for c in list(self._copiers.values()):
+            try:
+                c.close()
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+        self._copiers.clear()
+        if errors:
+            raise StagingError(f"closing released everything but reported: {errors[0]!r}") from errors[0]
+
+
+class CancelCheck:
+    """A job's cancellation check, called every few hundred leaves by the walk and
+    between copy chunks (the ``tick`` they take): raises Cancelled for a cancelled job
+    and ClosedError once the stager is closed, so such a job stops before its copies
+    start (or between chunks)."""
+
+    __slots__ = ("cancel", "engine")
+
+    def __init__(self, cancel: threading.Event | None, engine: Engine) -> None:
+        self.cancel = cancel
+        self.engine = engine
+
+    def __call__(self) -> None:
+        self.check_cancelled()
+        if self.engine.closed:
+            raise ClosedError("the stager was closed during the stage")
+
+    def check_cancelled(self) -> None:
+        """Raises Cancelled if the job was cancelled (the closed stager is checked by
+        whoever calls this under its own lock)."""
+        if self.cancel is not None and self.cancel.is_set():
+            raise Cancelled()

@@ -1,0 +1,1 @@
+"""_core/walk: see CONTRIBUTING.md (the layers)."""

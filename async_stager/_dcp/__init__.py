@@ -1,0 +1,1 @@
+"""_dcp: see CONTRIBUTING.md (the layers)."""

@@ -1,0 +1,772 @@
+"""A DCP save within a host-memory budget: stage each write item just ahead of the
+writer, into a ring of at most ``host_budget_bytes``, and reuse a piece's memory as
+soon as the writer has written it.
+
+The pieces follow DCP's own plan. A DCP ``SavePlanner`` is asked for each write item's
+data by the storage writer (``resolve_data``) right before that item is written; the
+``FileSystemWriter`` configured here (one thread, ``per_thread_copy_ahead=0``: its
+serial loader) asks for the non-tensor items (DCP's *bytes items*) first, in the plan's
+order, then for the tensor items in the plan's order, one at a time, writing each
+before asking for the next. So a copier thread walks the final local plan
+(``write_data``'s) in that order:
+
+- each bytes item (an int, a list, a dataclass, any value that is not a tensor or a
+  container DCP walks into, with the tensors inside it) is serialized exactly as DCP
+  would (``torch.save`` of the value) into a sink (``_RingSink``) whose writes go to
+  the ring: small ones gathered across items into one piece of up to ``_SMALL`` bytes
+  (a small value costs one handover per batch, not one per value), larger ones cut
+  into pieces. ``torch.save`` hands a CPU tensor's storage to the sink as a view of the
+  source memory, so a tensor inside an object is copied into the ring piecewise, never
+  whole. ``resolve_data`` returns a stand-in (``_Streamed``) and the file stream of the
+  writer (``_StreamingStream``, from the writer's file system) writes the item's
+  segments of those pieces as they land, releasing each piece once written;
+- each tensor item's data (what DCP's default planner would resolve: the tensor, a
+  DTensor's local shard) is copied into the next piece of the ring, waiting while the
+  ring is full (blocked seconds: the back-pressure), and ``resolve_data`` of item k+1
+  releases item k's piece (the writer has written it) and returns item k+1's piece
+  once its copy has landed.
+
+Copy of piece k+1 overlaps the write of piece k; with a budget of one piece they
+alternate. The snapshot point is the call: sources must not change until every copy
+is enqueued (every bytes item serialized too), which is what the fence waits for
+(``Pipeline.fence``).
+
+What ``torch.save`` builds whole, outside the ring, for one bytes item at a time: the
+item's pickle (the value without its CPU tensors' data), and a host copy of each
+device tensor's storage inside the value (``storage.cpu()``). Each is checked against
+the budget (``_checked_pickle_module``): BudgetTooSmallError, naming the value, when
+either is bigger, since neither can be cut into pieces. ``dcp.save`` checks what it
+can see at the call (``_budget_save``).
+
+Limits of DCP's public API (documented in docs/concepts.md):
+- The order in which a storage writer asks for items is not part of DCP's interface;
+  it is the ``FileSystemWriter`` behaviour above. ``resolve_data`` checks every request
+  against the expected order and fails with UnsupportedError rather than deadlock.
+- The writer holds each written tensor until its file is closed, and clones a tensor
+  whose storage is bigger than itself: hence one arena and pieces with exact storages
+  (``_ring``).
+- The writer writes a bytes item as ``stream.write(data.getbuffer())`` on the stream
+  its file system opened: the stand-in's buffer is a marker the stream recognizes.
+  Should a writer do anything else with it (read it, copy it), the save fails with
+  UnsupportedError before any metadata is written; it never writes a wrong item.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import threading
+import time
+import types
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING, Any, cast
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+
+from async_stager._core.aio.waiting import wait_future
+from async_stager._core.checksum.digest import chunk_key, tensor_digest
+from async_stager._core.copy.copiers import CpuCopier, CudaEvent
+from async_stager._core.memory.ring import ALIGN, Ring, padded
+from async_stager.errors import BudgetTooSmallError, StagingError, UnsupportedError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.storage import WriteResult
+    from torch.futures import Future as TorchFuture
+
+__all__ = ["BudgetStats", "Pipeline", "PipelinePlanner", "PipelineWriter", "SaveAborted"]
+
+#: Writes to a bytes item's sink up to this size (bytes) are gathered before they take
+#: a piece of the ring (a ``torch.save`` makes many small writes: zip headers, records).
+_SMALL = 64 * 1024
+#: Largest piece a bytes item's data is cut into (bytes): one file write, one memcpy.
+_CHUNK_MAX = 8 * 1024 * 1024
+#: Ring bytes assumed per bytes item when the caller gave no estimate (``object_hint``):
+#: about what ``torch.save`` of a small value writes.
+_ITEM_BYTES = 2048
+
+
+@dataclass(frozen=True)
+class BudgetStats:
+    """What one budgeted save did (``dcp.save(..., on_budget_stats=...)``).
+
+    Bytes: ``budget_bytes`` (asked), ``arena_bytes`` (allocated: the budget, or less
+    when the state needs less), ``peak_bytes`` (most ring bytes held at once, padding
+    included), ``tensor_bytes`` (tensor items copied), ``object_bytes`` (the serialized
+    non-tensor values, DCP's bytes items, tensors inside them included: streamed
+    through the ring too). ``pieces``: tensor items. Seconds: ``blocked_seconds`` (the
+    copier waiting for ring space: how much longer the sources had to stay unchanged
+    because of the budget), ``writer_wait_seconds`` (the writer waiting for a copy),
+    ``fence_seconds`` (from the call until the last copy was enqueued: when ``fence()``
+    may return), ``total_seconds`` (until the save returned).
+    """
+
+    budget_bytes: int
+    arena_bytes: int
+    peak_bytes: int
+    pieces: int
+    tensor_bytes: int
+    object_bytes: int
+    blocked_seconds: float
+    writer_wait_seconds: float
+    fence_seconds: float
+    total_seconds: float
+
+
+class SaveAborted(StagingError):
+    """Raised inside DCP's writer when a budgeted save is cancelled: DCP then fails the
+    save (on every rank) before writing the checkpoint's metadata."""
+
+
+class _Stopped(Exception):
+    """The copier's sink was told to stop (the save is aborted): unwinds ``torch.save``."""
+
+
+def _item_nbytes(item: WriteItem) -> int:
+    assert item.tensor_data is not None
+    n = 1
+    for s in item.tensor_data.chunk.sizes:
+        n *= int(s)
+    return n * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
+
+
+class _Marker(bytearray):
+    """The (empty) buffer a ``_Streamed`` stand-in hands the writer: the writer's stream
+    recognizes it (``memoryview.obj``) and writes the bytes item's pieces instead."""
+
+    def __init__(self, pos: int) -> None:
+        super().__init__()
+        self.pos = pos
+
+
+class _Streamed(io.BytesIO):
+    """What ``resolve_data`` returns for a bytes item: a stand-in whose ``getbuffer()``
+    is the marker that ``_StreamingStream.write`` turns into the item's streamed
+    pieces. Its own content is empty; reading it is refused rather than wrong."""
+
+    def __init__(self, marker: _Marker, fqn: str) -> None:
+        super().__init__()
+        self._marker = marker
+        self._fqn = fqn
+
+    def getbuffer(self) -> memoryview:
+        return memoryview(self._marker)
+
+    def _refuse(self) -> UnsupportedError:
+        return UnsupportedError(
+            f"the storage writer read the bytes item {self._fqn!r} instead of writing "
+            "data.getbuffer() to its stream; a budgeted save streams it and needs "
+            "FileSystemWriter(thread_count=1, per_thread_copy_ahead=0)"
+        )
+
+    def getvalue(self) -> bytes:
+        raise self._refuse()
+
+    def read(self, size: int | None = -1, /) -> bytes:
+        raise self._refuse()
+
+
+def _storage_of(obj: Any) -> Any:
+    return obj._untyped_storage if isinstance(obj, torch.storage.TypedStorage) else obj
+
+
+def _checked_pickle_module(budget: int, where: Callable[[], tuple[Any, ...]]) -> types.ModuleType:
+    """A pickle module for ``torch.save`` (which only uses its ``Pickler``) whose output
+    is the same as ``pickle``'s, and which refuses, before ``torch.save`` goes on, what
+    it would hold whole in host memory beyond ``budget`` bytes: the pickle itself
+    (checked once dumped), a device storage (``torch.save`` subclasses the Pickler to
+    add ``persistent_id``; ``__init_subclass__`` wraps it to check each storage).
+    ``where()``: the path of the value being serialized (for the error). One module
+    per save: building one per value would cost more than pickling a small value."""
+
+    def too_big(what: str, n: int) -> BudgetTooSmallError:
+        return BudgetTooSmallError(
+            f"{what} {n} bytes, which torch.save holds in host memory in one piece, more "
+            f"than host_budget_bytes={budget}; store the data as a tensor of the state dict "
+            "(DCP writes tensors in pieces of the budget) or pass "
+            f"host_budget_bytes >= {n}",
+            path=where(),
+            needed_bytes=n,
+        )
+
+    class Pickler(pickle.Pickler):
+        def __init__(self, file: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(file, *args, **kwargs)
+            self._sink = file
+
+        def __init_subclass__(cls, **kwargs: Any) -> None:
+            super().__init_subclass__(**kwargs)
+            inner = cls.__dict__.get("persistent_id")
+            if inner is None:
+                return
+
+            def persistent_id(self: Any, obj: Any) -> Any:
+                pid = inner(self, obj)
+                if pid is not None and (isinstance(obj, torch.storage.TypedStorage) or torch.is_storage(obj)):
+                    storage = _storage_of(obj)
+                    if storage.device.type not in ("cpu", "meta") and storage.nbytes() > budget:
+                        raise too_big(
+                            f"this non-tensor value holds a {storage.device.type} tensor whose storage takes",
+                            storage.nbytes(),
+                        )
+                return pid
+
+            cls.persistent_id = persistent_id  # type: ignore[method-assign]
+
+        def dump(self, obj: Any) -> None:
+            super().dump(obj)
+            n = self._sink.tell()
+            if n > budget:
+                raise too_big("this non-tensor value pickles to", n)
+
+    mod = types.ModuleType("async_stager._budget_pickle")
+    mod.Pickler = Pickler  # type: ignore[attr-defined]
+    return mod
+
+
+class _RingSink:
+    """The file ``torch.save`` writes one bytes item into (copier thread); the bytes go
+    to ``Pipeline._object_write``, small ones straight into its batch (the fast path:
+    ``torch.save`` makes about twenty writes for a small value). ``failure``: the first
+    error raised here or by the checks; once set, later writes (``torch.save`` still
+    writes the zip's directory on its way out) are dropped."""
+
+    def __init__(self, pipeline: Pipeline, batch: bytearray, limit: int) -> None:
+        self._pipeline = pipeline
+        self._batch = batch
+        self._limit = limit
+        self.failure: BaseException | None = None
+
+    def write(self, data: Any) -> int:
+        n = data.nbytes if type(data) is memoryview else len(data)
+        if self.failure is None and len(self._batch) + n <= self._limit and n:
+            self._batch += data
+            return n
+        if self.failure is not None or n == 0:
+            return n
+        try:
+            self._pipeline._object_write(memoryview(data).cast("B"))
+        except BaseException as e:
+            self.failure = e
+            raise
+        return n
+
+    def flush(self) -> None:
+        pass
+
+
+#: What the writer is handed for bytes items, in ring order: (item position, bytes to
+#: write or None, the item ends here, the piece is released after this segment).
+_Segment = tuple[int, "np.ndarray[Any, Any] | None", bool, bool]
+
+
+class Pipeline:
+    """One budgeted save's copier thread, ring and bookkeeping.
+
+    Threads: ``start``/``take``/``pump``/``finish`` run in DCP's save thread (the
+    writer), ``_copy_all`` in the copier thread, ``fence``/``abort`` on the event loop.
+    ``copy_threads``: torch threads for host copies (the stager's ``copy_threads``: by
+    default one core is left, here to the writer). ``captures``: per CUDA device index,
+    the event recorded on the caller's stream at the call; the copy stream of each
+    device waits on it, CPU copies (and the serialization of bytes items) wait for all.
+    ``object_hint``: the caller's estimate of the bytes items' serialized size (bytes),
+    only to size the ring (a short estimate means smaller pieces, not a failure);
+    ``object_paths``: per flattened DCP name (``fqn``), the value's path from the root,
+    for errors.
+    """
+
+    def __init__(
+        self,
+        budget: int,
+        *,
+        captures: dict[int, CudaEvent],
+        t0: float,
+        copy_threads: int | None = None,
+        digests: dict[str, dict[str, Any]] | None = None,
+        object_hint: int | None = None,
+        object_paths: dict[str, tuple[Any, ...]] | None = None,
+    ) -> None:
+        self.budget = budget
+        #: The save's coroutine has started (``_budget_save.abandon`` leaves it alone).
+        self.started = False
+        #: With checksums: each tensor chunk's manifest entry, hashed from its piece as
+        #: it lands (the copier thread; the writer thread for a device's piece, once
+        #: its copy is done), before the writer writes it.
+        self.digests = digests
+        self.copy_threads = copy_threads
+        self.captures = captures
+        self.t0 = t0
+        self.object_hint = object_hint
+        self.object_paths = object_paths or {}
+        self.enqueued: Future[None] = Future()
+        #: What DCP's default planner resolves for a tensor item; the value of a bytes
+        #: item (before DCP's ``torch.save``). Set by ``PipelinePlanner``.
+        self.source: Callable[[WriteItem], Any] | None = None
+        self.lookup: Callable[[WriteItem], Any] | None = None
+        self._ring: Ring | None = None
+        self._chunk = ALIGN
+        self._cond = threading.Condition()
+        self._items: list[WriteItem] = []
+        self._objects: list[WriteItem] = []
+        self._ready: dict[int, tuple[torch.Tensor, CudaEvent | None]] = {}
+        self._segments: deque[_Segment] = deque()
+        # Copier thread: bytes items' small writes gathered across items (at most
+        # ``_SMALL`` bytes, outside the ring) into one piece, with their segments.
+        self._batch = bytearray()
+        self._batch_segments: list[tuple[int, int, int, bool]] = []  # (pos, start, end, last)
+        self._open = 0  # the bytes item being serialized
+        self._open_from = 0  # where its bytes not yet in a segment start in _batch
+        self._pickle: types.ModuleType | None = None
+        self._next = 0  # position in _items of the next tensor the writer asks for
+        self._next_object = 0  # position in _objects of the next bytes item asked for
+        self._streaming: int | None = None  # a bytes item handed out, not yet written
+        self._error: BaseException | None = None
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._last_events: dict[int, CudaEvent] = {}
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._writer_wait = 0.0
+        self._tensor_bytes = 0
+        self._object_bytes = 0
+        self._fence_at: float | None = None
+
+    @property
+    def error(self) -> BaseException | None:
+        """The copier's failure, if it failed (DCP reports it wrapped; ``_budget_save``
+        raises a StagingError of ours as itself)."""
+        return self._error
+
+    # -- writer thread -------------------------------------------------------------------
+
+    def start(self, plan: SavePlan) -> None:
+        """Begin serializing and copying the final local plan's items, in the writer's
+        order."""
+        self._objects = [it for it in plan.items if it.type == WriteItemType.BYTE_IO]
+        self._items = [it for it in plan.items if it.type != WriteItemType.BYTE_IO]
+        need = max((padded(max(_item_nbytes(it), 1)) for it in self._items), default=0)
+        if need > self.budget:
+            raise _too_small(self._items, self.budget)
+        total = sum(padded(max(_item_nbytes(it), 1)) for it in self._items)
+        if self._objects:
+            hint = self.object_hint if self.object_hint is not None else _ITEM_BYTES * len(self._objects)
+            total += padded(hint) + _SMALL
+        capacity = min(self.budget, max(total, ALIGN))
+        # Two pieces of a bytes item fit the ring at once: its copy overlaps its write.
+        self._chunk = min(_CHUNK_MAX, max(ALIGN, capacity // 2 // ALIGN * ALIGN))
+        # Pinned (exact size) when CUDA is in use: device copies into it are asynchronous.
+        self._ring = Ring(capacity, pin=bool(self.captures))
+        self._thread = threading.Thread(target=self._copy_all, name="async-stager-dcp-budget", daemon=True)
+        self._thread.start()
+
+    def take(self, item: WriteItem) -> Any:
+        """What the writer writes for ``item``: a bytes item's stand-in (streamed by
+        ``pump``), or a tensor item's piece; releases the previous tensor's piece."""
+        self._check_streamed()
+        if item.type == WriteItemType.BYTE_IO:
+            at = self._next_object
+            if at >= len(self._objects) or self._objects[at].index != item.index:
+                raise self._out_of_order(item)
+            self._next_object = at + 1
+            self._streaming = at
+            return _Streamed(_Marker(at), item.index.fqn)
+        ring = self._ring
+        assert ring is not None
+        pos = self._next
+        if (
+            self._next_object < len(self._objects)
+            or pos >= len(self._items)
+            or self._items[pos].index != item.index
+        ):
+            raise self._out_of_order(item)
+        if pos > 0:
+            ring.release_oldest()  # the writer has written item pos - 1
+        t0 = time.perf_counter()
+        with self._cond:
+            while pos not in self._ready and self._error is None and not self._stop:
+                self._cond.wait(0.05)
+            got = self._ready.pop(pos, None)
+        if got is None:
+            if self._error is not None:
+                raise self._error  # the copy of this item failed
+            raise SaveAborted("the budgeted save was cancelled")
+        dst, done = got
+        if done is not None:
+            done.synchronize()
+            self._hash(item, dst)
+        self._writer_wait += time.perf_counter() - t0
+        self._next = pos + 1
+        return dst
+
+    def _out_of_order(self, item: WriteItem) -> UnsupportedError:
+        return UnsupportedError(
+            f"the storage writer asked for {item.index.fqn!r} out of the plan's order; "
+            "a budgeted save needs FileSystemWriter(thread_count=1, per_thread_copy_ahead=0)"
+        )
+
+    def _check_streamed(self) -> None:
+        if self._streaming is not None:
+            fqn = self._objects[self._streaming].index.fqn
+            raise UnsupportedError(
+                f"the storage writer did not write the bytes item {fqn!r} as "
+                "stream.write(data.getbuffer()); a budgeted save streams it and needs "
+                "FileSystemWriter(thread_count=1, per_thread_copy_ahead=0)"
+            )
+
+    def pump(self, marker: _Marker, out: Any) -> int:
+        """Write the bytes item of ``marker`` to the file ``out`` as its segments land,
+        releasing each piece once written; returns the bytes written."""
+        if marker.pos != self._streaming:
+            raise UnsupportedError("a bytes item's stand-in was written twice or out of order")
+        ring = self._ring
+        assert ring is not None
+        written = 0
+        t0 = time.perf_counter()
+        while True:
+            with self._cond:
+                while not self._segments and self._error is None and not self._stop:
+                    self._cond.wait(0.05)
+                if self._stop and self._error is None:
+                    raise SaveAborted("the budgeted save was cancelled")  # pieces left unwritten
+                if not self._segments:
+                    assert self._error is not None
+                    raise self._error  # serializing this item failed
+                pos, data, last, release = self._segments.popleft()
+            if pos != marker.pos:  # pragma: no cover - the copier follows the plan's order
+                raise UnsupportedError("bytes items were streamed out of the plan's order")
+            self._writer_wait += time.perf_counter() - t0
+            if data is not None and len(data):
+                written += out.write(data)
+            del data
+            if release:
+                ring.release_oldest()  # the oldest piece: the one just written
+            if last:
+                break
+            t0 = time.perf_counter()
+        self._streaming = None
+        return written
+
+    def check_written(self) -> None:
+        """After the writer's ``write_data``: every bytes item went through ``pump``
+        (else the file holds a stand-in's empty buffer: fail before the metadata)."""
+        self._check_streamed()
+        if self._next_object != len(self._objects):
+            fqn = self._objects[self._next_object].index.fqn
+            raise UnsupportedError(f"the storage writer never asked for the bytes item {fqn!r}")
+
+    def _hash(self, item: WriteItem, piece: torch.Tensor) -> None:
+        if self.digests is None:
+            return
+        offsets = [int(o) for o in item.index.offset] if item.index.offset is not None else [0] * piece.dim()
+        self.digests[chunk_key(item.index.fqn, offsets)] = {
+            "fqn": item.index.fqn,
+            "offsets": offsets,
+            "shape": list(piece.shape),
+            "dtype": str(piece.dtype).removeprefix("torch."),
+            "digest": tensor_digest(piece),
+        }
+
+    def finish(self) -> None:
+        """The writer is done (or failed): stop the copier, wait for it, free the ring."""
+        self.abort()
+        if self._thread is not None:
+            self._thread.join()
+        for ev in self._last_events.values():
+            ev.synchronize()  # no copy may still land in memory about to be unregistered
+        with self._cond:
+            self._segments.clear()
+            self._ready.clear()
+        if self._ring is not None:
+            self._ring.close()
+        self._settle()
+
+    # -- copier thread -------------------------------------------------------------------
+
+    def _copy_all(self) -> None:
+        ring = self._ring
+        assert ring is not None and self.source is not None
+        # The device seam's host copier, without its helper pool (one piece at a time).
+        cpu = CpuCopier(torch.device("cpu"), threads=1)
+        cpu.threads = self.copy_threads
+        try:
+            with torch.no_grad():
+                waited_host = False
+                if self._objects:
+                    # A value may hold CPU tensors the caller's stream is still writing.
+                    self._wait_host()
+                    waited_host = True
+                for at, item in enumerate(self._objects):
+                    self._serialize(at, item)
+                self._flush()
+                for pos, item in enumerate(self._items):
+                    src = self.source(item).detach()
+                    nbytes = src.numel() * src.element_size()
+                    start = ring.alloc(nbytes, stop=lambda: self._stop)
+                    if start is None:
+                        return
+                    dst = ring.view(start, nbytes, src.dtype, src.shape)
+                    event: CudaEvent | None = None
+                    if src.device.type == "cuda":
+                        event = self._copy_cuda(dst, src)
+                    else:
+                        if not waited_host:
+                            self._wait_host()
+                            waited_host = True
+                        cpu.copy([dst], [src])
+                        self._hash(item, dst)
+                    del src
+                    self._tensor_bytes += nbytes
+                    with self._cond:
+                        self._ready[pos] = (dst, event)
+                        self._cond.notify_all()
+            self._fence_at = time.perf_counter()
+        except _Stopped:
+            pass  # aborted: the writer raises SaveAborted
+        except BaseException as e:  # noqa: BLE001 - handed to the writer
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+        finally:
+            cpu.close()
+            self._settle()
+
+    def _wait_host(self) -> None:
+        for cap in self.captures.values():
+            cap.synchronize()
+
+    def _serialize(self, at: int, item: WriteItem) -> None:
+        """``torch.save`` of a bytes item's value, as DCP's planner does, into the ring
+        (``_object_write``). Raises _Stopped if the save was aborted meanwhile."""
+        assert self.lookup is not None
+        if self._pickle is None:
+            self._pickle = _checked_pickle_module(self.budget, self._open_path)
+        value = self.lookup(item)
+        self._open = at
+        self._open_from = len(self._batch)
+        sink = _RingSink(self, self._batch, min(_SMALL, self._chunk))
+        try:
+            torch.save(value, cast("IO[bytes]", sink), pickle_module=self._pickle)
+        except BaseException as e:
+            failure = sink.failure
+            if failure is not None and failure is not e:
+                # torch.save raised again on its way out (the zip's end): the first
+                # error is the one that says what happened.
+                raise failure from None
+            raise
+        del value
+        self._batch_segments.append((at, self._open_from, len(self._batch), True))
+        self._open_from = len(self._batch)
+
+    def _open_path(self) -> tuple[Any, ...]:
+        fqn = self._objects[self._open].index.fqn
+        return self.object_paths.get(fqn, (fqn,))
+
+    def _object_write(self, view: memoryview) -> None:
+        """Bytes of the open bytes item: small writes are gathered (across items) into
+        the batch, larger ones cut into pieces of at most ``_chunk`` bytes, each
+        copied into the ring and handed to the writer at once."""
+        n = view.nbytes
+        limit = min(_SMALL, self._chunk)
+        if len(self._batch) + n > limit:
+            self._flush()
+        if n <= limit:
+            self._batch += view
+            return
+        for a in range(0, n, self._chunk):
+            part = view[a : a + self._chunk]
+            piece = self._piece(part.nbytes)
+            np.copyto(piece, np.frombuffer(part, dtype=np.uint8))
+            self._hand([(self._open, piece, False, True)])
+
+    def _flush(self) -> None:
+        """The batch into one piece of the ring, handed to the writer as its items'
+        segments (the piece is released after the last one)."""
+        if len(self._batch) > self._open_from:
+            self._batch_segments.append((self._open, self._open_from, len(self._batch), False))
+        if not self._batch_segments:
+            return
+        piece = self._piece(len(self._batch)) if self._batch else None
+        if piece is not None:
+            with memoryview(self._batch) as mv:
+                np.copyto(piece, np.frombuffer(mv, dtype=np.uint8))
+        segments: list[_Segment] = [
+            (pos, piece[a:b] if piece is not None else None, last, False)
+            for pos, a, b, last in self._batch_segments
+        ]
+        if piece is not None:
+            pos, data, last, _ = segments[-1]
+            segments[-1] = (pos, data, last, True)
+        self._batch.clear()
+        self._batch_segments.clear()
+        self._open_from = 0
+        self._hand(segments)
+
+    def _piece(self, n: int) -> np.ndarray[Any, Any]:
+        ring = self._ring
+        assert ring is not None
+        start = ring.alloc(n, stop=lambda: self._stop)
+        if start is None:
+            raise _Stopped
+        self._object_bytes += n
+        piece: np.ndarray[Any, Any] = ring.view(start, n, torch.uint8, (n,)).numpy()
+        return piece
+
+    def _hand(self, segments: list[_Segment]) -> None:
+        with self._cond:
+            self._segments.extend(segments)
+            self._cond.notify_all()
+
+    def _copy_cuda(self, dst: torch.Tensor, src: torch.Tensor) -> CudaEvent:
+        index = src.device.index if src.device.index is not None else torch.cuda.current_device()
+        with torch.cuda.device(index):
+            stream = self._streams.get(index)
+            if stream is None:
+                stream = self._streams[index] = torch.cuda.Stream(device=index)
+                cap = self.captures.get(index)
+                if cap is not None:
+                    cap.wait(stream)
+                else:
+                    stream.wait_stream(torch.cuda.default_stream(index))
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+            # The caching allocator must not hand the source's memory to a new tensor
+            # (which could overwrite it) before this copy has read it.
+            src.record_stream(stream)
+            event = CudaEvent(stream)
+        self._last_events[index] = event
+        return event
+
+    # -- event loop -----------------------------------------------------------------------
+
+    def _settle(self) -> None:
+        if not self.enqueued.done():
+            try:
+                self.enqueued.set_result(None)
+            except Exception:  # noqa: BLE001 - set concurrently by another thread
+                pass
+
+    def abort(self) -> None:
+        """Stop copying; a writer waiting for a piece raises SaveAborted. Idempotent."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._ring is not None:
+            self._ring.wake()
+
+    def fence(self) -> Callable[[], Awaitable[None]]:
+        """``Stager.fence``'s hook: reads the caller's current CUDA streams now; the
+        returned wait returns once every copy is enqueued (or the save stopped), then
+        makes those streams wait for the last copy of each device (no host block)."""
+        points = {i: torch.cuda.current_stream(i) for i in self.captures}
+
+        async def wait() -> None:
+            await wait_future(self.enqueued)
+            for index, event in list(self._last_events.items()):
+                point = points.get(index)
+                if point is not None:
+                    event.wait(point)
+
+        return wait
+
+    def stats(self, total_seconds: float) -> BudgetStats:
+        ring = self._ring
+        fence_at = self._fence_at
+        return BudgetStats(
+            budget_bytes=self.budget,
+            arena_bytes=ring.capacity if ring is not None else 0,
+            peak_bytes=ring.peak if ring is not None else 0,
+            pieces=len(self._items),
+            tensor_bytes=self._tensor_bytes,
+            object_bytes=self._object_bytes,
+            blocked_seconds=ring.blocked_seconds if ring is not None else 0.0,
+            writer_wait_seconds=self._writer_wait,
+            fence_seconds=(fence_at - self.t0) if fence_at is not None else total_seconds,
+            total_seconds=total_seconds,
+        )
+
+
+def _too_small(items: Sequence[WriteItem], budget: int) -> BudgetTooSmallError:
+    item = max(items, key=_item_nbytes)
+    need = padded(_item_nbytes(item))
+    return BudgetTooSmallError(
+        f"write item {item.index.fqn!r} takes {need} bytes of host memory, more than "
+        f"host_budget_bytes={budget}; pass host_budget_bytes >= {need}",
+        needed_bytes=need,
+    )
+
+
+class PipelinePlanner(DefaultSavePlanner):
+    """DCP's default save planner whose ``resolve_data`` hands out staged pieces."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        super().__init__()
+        self._pipeline = pipeline
+        pipeline.source = self._source
+        pipeline.lookup = self._lookup
+
+    def _source(self, item: WriteItem) -> Any:
+        return DefaultSavePlanner.resolve_data(self, item)
+
+    def _lookup(self, item: WriteItem) -> Any:
+        return self.lookup_object(item.index)
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        return self._pipeline.take(write_item)
+
+
+class _StreamingStream:
+    """A file the writer opened (through ``_StreamingFileSystem``): writes pass through,
+    except a bytes item's marker buffer, which becomes that item's pieces."""
+
+    def __init__(self, raw: Any, pipeline: Pipeline) -> None:
+        self._raw = raw
+        self._pipeline = pipeline
+
+    def write(self, data: Any) -> int:
+        if isinstance(data, memoryview) and isinstance(data.obj, _Marker):
+            return self._pipeline.pump(data.obj, self._raw)
+        n: int = self._raw.write(data)
+        return n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+
+class _StreamingFileSystem(FileSystem):
+    """DCP's local file system whose write streams are ``_StreamingStream``s."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        super().__init__()
+        self._pipeline = pipeline
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        with super().create_stream(path, mode) as stream:
+            yield _StreamingStream(stream, self._pipeline) if "w" in mode else stream
+
+
+class PipelineWriter(FileSystemWriter):
+    """DCP's ``FileSystemWriter`` with one thread and its serial loader (the order
+    ``Pipeline`` stages in), starting and finishing the pipeline around the write; its
+    file system's write streams write bytes items as they are streamed."""
+
+    def __init__(self, path: Any, pipeline: Pipeline, **kwargs: Any) -> None:
+        super().__init__(path, thread_count=1, per_thread_copy_ahead=0, **kwargs)
+        self._pipeline = pipeline
+        self.fs = _StreamingFileSystem(pipeline)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
+        try:
+            self._pipeline.start(plan)
+            result = super().write_data(plan, planner)
+            self._pipeline.check_written()
+            return result
+        finally:
+            self._pipeline.finish()

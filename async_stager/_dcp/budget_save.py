@@ -1,0 +1,432 @@
+"""``dcp.save(..., host_budget_bytes=N)``: the call, the coroutine and cancellation.
+
+The pipeline itself (ring, copier thread, DCP planner and writer) is ``_budget``.
+
+What the budget bounds: the ring, ``N`` bytes of host memory at most, through which
+every byte DCP writes passes in pieces: tensor items (a tensor, a DTensor's local
+shard: each must fit the ring whole), and the serialized non-tensor values (DCP's
+bytes items: ints, lists, tuples, dataclasses, user objects), CPU tensors inside them
+included, which are cut into pieces of any size. What ``torch.save`` builds whole for
+one value at a time (its pickle, without the CPU tensors' data; a host copy of a
+device tensor's storage inside it) is not in pieces, so each must be at most ``N``:
+BudgetTooSmallError otherwise, naming the value (or the device tensor inside it) and
+the budget it needs. The call checks what it can see without pickling (``survey``:
+tensor items, bytes-likes, strings, numpy arrays, numbers, device tensors, inside
+plain containers and objects); the rest is checked as each value is serialized, and
+the save then fails with that error before any metadata is written.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import functools
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Coroutine, Iterator, Mapping
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import numpy as np
+import torch
+
+from async_stager._core.aio.waiting import wait_future, wait_future_uninterrupted
+from async_stager._core.copy.copiers import CudaEvent
+from async_stager._core.copy.device import caller_cuda_device, cuda_context_devices
+from async_stager._core.memory.ring import ALIGN, padded
+from async_stager._core.options import AUTO, loop_friendly_threads
+from async_stager._dcp.budget import BudgetStats, Pipeline, PipelinePlanner, PipelineWriter
+from async_stager.errors import (
+    Attr,
+    BudgetTooSmallError,
+    ClosedError,
+    InvalidOptionError,
+    Nth,
+    StagingError,
+    UnsupportedError,
+)
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from async_stager._core.aio.stager import Stager
+
+__all__ = ["abandon", "budgeted_save", "largest_tensor", "survey"]
+
+
+#: Nodes the call's look inside non-tensor values may visit, per save (the event loop
+#: waits for it): what it does not reach is checked when the value is serialized.
+_SURVEY_NODES = 20_000
+#: About what ``torch.save`` writes for a value besides its data (zip records).
+_ITEM_OVERHEAD = 1536
+
+
+def _dcp_terminal(value: Any) -> bool:
+    """DCP's ``traverse_state_dict`` rule: a mapping is walked into; a list only when
+    it holds a tensor or a container that is walked into; anything else (a tuple too)
+    is one value, written as a tensor item or pickled as one bytes item."""
+    if isinstance(value, Mapping):
+        return False
+    if not isinstance(value, list):
+        return True
+    for entry in value:
+        if isinstance(entry, (Mapping, list)) and not _dcp_terminal(entry):
+            return False
+        if isinstance(entry, torch.Tensor):
+            return False
+    return True
+
+
+def _dcp_values(state_dict: Any) -> Iterator[tuple[tuple[Any, ...], str, Any]]:
+    """``(path, fqn, value)`` for each value DCP's default planner (flattening) makes
+    write items of: ``path`` with the state dict's own keys, ``fqn`` DCP's flattened
+    name. A top-level Stateful is left out: DCP calls its ``state_dict()`` later."""
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    def walk(
+        path: tuple[Any, ...], names: tuple[Any, ...], value: Any
+    ) -> Iterator[tuple[tuple[Any, ...], str, Any]]:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                yield from walk((*path, k), (*names, str(k)), v)
+        elif _dcp_terminal(value):
+            yield path, ".".join(map(str, names)), value
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                yield from walk((*path, i), (*names, i), v)
+
+    if not isinstance(state_dict, Mapping):
+        return
+    for key, value in state_dict.items():
+        if isinstance(value, Stateful) and not isinstance(value, torch.Tensor):
+            continue
+        yield from walk((key,), (str(key),), value)
+
+
+def _local_nbytes(t: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    return t.numel() * t.element_size()
+
+
+def largest_tensor(state_dict: Any) -> tuple[tuple[Any, ...], int]:
+    """The path and ring bytes (padded) of the biggest tensor DCP writes as a tensor
+    item (a DTensor counts its local shard: what this rank writes). Tensors inside
+    non-tensor values are not tensor items: they are streamed in pieces."""
+    best: tuple[tuple[Any, ...], int] = ((), 0)
+    for path, _, value in _dcp_values(state_dict):
+        if isinstance(value, torch.Tensor):
+            n = padded(_local_nbytes(value))
+            if n > best[1]:
+                best = (path, n)
+    return best
+
+
+_PLAIN_PICKLING = frozenset({"builtins", "collections"})
+
+
+def _plainly_pickled(tp: type) -> bool:
+    """Whether pickle saves an instance of ``tp`` by its contents (``__dict__``,
+    ``__slots__``, items): its reduce and getstate are those of a builtin or of
+    ``collections``, not the class's own (which may drop or add anything), and no
+    ``copyreg`` reducer is registered for it."""
+    if tp in copyreg.dispatch_table:
+        return False
+    for name in ("__reduce_ex__", "__reduce__", "__getstate__"):
+        owner = next((c for c in tp.__mro__ if name in c.__dict__), object)
+        if owner.__module__ not in _PLAIN_PICKLING:
+            return False
+    return True
+
+
+class _Survey:
+    """What ``dcp.save`` can see at the call of the values DCP pickles (its bytes
+    items), without pickling them: a lower bound of each one's pickle (bytes-likes,
+    strings, numpy arrays, numbers, walked into plain containers and objects), the
+    device tensors inside them (which ``torch.save`` moves to host memory whole) and
+    the CPU tensors' storage bytes (streamed in pieces; they only size the ring).
+    At most ``_SURVEY_NODES`` nodes in all: the rest is checked when serialized."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.nodes = _SURVEY_NODES
+        self.ring_bytes = 0  # estimated bytes streamed through the ring, all values
+        self.refusal: BudgetTooSmallError | None = None
+
+    def value(self, path: tuple[Any, ...], value: Any) -> None:
+        seen: set[int] = set()
+        storages: set[int] = set()
+        pickled = 0
+        stack: list[tuple[tuple[Any, ...], Any]] = [(path, value)]
+        while stack and self.nodes > 0:
+            where, v = stack.pop()
+            self.nodes -= 1
+            if isinstance(v, torch.Tensor):
+                try:
+                    storage = v.untyped_storage()
+                except Exception:  # noqa: BLE001 - a wrapper subclass without storage
+                    continue
+                key = storage.data_ptr() or id(storage)
+                if key in storages or v.device.type == "meta":
+                    continue
+                storages.add(key)
+                n = storage.nbytes()
+                if v.device.type != "cpu" and n > self.budget and self.refusal is None:
+                    self.refusal = BudgetTooSmallError(
+                        f"this {v.device.type} tensor sits inside a value DCP pickles whole, and "
+                        f"torch.save moves its storage of {n} bytes to host memory in one piece, "
+                        f"more than host_budget_bytes={self.budget}; make it a tensor of the state "
+                        "dict (a dict or list entry: DCP writes those in pieces of the budget), "
+                        f"or pass host_budget_bytes >= {n}",
+                        path=where,
+                        needed_bytes=n,
+                    )
+                self.ring_bytes += n
+                continue
+            if isinstance(v, float):
+                pickled += 9
+                continue
+            if isinstance(v, (bool, int)) or v is None:
+                pickled += 1
+                continue
+            if id(v) in seen:  # pickle's memo: written once
+                continue
+            seen.add(id(v))
+            if isinstance(v, (bytes, bytearray, str)):
+                pickled += len(v)
+            elif isinstance(v, np.ndarray):
+                pickled += int(v.nbytes) if v.dtype != object else 0
+            elif not _plainly_pickled(type(v)):
+                continue
+            elif isinstance(v, Mapping):
+                for k, x in v.items():
+                    if isinstance(k, (str, bytes)) and id(k) not in seen:
+                        seen.add(id(k))
+                        pickled += len(k)
+                    stack.append(((*where, k), x))
+            elif isinstance(v, (list, tuple)):
+                stack.extend(((*where, i), x) for i, x in enumerate(v))
+            elif isinstance(v, (set, frozenset)):
+                stack.extend(((*where, Nth(i)), x) for i, x in enumerate(v))
+            else:
+                self._attributes(where, v, stack)
+        self.ring_bytes += pickled + _ITEM_OVERHEAD
+        if pickled > self.budget and self.refusal is None:
+            self.refusal = BudgetTooSmallError(
+                f"this value is not a tensor: DCP pickles it, and its pickle (at least {pickled} "
+                f"bytes) is held in host memory in one piece, more than host_budget_bytes="
+                f"{self.budget}; store its data as a tensor (torch.from_numpy, torch.frombuffer: "
+                f"DCP writes tensors in pieces of the budget), or pass host_budget_bytes >= {pickled}",
+                path=path,
+                needed_bytes=pickled,
+            )
+
+    @staticmethod
+    def _attributes(where: tuple[Any, ...], v: Any, stack: list[tuple[tuple[Any, ...], Any]]) -> None:
+        # object.__getattribute__: never a class's __getattr__ (no user code runs here).
+        try:
+            attrs = object.__getattribute__(v, "__dict__")
+        except AttributeError:
+            attrs = None
+        if isinstance(attrs, dict):
+            stack.extend(((*where, Attr(k)), x) for k, x in attrs.items() if isinstance(k, str))
+        for cls in type(v).__mro__:
+            slots = cls.__dict__.get("__slots__", ())
+            for name in (slots,) if isinstance(slots, str) else slots:
+                if name in ("__dict__", "__weakref__"):
+                    continue
+                try:
+                    stack.append(((*where, Attr(name)), object.__getattribute__(v, name)))
+                except AttributeError:
+                    continue
+
+
+def survey(state_dict: Any, budget: int) -> tuple[int, dict[str, tuple[Any, ...]]]:
+    """Check ``state_dict`` against ``budget`` at the call, before anything is staged:
+    BudgetTooSmallError naming the first tensor item bigger than the budget, else the
+    first non-tensor value (or device tensor inside one) that ``torch.save`` would hold
+    whole beyond it. Returns the estimated ring bytes of the non-tensor values (to size
+    the ring) and each one's path by DCP name (for errors found when serialized)."""
+    path, need = largest_tensor(state_dict)
+    if need > budget:
+        raise BudgetTooSmallError(
+            f"this tensor takes {need} bytes of host memory, more than host_budget_bytes={budget}; "
+            f"pass host_budget_bytes >= {need}",
+            path=path,
+            needed_bytes=need,
+        )
+    look = _Survey(budget)
+    paths: dict[str, tuple[Any, ...]] = {}
+    for where, fqn, value in _dcp_values(state_dict):
+        if isinstance(value, torch.Tensor) or hasattr(value, "__create_write_items__"):
+            continue
+        paths[fqn] = where
+        look.value(where, value)
+    if look.refusal is not None:
+        raise look.refusal
+    return look.ring_bytes, paths
+
+
+def budgeted_save(
+    state_dict: dict[str, Any],
+    *,
+    stager: Stager,
+    budget: int,
+    checkpoint_id: str | os.PathLike[str] | None,
+    storage_writer: Any,
+    planner: Any,
+    process_group: Any,
+    no_dist: bool,
+    on_stats: Callable[[BudgetStats], None] | None,
+    digests: dict[str, dict[str, Any]] | None = None,
+) -> Coroutine[Any, Any, Metadata]:
+    """Checks and the snapshot point at the call; the save in the coroutine.
+    ``digests`` (the Checkpointer's): filled with each written chunk's manifest entry
+    (``_integrity``), hashed from its ring piece as it lands, before it is written.
+
+    Raises at the call: InvalidOptionError, UnsupportedError, ClosedError, and
+    BudgetTooSmallError (``survey``) for a tensor item or a value seen to need more than
+    ``budget`` in one piece. The coroutine raises BudgetTooSmallError itself (not DCP's
+    CheckpointException around it) for a value found too big when serialized."""
+    t0 = time.perf_counter()
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < ALIGN:
+        raise InvalidOptionError(
+            f"host_budget_bytes must be an int of at least {ALIGN} (bytes), not {budget!r}"
+        )
+    if storage_writer is not None or planner is not None:
+        raise UnsupportedError(
+            "a budgeted save brings its own planner and FileSystemWriter: pass checkpoint_id "
+            "(a folder) and leave storage_writer and planner None"
+        )
+    if checkpoint_id is None:
+        raise InvalidOptionError("a budgeted save needs checkpoint_id (the checkpoint's folder)")
+    if stager.closed:
+        raise ClosedError("the stager is closed")
+    object_hint, object_paths = survey(state_dict, budget)
+    # The snapshot point: the caller's current stream of every device with a context.
+    captures = {d: CudaEvent(torch.cuda.current_stream(d)) for d in cuda_context_devices()}
+    threads = stager.options.copy_threads
+    pipeline = Pipeline(
+        budget,
+        captures=captures,
+        t0=t0,
+        # One core is left to the writer, as by default for the loop.
+        copy_threads=loop_friendly_threads() if threads == AUTO or isinstance(threads, str) else threads,
+        digests=digests,
+        object_hint=object_hint,
+        object_paths=object_paths,
+    )
+    remove = stager.add_fence(pipeline.fence)
+    coro = _run(
+        pipeline,
+        remove,
+        state_dict,
+        checkpoint_id=checkpoint_id,
+        process_group=process_group,
+        no_dist=no_dist,
+        cuda_device=caller_cuda_device(),
+        on_stats=on_stats,
+    )
+    # Never awaited: nothing was staged; the fence must not wait for it.
+    _ABANDON[coro] = weakref.finalize(coro, _forget, pipeline, remove)
+    return coro
+
+
+#: Per budgeted save not yet awaited: what lets its fence hook and pipeline go.
+_ABANDON: weakref.WeakKeyDictionary[Any, weakref.finalize[Any, Any]] = weakref.WeakKeyDictionary()
+
+
+def abandon(coro: Coroutine[Any, Any, Any]) -> None:
+    """Drop a budgeted save that will never be awaited, now: its fence hook is removed
+    (a ``fence()`` waiting on it returns) and its pipeline stopped. Waiting for the
+    coroutine to be collected is not enough: a traceback that holds a frame holding it
+    would keep every later ``fence()`` waiting. No-op for a save already started."""
+    fin = _ABANDON.pop(coro, None)
+    info = fin.peek() if fin is not None else None
+    if info is None or info[2][0].started:
+        return  # running (or done): it cleans up after itself
+    coro.close()
+    assert fin is not None
+    fin()
+
+
+def _forget(pipeline: Pipeline, remove: Callable[[], None]) -> None:
+    remove()
+    pipeline.abort()
+    pipeline.finish()
+
+
+async def _run(
+    pipeline: Pipeline,
+    remove: Callable[[], None],
+    state_dict: dict[str, Any],
+    *,
+    checkpoint_id: str | os.PathLike[str],
+    process_group: Any,
+    no_dist: bool,
+    cuda_device: int | None,
+    on_stats: Callable[[BudgetStats], None] | None,
+) -> Metadata:
+    from async_stager._dcp.save import _save_blocking
+
+    pipeline.started = True
+    fn = functools.partial(
+        _save_blocking,
+        state_dict,
+        no_dist=no_dist,
+        cuda_device=cuda_device,
+        storage_writer=PipelineWriter(checkpoint_id, pipeline),
+        planner=PipelinePlanner(pipeline),
+        process_group=process_group,
+    )
+    fut: Future[Metadata] = Future()
+
+    def target() -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+            error = e
+            own = pipeline.error
+            if isinstance(own, StagingError) and own is not e:
+                # DCP wraps what failed in its writer (CheckpointException); a refusal
+                # of ours (a value beyond the budget, found when serialized) is raised
+                # as itself.
+                error = own
+        # Before the waiter wakes: the ring is freed and the stats are delivered.
+        pipeline.finish()  # also when DCP failed before write_data
+        if on_stats is not None:
+            try:
+                on_stats(pipeline.stats(time.perf_counter() - pipeline.t0))
+            except Exception as e:  # noqa: BLE001 - a failing callback fails the save
+                error = error or e
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    try:
+        threading.Thread(target=target, name="async-stager-dcp-save", daemon=False).start()
+        try:
+            return await wait_future(fut)
+        except BaseException:
+            if not fut.done():
+                # Cancelled mid-stream: stop the copies; DCP's writer then raises
+                # SaveAborted and DCP fails the save before writing any metadata. The
+                # thread is waited for (shielded): the ring must not be in use after.
+                pipeline.abort()
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await wait_future_uninterrupted(fut)
+                    except BaseException:  # noqa: BLE001 - DCP's CheckpointException is one; the cancellation is raised
+                        pass
+            raise
+    finally:
+        remove()

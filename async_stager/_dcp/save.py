@@ -1,0 +1,310 @@
+"""Stage-then-save with PyTorch Distributed Checkpoint (DCP), awaitably.
+
+``await async_stager.dcp.save(sd, stager=stager, checkpoint_id=path)`` stages ``sd``
+into the stager's host buffers (holding a lease on them, see ``Stager.snapshot``; the
+snapshot point is the call to ``save``, even when the coroutine starts later), then
+runs ``torch.distributed.checkpoint.save`` on the staged copy in a worker thread and
+returns the checkpoint's ``Metadata`` once DCP has finished writing it (with DCP's
+``FileSystemWriter``, whose ``sync_files=True`` default fsyncs every file, that means
+durable on disk). The event loop is never blocked: the walk and copies run in the
+stager's worker, the serialization and writes in a thread of their own.
+
+Who owns what: the caller owns ``sd`` and may modify it again as soon as the staging
+half is done; ``save`` returns only after the write, so to overlap training with the
+write, run it as a task (``asyncio.create_task``, a trio nursery) and modify the sources
+only after ``await stager.fence()`` (or once staging is known to be done). The staged
+buffers belong to the stager; the lease keeps later stages out of them until the write
+has finished, so a checkpoint in flight is never torn by the next one (that stage uses
+another buffer set, or waits when ``max_buffer_sets`` are all leased).
+
+Multi-rank jobs: call ``save`` on every rank with the same ``checkpoint_id``; DCP's
+collectives run in the worker thread on the default (or given) process group, exactly
+as DCP's own ``async_save`` does. See docs/recipes.md for gloo and NCCL.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from async_stager._core.aio.waiting import wait_future_uninterrupted
+from async_stager._core.copy.device import caller_cuda_device
+from async_stager._core.run.worker import clear_locals
+from async_stager._dcp.budget import BudgetStats
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.planner import SavePlanner
+    from torch.distributed.checkpoint.storage import StorageWriter
+
+    from async_stager._core.aio.lease import Lease
+    from async_stager._core.aio.stager import Stager
+
+__all__ = ["BudgetStats", "save", "save_staged"]
+
+T = TypeVar("T")
+
+#: DCP warns on every ``no_dist`` save; a caller that asked for ``no_dist=True`` knows.
+_NO_DIST_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized"
+
+
+def save(
+    state_dict: dict[str, Any],
+    *,
+    stager: Stager,
+    checkpoint_id: str | os.PathLike[str] | None = None,
+    storage_writer: StorageWriter | None = None,
+    planner: SavePlanner | None = None,
+    process_group: ProcessGroup | None = None,
+    no_dist: bool = False,
+    host_budget_bytes: int | None = None,
+    on_budget_stats: Callable[[BudgetStats], None] | None = None,
+) -> Coroutine[Any, Any, Metadata]:
+    """Stage ``state_dict`` with ``stager``, then save the staged copy with DCP; await
+    the returned coroutine (or run it as a task) for DCP's ``Metadata``.
+
+    The snapshot point is this call, as for ``Stager.stage``: the values as of now,
+    ordered after the work already queued on the caller's current CUDA stream, even if
+    the coroutine only starts later (``asyncio.create_task``, ``nursery.start_soon``).
+    So ``task = create_task(save(...)); await stager.fence(); optimizer.step()`` is
+    safe. The coroutine returns once ``torch.distributed.checkpoint.save`` has returned,
+    i.e. once every rank's files and the metadata are written (fsynced with the default
+    ``FileSystemWriter``). The staged buffers stay leased until then.
+
+    ``state_dict`` must be DCP-shaped: a ``dict`` with ``str`` keys whose values are
+    tensors, DTensors or nested containers of them and plain Python values; call
+    ``get_state_dict``/``model.state_dict()`` first (objects with a ``state_dict()``
+    method are staged as objects, not called). Other arguments are passed to
+    ``torch.distributed.checkpoint.save``; ``no_dist=True`` saves from this process
+    alone (and silences DCP's warning about it, which the caller asked for).
+
+    Cancellation: while staging, as for ``Stager.snapshot``: nothing was saved and no
+    lease is left behind. Once the save has started it cannot be interrupted (the
+    thread is in DCP's serialization, file writes and, with several ranks, collectives
+    that the other ranks are waiting in), so a cancellation then is deferred: ``save``
+    waits for the thread, releases the lease, and only then raises the cancellation.
+    The checkpoint on disk is then complete, even though ``save`` raised. (Abandoning
+    the thread instead would leave the staged buffers in use by a writer while the
+    stager believes them free.) Errors from DCP propagate unchanged after the lease is
+    released. A coroutine that is dropped without being awaited gives its lease back
+    when it is garbage collected.
+
+    ``host_budget_bytes=N``: stage and write in a pipeline that holds at most ``N``
+    bytes of host memory for what it writes instead of a full staged copy; the stager's
+    buffer sets are not used. Each write item is copied into a ring of ``N`` bytes just
+    ahead of DCP's ``FileSystemWriter`` (one thread, its serial loader) and its memory
+    reused as soon as it is written: a tensor item (a tensor, a DTensor's local shard)
+    in one piece, a non-tensor value (what DCP pickles as a bytes item: an int, a
+    tuple, a dataclass or other object, with the tensors inside it) serialized by
+    ``torch.save`` as DCP would, in pieces, so a CPU tensor inside an object needs no
+    more than the ring. ``await stager.fence()`` returns once the last copy is enqueued
+    (the sources, tensors inside objects included, must not change until then), so it
+    waits as long as the budget forces. ``on_budget_stats`` is called (in the save's
+    thread, before the save returns; an exception from it fails the save) with the
+    BudgetStats (blocked seconds, peak bytes). ``storage_writer`` and ``planner`` must
+    be None (the pipeline brings its own; UnsupportedError otherwise).
+
+    BudgetTooSmallError (with ``path`` and ``needed_bytes``) for what cannot be cut
+    into pieces and is bigger than ``N``: a tensor item; a value's pickle (the value
+    without its CPU tensors' data, which ``torch.save`` builds whole: a big bytes
+    object, numpy array, string or list of numbers); a device tensor inside a value
+    (``torch.save`` moves its storage to host memory whole). Raised at the call, before
+    anything is staged, for what can be seen without pickling; otherwise by the
+    coroutine when the value is serialized (before any metadata is written). The fix
+    it names: store such data as a tensor of the state dict, or a bigger budget.
+    Besides the ring, one such pickle (at most ``N``) is held while its value is
+    serialized.
+
+    Cancellation stops the copies; DCP then fails the write on every rank before any
+    metadata is written (no checkpoint becomes visible), the ring is freed, the fence
+    no longer waits for the save, and the cancellation is raised once DCP's thread has
+    returned. docs/concepts.md has the pipeline.
+
+    Raises ClosedError (at the call) if the stager is closed.
+    """
+    if host_budget_bytes is not None:
+        from async_stager._dcp.budget_save import budgeted_save
+
+        return budgeted_save(
+            state_dict,
+            stager=stager,
+            budget=host_budget_bytes,
+            checkpoint_id=checkpoint_id,
+            storage_writer=storage_writer,
+            planner=planner,
+            process_group=process_group,
+            no_dist=no_dist,
+            on_stats=on_budget_stats,
+        )
+    # The staging job is submitted now, leased (what ``snapshot`` does on entering),
+    # and the caller's CUDA device read now: the coroutine may run in another thread.
+    leasing = stager.lease(state_dict)
+    started = [False]
+    coro = _save(
+        leasing,
+        started,
+        cuda_device=_current_cuda_device(),
+        checkpoint_id=checkpoint_id,
+        storage_writer=storage_writer,
+        planner=planner,
+        process_group=process_group,
+        no_dist=no_dist,
+    )
+    weakref.finalize(coro, _abandon_unstarted, leasing, started)
+    return coro
+
+
+def _abandon_unstarted(leasing: Coroutine[Any, Any, Any], started: list[bool]) -> None:
+    if not started[0]:
+        # Never awaited: closing it (no "never awaited" warning) lets it be collected,
+        # which abandons its job (the lease is released once the job is done).
+        leasing.close()
+
+
+async def _save(
+    leasing: Coroutine[Any, Any, Lease[dict[str, Any]]],
+    started: list[bool],
+    *,
+    cuda_device: int | None,
+    **kwargs: Any,
+) -> Metadata:
+    started[0] = True
+    lease = await leasing  # on cancellation: no lease left behind
+    # Released after the write, whatever happens (the write's cancellation is deferred).
+    with lease as staged:
+        return await _save_staged(staged, cuda_device=cuda_device, **kwargs)
+
+
+def save_staged(
+    staged: dict[str, Any],
+    *,
+    checkpoint_id: str | os.PathLike[str] | None = None,
+    storage_writer: StorageWriter | None = None,
+    planner: SavePlanner | None = None,
+    process_group: ProcessGroup | None = None,
+    no_dist: bool = False,
+) -> Coroutine[Any, Any, Metadata]:
+    """Save an already staged state dict with DCP in a worker thread; await the
+    returned coroutine for DCP's ``Metadata``.
+
+    For callers that hold a lease themselves (``async with stager.snapshot(sd) as
+    staged:``), e.g. to send the same staged copy to a writer process as well. The
+    caller must keep ``staged`` unchanged (leased) until this returns. The caller's
+    CUDA device (which DCP's collectives use) is read at this call, in the calling
+    thread.
+
+    Cancellation: deferred until the save's thread has finished, then raised (see
+    ``save``); the checkpoint on disk is complete in that case.
+    """
+    return _save_staged(
+        staged,
+        cuda_device=_current_cuda_device(),
+        checkpoint_id=checkpoint_id,
+        storage_writer=storage_writer,
+        planner=planner,
+        process_group=process_group,
+        no_dist=no_dist,
+    )
+
+
+async def _save_staged(staged: dict[str, Any], *, cuda_device: int | None, **kwargs: Any) -> Metadata:
+    fn = functools.partial(_save_blocking, staged, cuda_device=cuda_device, **kwargs)
+    metadata: Metadata = await _run_to_completion(fn, name="async-stager-dcp-save")
+    return metadata
+
+
+async def _run_to_completion(fn: Callable[[], T], *, name: str) -> T:
+    """Run ``fn`` in a new thread and wait for it, whatever cancellation comes.
+
+    The thread is not a daemon, so an interpreter that exits waits for a save in flight
+    instead of killing it halfway through a file.
+
+    Cancellation: deferred until ``fn`` has returned, then raised; ``fn``'s result is
+    lost in that case (its side effects, e.g. files written, remain). Both anyio/trio
+    cancel scopes and a native ``asyncio`` ``Task.cancel()`` are deferred (a shielded
+    scope alone does not hold back the latter). If ``fn`` raised as well, the
+    cancellation is raised with ``fn``'s error as its cause.
+    """
+    fut: Future[T] = Future()
+    # Hazard: the thread must let go of ``fn`` (which holds the staged dict) before it
+    # wakes the waiter, or the next stage could find that result still reachable and
+    # pick another buffer set.
+    box = [fn]
+    del fn
+
+    def target() -> None:
+        f = box.pop()
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            result = f()
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+            del f
+            clear_locals(e)  # its frames hold the staged dict
+            fut.set_exception(e)
+            return
+        del f
+        fut.set_result(result)
+
+    threading.Thread(target=target, name=name, daemon=False).start()
+    return await wait_future_uninterrupted(fut)
+
+
+def _current_cuda_device() -> int | None:
+    """The calling thread's CUDA device, if CUDA is in use in this process: its current
+    device when that has a context, else the first device that has one (never one
+    without: the save thread's ``set_device`` would create a context there)."""
+    return caller_cuda_device()
+
+
+def host_writer(storage_writer: StorageWriter | None, checkpoint_id: Any) -> StorageWriter | None:
+    """The writer DCP would pick for a plain path, told that the data is on the host.
+
+    Hazard: DCP's default ``FileSystemWriter`` loads through ``_OverlappingCpuLoader``
+    whenever CUDA is available, which synchronizes the caller's current stream every
+    ``per_thread_copy_ahead`` bytes (10 MB), so a save of host tensors waited for
+    training every 10 MB. ``per_thread_copy_ahead=0`` selects the serial loader, which
+    needs no stream. A caller's own writer is kept as given; a non-path id (an fsspec
+    URL, None) is left to DCP.
+    """
+    if storage_writer is not None or not isinstance(checkpoint_id, (str, os.PathLike)):
+        return storage_writer
+    if "://" in os.fspath(checkpoint_id):
+        return None
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    return FileSystemWriter(checkpoint_id, per_thread_copy_ahead=0)
+
+
+def _save_blocking(
+    staged: dict[str, Any], *, no_dist: bool, cuda_device: int | None = None, **kwargs: Any
+) -> Metadata:
+    """The DCP save itself (worker thread). Blocks for the serialization and writes.
+
+    The current CUDA device is per thread: a new thread starts on device 0, and DCP
+    runs NCCL collectives on ``torch.cuda.current_device()``, so the caller's device
+    is set here first (rank k on GPU k would otherwise talk on GPU 0).
+    """
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    if cuda_device is not None:
+        torch.cuda.set_device(cuda_device)
+    kwargs["storage_writer"] = host_writer(kwargs.get("storage_writer"), kwargs.get("checkpoint_id"))
+    if not no_dist:
+        metadata: Metadata = dcp_save(staged, no_dist=False, **kwargs)
+        return metadata
+    # Hazard: catch_warnings swaps the process-wide filter list for the duration of the
+    # save; a thread that changes warning filters at the same time may lose its change.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_DIST_WARNING, category=UserWarning)
+        metadata = dcp_save(staged, no_dist=True, **kwargs)
+    return metadata

@@ -1,0 +1,1 @@
+"""_share: see CONTRIBUTING.md (the layers)."""
