@@ -5,81 +5,114 @@ into reusable pinned and/or shared host memory without blocking an asyncio or tr
 event loop. ``DefaultStager`` keeps PyTorch DCP's staging API on the same engine.
 """
 
-from async_stager._checkpoint.checkpointer import Checkpointer, CheckpointerOptions, SaveStats
+from async_stager._checkpoint.checkpointer import (
+    Checkpointer,
+    CheckpointerOptions as CheckpointerOptions,
+    SaveStats,
+)
 from async_stager._checkpoint.shutdown import Shutdown
 from async_stager._core.aio.lease import Lease
 from async_stager._core.aio.stager import Stager
-from async_stager._core.aio.waiting import Backoff
+from async_stager._core.aio.waiting import Backoff as Backoff
 from async_stager._core.checksum.digest import Checksums
-from async_stager._core.options import StagerOptions
+from async_stager._core.options import StagerOptions as StagerOptions
 from async_stager._core.stats import StageStats
 from async_stager._dcp.default_stager import DefaultStager
 from async_stager._dcp.interface import CheckpointStager, CheckpointStagerConfig
 from async_stager._share.handoff import (
-    AttachedStateDict,
-    SharedArenaRef,
-    SharedHandle,
-    attach_shared,
-    export_shared,
+    AttachedStateDict as AttachedStateDict,
+    SharedArenaRef as SharedArenaRef,
+    SharedHandle as SharedHandle,
+    attach_shared as attach_shared,
+    export_shared as export_shared,
 )
 from async_stager.errors import (
-    AcceleratorRequiredError,
-    BudgetTooSmallError,
+    AcceleratorRequiredError as AcceleratorRequiredError,
+    BudgetTooSmallError as BudgetTooSmallError,
     BuffersHeldError,
     CheckpointError,
-    ClosedError,
-    CopyError,
-    HostAllocationError,
+    ClosedError as ClosedError,
+    CopyError as CopyError,
+    HostAllocationError as HostAllocationError,
     HostLimitError,
     IntegrityError,
-    InvalidOptionError,
-    InvalidOptionTypeError,
-    NestingError,
-    PinningError,
+    InvalidOptionError as InvalidOptionError,
+    InvalidOptionTypeError as InvalidOptionTypeError,
+    NestingError as NestingError,
+    PinningError as PinningError,
     StagingError,
-    UncopyableObjectError,
-    UnsupportedError,
-    UnsupportedTensorError,
+    UncopyableObjectError as UncopyableObjectError,
+    UnsupportedError as UnsupportedError,
+    UnsupportedTensorError as UnsupportedTensorError,
 )
 
 # The one source of the version: pyproject.toml reads it (dynamic, setuptools attr:).
 __version__ = "0.1.0"
 
 __all__ = [
+    # Staging: a state dict into reusable host memory, awaitably.
+    "Stager",
+    "Lease",
+    "StageStats",
+    "Checksums",
+    # The checkpoint manager.
+    "Checkpointer",
+    "SaveStats",
+    "Shutdown",
+    # The drop-in for DCP's and torch_checkpointing's staging (also in async_stager.dcp).
+    "DefaultStager",
+    "CheckpointStager",
+    "CheckpointStagerConfig",
+    # The errors a user catches (the whole hierarchy: async_stager.errors).
+    "StagingError",
+    "CheckpointError",
+    "IntegrityError",
+    "BuffersHeldError",
+    "HostLimitError",
+    "__version__",
+]
+
+#: Importable from here as before, not advertised: the rest of the error hierarchy
+#: (``async_stager.errors``), the writer-process handoff (``async_stager.share``), and
+#: the options records and polling knob.
+_COMPAT = [
     "AcceleratorRequiredError",
     "AttachedStateDict",
     "Backoff",
     "BudgetTooSmallError",
-    "BuffersHeldError",
-    "CheckpointError",
-    "CheckpointStager",
-    "CheckpointStagerConfig",
-    "Checkpointer",
     "CheckpointerOptions",
-    "Checksums",
     "ClosedError",
     "CopyError",
-    "DefaultStager",
     "HostAllocationError",
-    "HostLimitError",
-    "IntegrityError",
     "InvalidOptionError",
     "InvalidOptionTypeError",
-    "Lease",
     "NestingError",
     "PinningError",
-    "SaveStats",
     "SharedArenaRef",
     "SharedHandle",
-    "Shutdown",
-    "StageStats",
-    "Stager",
     "StagerOptions",
-    "StagingError",
     "UncopyableObjectError",
     "UnsupportedError",
     "UnsupportedTensorError",
     "attach_shared",
     "export_shared",
-    "__version__",
 ]
+
+
+def _home() -> None:
+    """Give each public object the module a user imports it from (reprs, pickles: a
+    ``SharedHandle`` crosses processes), not the private one that defines it."""
+    homes = {"errors": "async_stager.errors", "_share": "async_stager.share"}
+    for name in [*__all__, *_COMPAT]:
+        obj = globals()[name]
+        module = getattr(obj, "__module__", None)
+        if not isinstance(module, str) or not module.startswith("async_stager."):
+            continue
+        layer = module.split(".")[1]
+        try:
+            obj.__module__ = homes.get(layer, "async_stager")
+        except (AttributeError, TypeError):
+            pass
+
+
+_home()

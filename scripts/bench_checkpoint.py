@@ -136,8 +136,7 @@ async def loop(
         ckpt = Checkpointer(out, keep=2, on_saved=SAVES.append)
         await ckpt.__aenter__()
     elif mode == "dcp-torch-stager":
-        from torch.distributed.checkpoint.staging import DefaultStager as TorchStager
-        from torch.distributed.checkpoint.staging import StagingOptions
+        from torch.distributed.checkpoint.staging import DefaultStager as TorchStager, StagingOptions
 
         # Its defaults assume CUDA (pinning, non-blocking copies); on the CPU those are off.
         stager = TorchStager(StagingOptions(use_pinned_memory=False, use_non_blocking_copy=False))

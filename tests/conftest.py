@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+
+# tests/ is a package (for mypy); its helper modules (helpers.py, the child scripts)
+# are imported by their plain names, as the child processes import them.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 HAS_CUDA = torch.cuda.is_available()
 #: Stress runs are on when ASYNC_STAGER_STRESS is set to anything but "" or "0".

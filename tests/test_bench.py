@@ -15,8 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from async_stager._cli import bench as _bench
-from async_stager._cli import main as cli
+from async_stager._cli import bench as _bench, main as cli
 from async_stager._cli.report import (
     BenchReport,
     BoundResult,

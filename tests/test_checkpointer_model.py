@@ -75,8 +75,7 @@ import anyio
 import anyio.from_thread
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, Phase, settings, strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,

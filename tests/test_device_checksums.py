@@ -15,8 +15,7 @@ import torch
 from async_stager import Checkpointer, Checksums, IntegrityError, Stager
 from async_stager.__main__ import main as cli_main
 from async_stager._checkpoint.integrity import checksum_state
-from async_stager._core.checksum import digest as _digest
-from async_stager._core.checksum import wordhash as _wordhash
+from async_stager._core.checksum import digest as _digest, wordhash as _wordhash
 from async_stager.testing import FakeBackend
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]

@@ -14,8 +14,7 @@ import pytest
 import torch
 from helpers import assert_same, make_engine, stage_sync
 
-from async_stager._core.copy import hostcopy as _hostcopy
-from async_stager._core.copy import openmp as _openmp
+from async_stager._core.copy import hostcopy as _hostcopy, openmp as _openmp
 from async_stager._core.copy.hostcopy import GROUP_MAX, MIN_POOL_BYTES, CopyPool, Schedule, pieces, schedule
 from async_stager._core.copy.openmp import helpers_supported, omp_threads
 

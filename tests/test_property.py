@@ -7,8 +7,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import assert_same, make_engine, stage_sync
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from async_stager.testing import FakeBackend
 

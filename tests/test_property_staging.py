@@ -25,8 +25,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import bits, make_engine, stage_sync
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 from async_stager.testing import FakeBackend
 

@@ -28,8 +28,7 @@ import anyio.lowlevel
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from async_stager._checkpoint import commit as _commit
-from async_stager._checkpoint import integrity as _integrity
+from async_stager._checkpoint import commit as _commit, integrity as _integrity
 from async_stager._checkpoint.options import CheckpointerOptions, Format, Policy, SaveStats
 from async_stager._checkpoint.ranks import Ranks
 from async_stager._checkpoint.statefuls import (

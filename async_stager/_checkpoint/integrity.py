@@ -35,10 +35,14 @@ from typing import Any
 
 import torch
 
-from async_stager._core.checksum.digest import ALGORITHM, PIECE_BYTES, Checksums, tensor_digest
-from async_stager._core.checksum.digest import chunk_key as key
-from async_stager._core.checksum.wordhash import ALGORITHM as WSUM64
-from async_stager._core.checksum.wordhash import wsum64_digest
+from async_stager._core.checksum.digest import (
+    ALGORITHM,
+    PIECE_BYTES,
+    Checksums,
+    chunk_key as key,
+    tensor_digest,
+)
+from async_stager._core.checksum.wordhash import ALGORITHM as WSUM64, wsum64_digest
 from async_stager.errors import IntegrityError
 
 __all__ = [

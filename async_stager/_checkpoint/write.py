@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
-from async_stager._checkpoint import commit as _commit
-from async_stager._checkpoint import integrity as _integrity
+from async_stager._checkpoint import commit as _commit, integrity as _integrity
 from async_stager._checkpoint.options import CheckpointerOptions, SaveStats
 from async_stager._checkpoint.ranks import Ranks
 from async_stager._checkpoint.statefuls import (

@@ -68,8 +68,7 @@ def _state_dict(rank: int, tensors: int, nbytes: int) -> dict[str, torch.Tensor]
 
 def _make_stager(kind: str) -> Any:
     if kind == "dcp":
-        from torch.distributed.checkpoint.staging import DefaultStager as DcpStager
-        from torch.distributed.checkpoint.staging import StagingOptions
+        from torch.distributed.checkpoint.staging import DefaultStager as DcpStager, StagingOptions
 
         return DcpStager(
             StagingOptions(

@@ -27,8 +27,7 @@ from typing import Any
 
 import torch
 
-from async_stager._core.checksum.wordhash import ALGORITHM as WSUM64
-from async_stager._core.checksum.wordhash import wsum64_digest
+from async_stager._core.checksum.wordhash import ALGORITHM as WSUM64, wsum64_digest
 from async_stager.errors import UnsupportedError
 
 __all__ = [
