@@ -65,7 +65,7 @@ def test_dcp_writer_for_host_data_never_syncs_a_stream(tmp_path: Path) -> None:
     # per_thread_copy_ahead bytes; 0 selects the serial loader, which needs none.
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from async_stager._dcp.save import host_writer
+    from async_stager._dcp.blocking import host_writer
 
     w = host_writer(None, tmp_path / "ckpt")
     assert isinstance(w, FileSystemWriter) and w.per_thread_copy_ahead == 0

@@ -203,7 +203,7 @@ class Writer:
         return manifest, file_entry, checksum_seconds, nbytes
 
     def _dcp_writer(self, staged: dict[str, Any], tmp: Path) -> Callable[[], Any]:
-        from async_stager._dcp.save import _save_blocking, host_writer
+        from async_stager._dcp.blocking import _save_blocking, host_writer
 
         kwargs: dict[str, Any] = {
             "checkpoint_id": str(tmp),

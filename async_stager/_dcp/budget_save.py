@@ -371,7 +371,7 @@ async def _run(
     cuda_device: int | None,
     on_stats: Callable[[BudgetStats], None] | None,
 ) -> Metadata:
-    from async_stager._dcp.save import _save_blocking
+    from async_stager._dcp.blocking import _save_blocking
 
     pipeline.started = True
     fn = functools.partial(

@@ -27,17 +27,15 @@ from __future__ import annotations
 import functools
 import os
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
-
 from async_stager._core.aio.waiting import wait_future_uninterrupted
 from async_stager._core.copy.device import caller_cuda_device
 from async_stager._core.run.worker import clear_locals
+from async_stager._dcp.blocking import _save_blocking as _save_blocking  # patched by tests
 from async_stager._dcp.budget import BudgetStats
 
 if TYPE_CHECKING:
@@ -52,9 +50,6 @@ if TYPE_CHECKING:
 __all__ = ["BudgetStats", "save", "save_staged"]
 
 T = TypeVar("T")
-
-#: DCP warns on every ``no_dist`` save; a caller that asked for ``no_dist=True`` knows.
-_NO_DIST_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized"
 
 
 def save(
@@ -264,47 +259,3 @@ def _current_cuda_device() -> int | None:
     device when that has a context, else the first device that has one (never one
     without: the save thread's ``set_device`` would create a context there)."""
     return caller_cuda_device()
-
-
-def host_writer(storage_writer: StorageWriter | None, checkpoint_id: Any) -> StorageWriter | None:
-    """The writer DCP would pick for a plain path, told that the data is on the host.
-
-    Hazard: DCP's default ``FileSystemWriter`` loads through ``_OverlappingCpuLoader``
-    whenever CUDA is available, which synchronizes the caller's current stream every
-    ``per_thread_copy_ahead`` bytes (10 MB), so a save of host tensors waited for
-    training every 10 MB. ``per_thread_copy_ahead=0`` selects the serial loader, which
-    needs no stream. A caller's own writer is kept as given; a non-path id (an fsspec
-    URL, None) is left to DCP.
-    """
-    if storage_writer is not None or not isinstance(checkpoint_id, (str, os.PathLike)):
-        return storage_writer
-    if "://" in os.fspath(checkpoint_id):
-        return None
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    return FileSystemWriter(checkpoint_id, per_thread_copy_ahead=0)
-
-
-def _save_blocking(
-    staged: dict[str, Any], *, no_dist: bool, cuda_device: int | None = None, **kwargs: Any
-) -> Metadata:
-    """The DCP save itself (worker thread). Blocks for the serialization and writes.
-
-    The current CUDA device is per thread: a new thread starts on device 0, and DCP
-    runs NCCL collectives on ``torch.cuda.current_device()``, so the caller's device
-    is set here first (rank k on GPU k would otherwise talk on GPU 0).
-    """
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
-    if cuda_device is not None:
-        torch.cuda.set_device(cuda_device)
-    kwargs["storage_writer"] = host_writer(kwargs.get("storage_writer"), kwargs.get("checkpoint_id"))
-    if not no_dist:
-        metadata: Metadata = dcp_save(staged, no_dist=False, **kwargs)
-        return metadata
-    # Hazard: catch_warnings swaps the process-wide filter list for the duration of the
-    # save; a thread that changes warning filters at the same time may lose its change.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_NO_DIST_WARNING, category=UserWarning)
-        metadata = dcp_save(staged, no_dist=True, **kwargs)
-    return metadata

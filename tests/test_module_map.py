@@ -1,0 +1,48 @@
+"""docs/concepts.md's module map names every module of the package, each once, in the
+package that holds it (issue 23: the map had left 15 modules out)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import async_stager
+
+PKG = Path(async_stager.__file__).parent
+CONCEPTS = PKG.parent / "docs" / "concepts.md"
+
+
+def _documented() -> set[str]:
+    text = CONCEPTS.read_text(encoding="utf-8")
+    start = text.index("| package | module | what it holds |")
+    rows = []
+    for line in text[start:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    found = set()
+    for row in rows:
+        package, modules = (cell.strip() for cell in row.strip("|").split("|")[:2])
+        package = package.strip("`")
+        prefix = "" if package == "async_stager" else package + "/"
+        for name in re.findall(r"`([^`]+)`", modules):
+            found.add(prefix + name)
+    return found
+
+
+def _real() -> set[str]:
+    out = set()
+    for path in PKG.rglob("*.py"):
+        if "__pycache__" in path.parts:
+            continue
+        rel = path.relative_to(PKG).with_suffix("")
+        if rel.name == "__init__" and len(rel.parts) > 1:
+            continue  # a layer's package marker
+        out.add(str(rel))
+    return out
+
+
+def test_the_module_map_lists_every_module() -> None:
+    documented, real = _documented(), _real()
+    assert not real - documented, f"modules missing from docs/concepts.md's map: {sorted(real - documented)}"
+    assert not documented - real, f"docs/concepts.md's map names modules that do not exist: {sorted(documented - real)}"
