@@ -488,7 +488,7 @@ async def save(path, sd):
         async with Stager(pin_memory=False) as stager:
             await adcp.save(sd, stager=stager, checkpoint_id=path, no_dist=True, host_budget_bytes=budget)
     else:
-        async with Checkpointer(path, host_budget_bytes=budget, checksum=False) as ckpt:
+        async with Checkpointer(path, host_budget_bytes=budget, checksums=False) as ckpt:
             await ckpt.save(sd, step=1)
             await ckpt.wait()
 

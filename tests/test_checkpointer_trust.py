@@ -437,7 +437,7 @@ async def test_a_damaged_dcp_data_file_is_an_integrity_error_and_falls_back(
     else:
         data.unlink()
     for checksum in (True, False):
-        async with Checkpointer(tmp_path, checksum=checksum) as ckpt:
+        async with Checkpointer(tmp_path, checksums=checksum) as ckpt:
             with pytest.raises(IntegrityError):
                 await ckpt.restore({"w": torch.zeros(1 << 12)}, fallback=False)
             out = {"w": torch.zeros(1 << 12)}
@@ -648,7 +648,7 @@ async def test_an_interrupt_inside_dcps_reader_stops_restore_instead_of_falling_
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    async with Checkpointer(tmp_path, keep=2, checksum=checksum) as ckpt:
+    async with Checkpointer(tmp_path, keep=2, checksums=checksum) as ckpt:
         for step in (1, 2):
             await ckpt.save({"w": torch.full((64,), float(step))}, step=step)
         await ckpt.wait()
@@ -665,7 +665,7 @@ async def test_an_interrupt_inside_dcps_reader_stops_restore_instead_of_falling_
         dcp.load({"w": torch.zeros(64)}, checkpoint_id=str(tmp_path / "step-00000001"), no_dist=True)
     assert any(isinstance(f[0] if isinstance(f, tuple) else f, stop) for f in wrapped.value.failures.values())
     reads.clear()
-    async with Checkpointer(tmp_path, checksum=checksum) as ckpt:
+    async with Checkpointer(tmp_path, checksums=checksum) as ckpt:
         out = {"w": torch.zeros(64)}
         with pytest.raises(stop) as info:
             await ckpt.restore(out)

@@ -45,4 +45,6 @@ def _real() -> set[str]:
 def test_the_module_map_lists_every_module() -> None:
     documented, real = _documented(), _real()
     assert not real - documented, f"modules missing from docs/concepts.md's map: {sorted(real - documented)}"
-    assert not documented - real, f"docs/concepts.md's map names modules that do not exist: {sorted(documented - real)}"
+    assert not documented - real, (
+        f"docs/concepts.md's map names modules that do not exist: {sorted(documented - real)}"
+    )

@@ -16,6 +16,7 @@ import math
 import os
 import time
 import traceback
+import warnings
 import weakref
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -178,18 +179,29 @@ class Checkpointer:
         format: Format = "dcp",
         max_in_flight: int = 1,
         policy: Policy = "wait",
-        checksum: bool = True,
+        checksums: bool = True,
         checksum_threads: int | None = None,
         host_budget_bytes: int | None = None,
         stager: Stager | None = None,
         process_group: ProcessGroup | None = None,
         on_saved: Callable[[SaveStats], None] | None = None,
+        checksum: bool | None = None,
     ) -> None:
         import torch.distributed.checkpoint  # noqa: F401 - imported here, not first in two threads at once
 
+        if checksum is not None:
+            # One spelling per feature (``Stager.stage(checksums=...)``); the old one
+            # still works, with a warning.
+            warnings.warn(
+                "Checkpointer(checksum=...) is now Checkpointer(checksums=...)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            checksums = checksum
+
         threads = checksum_threads if checksum_threads is not None else max(1, (os.cpu_count() or 2) - 1)
         self.options = CheckpointerOptions(
-            Path(directory), keep, format, max_in_flight, policy, checksum, threads, host_budget_bytes
+            Path(directory), keep, format, max_in_flight, policy, checksums, threads, host_budget_bytes
         )
         self._ranks = Ranks.resolve(process_group)
         if self._ranks.distributed and policy != "wait":
@@ -440,7 +452,7 @@ class Checkpointer:
                 if free <= 0:
                     break
                 if item.phase == "deferred" and item.sd is not None:
-                    item.stage = self.stager.lease(item.sd, checksums=opts.checksum)
+                    item.stage = self.stager.lease(item.sd, checksums=opts.checksums)
                     item.sd = None
                     item.phase = "staging"
                     item.queued = time.monotonic() - item.called
@@ -552,7 +564,7 @@ class Checkpointer:
                 process_group=ranks.group,
                 no_dist=not ranks.distributed,
                 on_stats=item.budget.append,
-                digests=item.digests if self.options.checksum else None,
+                digests=item.digests if self.options.checksums else None,
             )
         except Exception as exc:  # noqa: BLE001 - refused at its start: raised to the save's caller
             item.error = exc
@@ -789,7 +801,7 @@ class Checkpointer:
         return None
 
     async def _verify(self, step: int, folder: Path) -> None:
-        if not self.options.checksum or self.options.format == "torch":
+        if not self.options.checksums or self.options.format == "torch":
             return  # torch: verified in _load, the file before it is unpickled
         ranks = self._ranks
 
@@ -810,7 +822,7 @@ class Checkpointer:
         if self.options.format == "dcp":
             load_dcp(state, folder, step, group=self._ranks.group, distributed=self._ranks.distributed)
             return
-        manifest = _integrity.load_manifest(folder, step) if self.options.checksum else None
+        manifest = _integrity.load_manifest(folder, step) if self.options.checksums else None
         damaged: IntegrityError | None = None
         if manifest is not None:
             try:

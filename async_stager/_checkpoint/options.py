@@ -26,7 +26,7 @@ class CheckpointerOptions:
     format: Format = "dcp"
     max_in_flight: int = 1
     policy: Policy = "wait"
-    checksum: bool = True
+    checksums: bool = True
     checksum_threads: int = 1
     host_budget_bytes: int | None = None
 

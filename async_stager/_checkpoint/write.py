@@ -178,7 +178,7 @@ class Writer:
         # released.
         hashing = (
             _integrity.checksum_in_thread(staged, opts.checksum_threads, lease.checksums)
-            if opts.checksum
+            if opts.checksums
             else None
         )
         file_entry: dict[str, Any] | None = None
@@ -275,7 +275,7 @@ class Writer:
         for m in manifests:
             merged.update(m)  # a replicated tensor: every rank staged the same values
         with self._commit_lock, _commit.folder_lock(self.root):
-            if self.options.checksum:
+            if self.options.checksums:
                 if self.options.format == "dcp":
                     files, objects = dcp_stored(tmp)
                     if (tmp / KEYS).exists():

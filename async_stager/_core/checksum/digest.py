@@ -62,7 +62,7 @@ def hasher() -> Any:
             except ImportError as exc:
                 raise UnsupportedError(
                     "checksums need the xxhash package (XXH3-64): pip install xxhash, "
-                    "or turn checksums off (checksum=False)"
+                    "or turn checksums off (checksums=False)"
                 ) from exc
             _module = xxhash
     return _module
