@@ -175,3 +175,13 @@ async def test_an_unusable_folder_is_a_clear_error_at_open(tmp_path: Path, odd: 
         async with Checkpointer(root):
             pass
     assert (odd if odd != "file" else "is a file") in str(info.value)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+def test_checksum_is_spelled_checksums_and_the_old_spelling_warns(tmp_path: Path) -> None:
+    """One spelling per feature (issue 23): ``checksums=``, as ``Stager.stage``;
+    ``checksum=`` still works, with a DeprecationWarning."""
+    assert Checkpointer(tmp_path, checksums=False).options.checksums is False
+    with pytest.warns(DeprecationWarning, match="checksums="):
+        ckpt = Checkpointer(tmp_path, checksum=False)
+    assert ckpt.options.checksums is False
