@@ -177,7 +177,6 @@ async def test_an_unusable_folder_is_a_clear_error_at_open(tmp_path: Path, odd: 
     assert (odd if odd != "file" else "is a file") in str(info.value)
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 def test_checksum_is_spelled_checksums_and_the_old_spelling_warns(tmp_path: Path) -> None:
     """One spelling per feature (issue 23): ``checksums=``, as ``Stager.stage``;
     ``checksum=`` still works, with a DeprecationWarning."""
