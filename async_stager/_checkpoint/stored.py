@@ -52,30 +52,18 @@ def file_digest(path: Path, offset: int = 0, length: int | None = None) -> dict[
     """``{"bytes": n, "digest": [...]}`` of ``length`` bytes of ``path`` from ``offset``
     (to the end if None); a short file gives fewer bytes (which then mismatch). Reads
     through one 1 MiB buffer (a budgeted save's commit must not hold 8 MiB pieces)."""
-    xxh = hasher()
-    digest: list[int] = []
-    total = 0
+    out = _Digester()
     buf = bytearray(_READ_BYTES)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         f.seek(offset)
-        piece, fill = xxh.xxh3_64(), 0
-        while length is None or total < length:
-            want = min(_READ_BYTES, PIECE_BYTES - fill)
-            if length is not None:
-                want = min(want, length - total)
+        while length is None or out.total < length:
+            want = _READ_BYTES if length is None else min(_READ_BYTES, length - out.total)
             got = f.readinto(view[:want])
             if not got:
                 break
-            piece.update(view[:got])
-            fill += got
-            total += got
-            if fill == PIECE_BYTES:
-                digest.append(int(piece.intdigest()))
-                piece, fill = xxh.xxh3_64(), 0
-        if fill or not digest:
-            digest.append(int(piece.intdigest()))
-    return {"bytes": total, "digest": digest}
+            out.update(view[:got])
+    return {"bytes": out.total, "digest": out.result()}
 
 
 class _Digester:
@@ -207,26 +195,12 @@ class HashingFile:
 
     def __init__(self, f: IO[bytes]) -> None:
         self._f = f
-        self._xxh = hasher()
-        self._piece = self._xxh.xxh3_64()
-        self._fill = 0
-        self._total = 0
-        self._digest: list[int] = []
+        self._digester = _Digester()
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         n = self._f.write(view)
-        at = 0
-        while at < len(view):
-            take = min(PIECE_BYTES - self._fill, len(view) - at)
-            self._piece.update(view[at : at + take])
-            self._fill += take
-            at += take
-            if self._fill == PIECE_BYTES:
-                self._digest.append(int(self._piece.intdigest()))
-                self._piece = self._xxh.xxh3_64()
-                self._fill = 0
-        self._total += len(view)
+        self._digester.update(view)
         return n if n is not None else len(view)
 
     def flush(self) -> None:
@@ -236,10 +210,7 @@ class HashingFile:
         return self._f.fileno()
 
     def result(self) -> dict[str, Any]:
-        digest = list(self._digest)
-        if self._fill or not digest:
-            digest.append(int(self._piece.intdigest()))
-        return {"bytes": self._total, "digest": digest}
+        return {"bytes": self._digester.total, "digest": self._digester.result()}
 
 
 def dcp_stored(folder: Path) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
