@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -359,7 +360,8 @@ def draw_key(data: st.DataObject, world: World, n: int) -> Any:
 
 @pytest.mark.parametrize("kind", ["cpu", "fake-device"])
 @settings(
-    max_examples=50,
+    # The default run: 30 programs a kind; the stress run (ASYNC_STAGER_STRESS=1) 300.
+    max_examples=300 if os.environ.get("ASYNC_STAGER_STRESS", "") not in ("", "0") else 30,
     deadline=None,
     derandomize=True,
     # No shrinking: a stage costs milliseconds, and shrinking a failure took minutes;
