@@ -10,6 +10,7 @@ from async_stager._checkpoint.checkpointer import (
     CheckpointerOptions as CheckpointerOptions,
     SaveStats,
 )
+from async_stager._checkpoint.progress import SaveProgress as SaveProgress, SaveRequest
 from async_stager._checkpoint.shutdown import Shutdown
 from async_stager._core.aio.lease import Lease
 from async_stager._core.aio.stager import Stager
@@ -58,6 +59,7 @@ __all__ = [
     # The checkpoint manager.
     "Checkpointer",
     "SaveStats",
+    "SaveRequest",
     "Shutdown",
     # The drop-in for DCP's and torch_checkpointing's staging (also in async_stager.dcp).
     "DefaultStager",
@@ -88,6 +90,7 @@ _COMPAT = [
     "InvalidOptionTypeError",
     "NestingError",
     "PinningError",
+    "SaveProgress",
     "SharedArenaRef",
     "SharedHandle",
     "StagerOptions",

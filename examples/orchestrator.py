@@ -1,6 +1,9 @@
 """An asyncio orchestration service: train, checkpoint periodically, and on SIGTERM
 take a final checkpoint within a deadline and exit cleanly.
 
+A timer task asks for a checkpoint every ``--interval`` seconds with
+``Checkpointer.request_save()`` (as a request handler of a real service would); the
+training loop takes the request at its step boundary with ``save_if_requested``.
 The Checkpointer does the checkpointing: ``save`` returns once the state is staged, the
 write (``torch.save`` to a temporary folder, fsync, atomic rename, ``latest``, keep the
 newest 3) runs in the background, and with ``policy="skip"`` a tick that comes while a
@@ -27,7 +30,6 @@ import argparse
 import asyncio
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +112,15 @@ async def serve(out: Path, interval: float, width: int, deadline: float) -> int:
     ):
         step = await ckpt.restore(state) or 0
         print(f"ready pid {os.getpid()} at step {step}", flush=True)
-        next_save = time.monotonic() + interval
+
+        async def every_interval() -> None:
+            # The service side (here a timer; a request handler works the same): it
+            # asks for a save and never touches the training state.
+            while True:
+                await asyncio.sleep(interval)
+                ckpt.request_save()
+
+        timer = asyncio.create_task(every_interval())
         while not stop.requested:
             loss = nn.functional.mse_loss(model(x), y)
             optimizer.zero_grad()
@@ -120,10 +130,11 @@ async def serve(out: Path, interval: float, width: int, deadline: float) -> int:
             scheduler.step()
             step += 1
             state["step"] = step
-            if time.monotonic() >= next_save:
-                await ckpt.save(state, step=step)  # skipped while the last one is writing
-                next_save = time.monotonic() + interval
-            await asyncio.sleep(0)  # a step boundary: the signal is seen here
+            # The step boundary: a requested save is taken here (skipped while the last
+            # one is writing).
+            await ckpt.save_if_requested(state, step=step)
+            await asyncio.sleep(0)  # the signal and the timer are seen here
+        timer.cancel()
         code = await stop.final_checkpoint(ckpt, state, step=step, deadline=deadline)
         if code == 0:
             print(f"final step {step} in {stop.seconds:.3f} s", flush=True)

@@ -31,6 +31,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from async_stager._checkpoint import commit as _commit, integrity as _integrity
 from async_stager._checkpoint.options import CheckpointerOptions, Format, Policy, SaveStats
+from async_stager._checkpoint.progress import SaveProgress, SaveRequest, progress_of
 from async_stager._checkpoint.ranks import Ranks
 from async_stager._checkpoint.statefuls import (
     TORCH_FILE,
@@ -226,6 +227,7 @@ class Checkpointer:
         self._read_only = False
         self._seq = 0
         self._items: list[SaveItem] = []
+        self._request: SaveRequest | None = None
         self._writing = 0
         self._changed: anyio.Event | None = None
         #: Failed writes not yet raised, (call order, error): raised oldest call first.
@@ -285,6 +287,9 @@ class Checkpointer:
             return None
         tg = self._tg
         self._closing = True  # no new saves; the queued ones still start
+        request, self._request = self._request, None
+        if request is not None:
+            request._finish(None)  # never taken: no save answers it
         try:
             with anyio.CancelScope(shield=True) as scope:
                 if self._leave_at is not None:
@@ -490,6 +495,8 @@ class Checkpointer:
         if dropped:
             item.superseded = True
             self.dropped.append(item.step)
+        if item.request is not None:
+            item.request._finish(item.stats if item.committed else None, item.failure)
         self._advance()
         self._notify()
 
@@ -642,6 +649,57 @@ class Checkpointer:
         for item in list(self._items):
             await item.done.wait()
 
+    # -- what a service sees and asks for ------------------------------------------
+
+    def in_flight(self) -> list[SaveProgress]:
+        """The saves not yet ended (committed, failed or dropped), oldest call first:
+        step, phase, seconds since the call. A snapshot; cheap (no I/O)."""
+        now = time.monotonic()
+        return [progress_of(i, now) for i in self._items]
+
+    def request_save(self) -> SaveRequest:
+        """Ask for a save from any task of this event loop (a request handler, a timer):
+        the training loop takes it at its next ``save_if_requested`` call, its step
+        boundary. Requests not yet taken are one request. ``await request.wait()`` for
+        its commit. Raises ClosedError if not open."""
+        self._check_open()
+        if self._request is None:
+            self._request = SaveRequest()
+        return self._request
+
+    @property
+    def save_requested(self) -> bool:
+        """A request waits for the training loop's next ``save_if_requested``."""
+        return self._request is not None
+
+    async def save_if_requested(self, state: dict[str, Any], *, step: int) -> bool:
+        """At a step boundary: ``save(state, step=step)`` if a save was requested (the
+        request then answers with this save), else nothing (no yield to the loop).
+        Returns whether a save was accepted (False: none requested, or ``"skip"``
+        skipped it, which answers the request with None). Raises as ``save``.
+        Cancellation: as ``save``; the request is then answered with None."""
+        request, self._request = self._request, None
+        if request is None:
+            return False
+        request.step = step
+        seq = self._seq
+        try:
+            coro = self.save(state, step=step)
+        except BaseException as exc:
+            request._finish(None, exc if isinstance(exc, Exception) else None)
+            raise
+        made = [i for i in self._items if i.seq == seq]  # the save this call made, if any
+        if made:
+            made[0].request = request
+        try:
+            accepted = await coro
+        except BaseException as exc:
+            request._finish(None, exc if isinstance(exc, Exception) else None)
+            raise
+        if not accepted:
+            request._finish(None)
+        return accepted
+
     def saved(self) -> MemoryObjectReceiveStream[SaveStats]:
         """An async iterator of the SaveStats of every commit from now on; it ends when
         the Checkpointer closes. ``async for stats in ckpt.saved(): ...``"""
@@ -662,7 +720,7 @@ class Checkpointer:
                 # (an executing frame, this one, cannot be cleared).
                 self._record_failure(item, outcome)
             else:
-                stats = outcome
+                stats = item.stats = outcome
             del outcome
         finally:
             if not item.committed and not self._abandoned:
@@ -736,6 +794,7 @@ class Checkpointer:
         )
         if failure is not exc:
             failure.__cause__ = exc
+        item.failure = failure
         self._failures.append((item.seq, failure))  # each raised once, oldest call first
         self._failures.sort(key=lambda f: f[0])
 

@@ -101,6 +101,10 @@ class SaveItem:
     #: replace older queued saves (``"coalesce"``), so a save cancelled before it
     #: returned never drops the one it would have replaced.
     returned: bool = False
+    #: The SaveRequest this save answers (``save_if_requested``), and its outcome.
+    request: Any = None
+    stats: Any = None
+    failure: BaseException | None = None
     error: BaseException | None = None
     #: Its write started (a budgeted save's pipeline, or a staged copy's write).
     wrote: bool = False

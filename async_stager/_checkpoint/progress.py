@@ -1,0 +1,75 @@
+"""What a service sees of a Checkpointer's saves: the in-flight view and save requests.
+
+``SaveProgress`` is one save not yet ended, as ``Checkpointer.in_flight()`` reports it.
+``SaveRequest`` is a save asked for from any task (a request handler, a timer, an
+operator's command) and taken by the training loop at its next step boundary
+(``Checkpointer.save_if_requested``), where the state is consistent: the requester
+never touches the state, and the training loop never tracks who asked.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import anyio
+
+if TYPE_CHECKING:
+    from async_stager._checkpoint.options import SaveStats
+    from async_stager._checkpoint.write import SaveItem
+
+__all__ = ["SaveProgress", "SaveRequest", "progress_of"]
+
+
+@dataclass(frozen=True)
+class SaveProgress:
+    """One save in flight. ``phase``: ``"deferred"`` (waits for a buffer set or a write
+    slot), ``"staging"``, ``"queued"`` (staged, waits for its write), ``"writing"``
+    (written, checksummed, committed: its background part). ``seconds`` since
+    ``save()`` was called; ``staged_seconds`` the stage took (None before it ended)."""
+
+    step: int
+    phase: str
+    seconds: float
+    staged_seconds: float | None
+
+
+def progress_of(item: SaveItem, now: float | None = None) -> SaveProgress:
+    now = time.monotonic() if now is None else now
+    staged = item.staged if item.phase in ("queued", "writing") else None
+    return SaveProgress(item.step, item.phase, now - item.called, staged)
+
+
+class SaveRequest:
+    """A save asked for with ``Checkpointer.request_save()``; requests made before the
+    training loop takes one are the same request (one save answers them all).
+
+    ``step`` is None until the training loop takes it. ``await wait()`` returns the
+    commit's ``SaveStats``, or None when no commit answers it (skipped by ``"skip"``,
+    replaced by ``"coalesce"``, the Checkpointer closed first); a failed write raises
+    its CheckpointError here (and, as always, at the next ``save()``/``wait()``).
+    Cancellation: only the wait."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self._done = anyio.Event()
+        self._stats: SaveStats | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        """The request is answered (committed, failed or not saved)."""
+        return self._done.is_set()
+
+    async def wait(self) -> SaveStats | None:
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._stats
+
+    def _finish(self, stats: SaveStats | None = None, error: BaseException | None = None) -> None:
+        if self._done.is_set():
+            return
+        self._stats, self._error = stats, error
+        self._done.set()

@@ -1,0 +1,116 @@
+"""What a service sees of a Checkpointer and asks of it (issue 24): the in-flight view
+(``in_flight()``) and saves requested from another task (``request_save()``), taken by
+the training loop at its step boundary (``save_if_requested``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from async_stager import Checkpointer, CheckpointError, ClosedError, SaveRequest
+from async_stager.errors import StagingError
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+
+
+class _FailsWhenWritten:
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise OSError(28, "No space left on device (injected)")
+
+
+class _Fails:
+    """Stages (its copy is a ``_FailsWhenWritten``), fails to write."""
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return (_FailsWhenWritten, ())
+
+
+async def test_a_save_requested_from_another_task_is_taken_at_the_step_boundary(tmp_path: Path) -> None:
+    state: dict[str, Any] = {"w": torch.zeros(64), "step": 0}
+    answered: list[Any] = []
+    async with Checkpointer(tmp_path, format="dcp") as ckpt:
+
+        async def handler() -> None:  # a request handler: never touches the state
+            request = ckpt.request_save()
+            assert ckpt.request_save() is request  # not yet taken: the same request
+            answered.append(await request.wait())
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(handler)
+            for step in range(1, 50):
+                state["w"].add_(1.0)
+                state["step"] = step
+                if await ckpt.save_if_requested(state, step=step):
+                    break
+                await anyio.sleep(0.001)
+        await ckpt.wait()
+        (stats,) = answered
+        assert stats is not None and stats.step == step and ckpt.steps() == [step]
+        assert not ckpt.save_requested
+        out: dict[str, Any] = {"w": torch.zeros(64), "step": -1}
+        assert await ckpt.restore(out) == step
+        assert out["step"] == step and torch.equal(out["w"], torch.full((64,), float(step)))
+
+
+async def test_without_a_request_nothing_is_saved(tmp_path: Path) -> None:
+    async with Checkpointer(tmp_path) as ckpt:
+        assert await ckpt.save_if_requested({"w": torch.ones(2)}, step=1) is False
+        await ckpt.wait()
+        assert ckpt.steps() == [] and ckpt.in_flight() == []
+
+
+async def test_in_flight_shows_each_save_until_it_ends(tmp_path: Path) -> None:
+    async with Checkpointer(tmp_path, max_in_flight=2) as ckpt:
+        await ckpt.save({"w": torch.ones(1 << 16)}, step=1)
+        await ckpt.save({"w": torch.ones(1 << 16)}, step=2)
+        seen = ckpt.in_flight()
+        assert [p.step for p in seen] == [1, 2][: len(seen)]
+        for p in seen:
+            assert p.phase in ("deferred", "staging", "queued", "writing") and p.seconds >= 0
+        await ckpt.wait()
+        assert ckpt.in_flight() == [] and ckpt.steps() == [1, 2]
+
+
+async def test_a_request_never_taken_is_answered_at_the_close(tmp_path: Path) -> None:
+    async with Checkpointer(tmp_path) as ckpt:
+        request = ckpt.request_save()
+    assert request.done and request.step is None
+    assert await request.wait() is None
+    with pytest.raises(ClosedError):
+        ckpt.request_save()
+
+
+async def test_a_skipped_request_is_answered_with_none(tmp_path: Path) -> None:
+    async with Checkpointer(tmp_path, policy="skip") as ckpt:
+        await ckpt.save({"w": torch.ones(1 << 18)}, step=1)
+        request = ckpt.request_save()
+        accepted = await ckpt.save_if_requested({"w": torch.ones(1 << 18)}, step=2)
+        await ckpt.wait()
+        result = await request.wait()
+        if accepted:  # the first write had ended already: it was saved
+            assert result is not None and result.step == 2
+        else:
+            assert result is None and 2 in ckpt.dropped
+
+
+async def test_a_failed_requested_save_raises_in_its_request(tmp_path: Path) -> None:
+    async with Checkpointer(tmp_path, format="dcp") as ckpt:
+        request: SaveRequest = ckpt.request_save()
+        assert await ckpt.save_if_requested({"w": torch.ones(4), "bad": _Fails()}, step=3)
+        with pytest.raises(CheckpointError, match="No space left"):
+            await request.wait()
+        with pytest.raises(CheckpointError):  # raised by the Checkpointer too, as always
+            await ckpt.wait()
+
+
+async def test_a_bad_step_answers_the_request_with_its_error(tmp_path: Path) -> None:
+    async with Checkpointer(tmp_path) as ckpt:
+        request = ckpt.request_save()
+        with pytest.raises(StagingError):
+            await ckpt.save_if_requested({"w": torch.ones(4)}, step=-1)
+        with pytest.raises(StagingError):
+            await request.wait()
