@@ -125,7 +125,9 @@ async def serve(out: Path, interval: float, width: int, deadline: float) -> int:
             loss = nn.functional.mse_loss(model(x), y)
             optimizer.zero_grad()
             loss.backward()
-            await ckpt.fence()  # a save in flight has read the parameters
+            # A save in flight has read the parameters; fence() is also this loop's
+            # turn for the timer, the signal and the background writes.
+            await ckpt.fence()
             optimizer.step()
             scheduler.step()
             step += 1
@@ -133,7 +135,6 @@ async def serve(out: Path, interval: float, width: int, deadline: float) -> int:
             # The step boundary: a requested save is taken here (skipped while the last
             # one is writing).
             await ckpt.save_if_requested(state, step=step)
-            await asyncio.sleep(0)  # the signal and the timer are seen here
         timer.cancel()
         code = await stop.final_checkpoint(ckpt, state, step=step, deadline=deadline)
         if code == 0:

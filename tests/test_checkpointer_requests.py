@@ -114,3 +114,31 @@ async def test_a_bad_step_answers_the_request_with_its_error(tmp_path: Path) -> 
             await ckpt.save_if_requested({"w": torch.ones(4)}, step=-1)
         with pytest.raises(StagingError):
             await request.wait()
+
+
+def _busy(seconds: float) -> None:
+    """A training step's compute: holds the thread, never yields to the loop."""
+    import time
+
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+async def test_writes_go_on_in_a_loop_that_yields_only_at_fence_and_save(tmp_path: Path) -> None:
+    """The recipe's loop exactly as written (``await ckpt.fence()`` each step, ``await
+    ckpt.save(...)`` every N steps, no other await): each write completes during the
+    steps after its save, so the next save finds nothing in flight (before: the writes
+    moved only inside the next ``save()``, which then waited for a whole write)."""
+    state = {"w": torch.randn(1 << 18)}
+    idle = 0
+    async with Checkpointer(tmp_path, format="torch") as ckpt:
+        for step in range(1, 201):
+            _busy(0.005)
+            await ckpt.fence()
+            if step % 50 == 0:
+                idle += not ckpt.in_flight()
+                await ckpt.save(state, step=step)
+        await ckpt.wait()
+        assert ckpt.steps()[-1] == 200
+    assert idle >= 3, f"only {idle} of 4 saves found the previous write done"

@@ -628,6 +628,11 @@ class Checkpointer:
         pending = [i.read for i in self._items if not i.read.is_set()]
 
         async def fenced() -> None:
+            # Always one turn of the loop, even with nothing to wait for: a training
+            # loop that awaits only fence() and save() gives the background writes
+            # their turns here (their completion and commit steps run as loop tasks),
+            # so a write goes on during the steps, not only inside the next save().
+            await anyio.lowlevel.cancel_shielded_checkpoint()
             await stager_fence
             for read in pending:
                 await read.wait()
