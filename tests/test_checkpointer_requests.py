@@ -142,3 +142,33 @@ async def test_writes_go_on_in_a_loop_that_yields_only_at_fence_and_save(tmp_pat
         await ckpt.wait()
         assert ckpt.steps()[-1] == 200
     assert idle >= 3, f"only {idle} of 4 saves found the previous write done"
+
+
+async def test_a_long_save_logs_its_progress_at_a_bounded_rate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A save still writing after each PROGRESS_SECONDS logs one INFO record, then its
+    outcome once; a short save logs nothing."""
+    import time
+
+    from async_stager._checkpoint import checkpointer as module, write as write_mod
+
+    monkeypatch.setattr(module, "PROGRESS_SECONDS", 0.05)
+    caplog.set_level("INFO", logger="async_stager.checkpoint")
+    async with Checkpointer(tmp_path, format="torch") as ckpt:
+        await ckpt.save({"w": torch.ones(4)}, step=1)
+        await ckpt.wait()
+        assert not [r for r in caplog.records if "checkpoint step 1:" in r.getMessage()]
+        real = getattr(write_mod, "torch_write")  # noqa: B009 - patched where the writer calls it
+
+        def slow_write(staged: Any, path: Any) -> Any:  # a slow disk
+            time.sleep(0.3)
+            return real(staged, path)
+
+        monkeypatch.setattr(write_mod, "torch_write", slow_write)
+        await ckpt.save({"w": torch.ones(4)}, step=2)
+        await ckpt.wait()
+    lines = [r.getMessage() for r in caplog.records if "checkpoint step 2:" in r.getMessage()]
+    writing = [m for m in lines if "writing for" in m]
+    assert 1 <= len(writing) <= 8, lines  # bounded: about one per 0.05 s of 0.3 s
+    assert lines[-1].startswith("checkpoint step 2: committed after"), lines

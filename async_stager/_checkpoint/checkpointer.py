@@ -57,6 +57,9 @@ if TYPE_CHECKING:
 __all__ = ["Checkpointer", "CheckpointerOptions", "SaveStats"]
 
 _log = logging.getLogger("async_stager.checkpoint")
+#: Seconds between the progress records of a save still writing (at most one record
+#: per save per interval: a long save is visible in the logs, a short one is quiet).
+PROGRESS_SECONDS = 10.0
 
 
 _exit_hook: list[int] = []
@@ -479,6 +482,30 @@ class Checkpointer:
         item.wrote = True
         self._writing += 1
         tg.start_soon(self._write_task, item)
+        tg.start_soon(self._report, item)
+
+    async def _report(self, item: SaveItem) -> None:
+        """Log a long save's progress every ``PROGRESS_SECONDS`` until it ends, then its
+        outcome once if it was long (INFO on ``async_stager.checkpoint``)."""
+        long = False
+        while True:
+            with anyio.move_on_after(PROGRESS_SECONDS):
+                await item.done.wait()
+            if item.done.is_set():
+                break
+            long = True
+            staged = f", staged in {item.staged:.1f} s" if item.staged else ""
+            _log.info(
+                "checkpoint step %d: writing for %.1f s since save()%s",
+                item.step,
+                time.monotonic() - item.called,
+                staged,
+            )
+        if long:
+            outcome = "committed" if item.committed else "not committed"
+            _log.info(
+                "checkpoint step %d: %s after %.1f s", item.step, outcome, time.monotonic() - item.called
+            )
 
     def _end(self, item: SaveItem, *, dropped: bool = False) -> None:
         """An item leaves: committed, failed, dropped or abandoned (idempotent)."""
