@@ -488,10 +488,13 @@ class FakeBackend(Backend):
 
 
 class FakePinner:
-    """Records registrations; ``fail`` makes the next registrations raise."""
+    """Records registrations; ``fail`` makes the next registrations raise.
+    ``needs_context``: pins as CudaPinner would, needing a device context (the engine
+    then pins nothing for a stage with no device in use)."""
 
-    def __init__(self, *, fail: bool = False) -> None:
+    def __init__(self, *, fail: bool = False, needs_context: bool = False) -> None:
         self.fail = fail
+        self.needs_context = needs_context
         self.registered: dict[int, int] = {}
         self.total_registrations = 0
 

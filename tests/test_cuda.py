@@ -11,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from typing import Any
+from typing import Any, SupportsIndex
 
 import anyio
 import pytest
@@ -356,9 +356,10 @@ def staged_set_plans(stager: Stager) -> list[Any]:
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_no_context_is_created_on_gpu0() -> None:
-    # A fresh process (contexts cannot be undone): a rank on GPU 1 pins for a CPU-only
-    # state dict before CUDA is initialised, then stages from GPU 1 with the event
-    # loop in a thread that never selected a device. GPU 0 must stay untouched.
+    # A fresh process (contexts cannot be undone): a rank on GPU 1 stages a CPU-only
+    # state dict before CUDA is initialised (nothing is pinned, no context made), then
+    # stages from GPU 1 with the event loop in a thread that never selected a device.
+    # GPU 0 must stay untouched.
     code = textwrap.dedent(
         """
         import asyncio, threading, torch
@@ -377,8 +378,7 @@ def test_no_context_is_created_on_gpu0() -> None:
 
         stager = Stager()
         asyncio.run(cpu_only(stager))
-        assert torch.cuda.is_initialized()
-        assert has(1) and not has(0), "pinning created a context on GPU 0"
+        assert not torch.cuda.is_initialized(), "a CPU-only stage initialised CUDA"
         torch.cuda.set_device(1)
         x = torch.full((1 << 20,), 2.0, device="cuda:1")
         torch.cuda.synchronize(1)
@@ -424,3 +424,299 @@ async def test_reduced_float_gathers_are_bit_copies(anyio_backend: Any) -> None:
                 assert got.dtype == v.dtype, k
                 assert torch.equal(got.view(torch.uint8), v.cpu().view(torch.uint8)), k
             del staged
+
+
+# -- issue 25: budgeted saves under capture, the ring's pinning ------------------------
+
+
+async def test_budgeted_save_inside_a_graph_capture_is_refused(anyio_backend: Any, tmp_path: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    import async_stager.dcp as adcp
+
+    x = torch.ones(1 << 14, device="cuda")
+    async with Stager() as stager:
+        side = _side_stream()
+        with torch.cuda.stream(side):  # warm-up, as torch's CUDA graph docs ask
+            y = x * 2
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = x * 2
+            with pytest.raises(UnsupportedError, match="capturing a CUDA graph"):
+                _ = adcp.save(
+                    {"x": x},
+                    stager=stager,
+                    checkpoint_id=tmp_path / "g",
+                    no_dist=True,
+                    host_budget_bytes=1 << 20,
+                )
+        # The capture was not disturbed, and a budgeted save outside it works.
+        x.fill_(3.0)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, torch.full_like(x, 6.0))
+        await adcp.save(
+            {"y": y}, stager=stager, checkpoint_id=tmp_path / "ok", no_dist=True, host_budget_bytes=1 << 20
+        )
+    out = {"y": torch.zeros(1 << 14)}
+    dcp.load(out, checkpoint_id=str(tmp_path / "ok"), no_dist=True)
+    assert torch.equal(out["y"], torch.full((1 << 14,), 6.0))
+
+
+async def test_budget_ring_pins_through_the_arenas_pinner(
+    anyio_backend: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import async_stager._dcp.budget_save as budget_save
+    import async_stager.dcp as adcp
+    from async_stager._core.memory.arena import CudaPinner
+
+    seen: list[tuple[str, int]] = []
+
+    class Recording(CudaPinner):
+        def register(self, ptr: int, nbytes: int) -> None:
+            super().register(ptr, nbytes)
+            seen.append(("register", nbytes))
+
+        def unregister(self, ptr: int) -> None:
+            super().unregister(ptr)
+            seen.append(("unregister", 0))
+
+    monkeypatch.setattr(budget_save, "CudaPinner", Recording)
+    sd = {f"w{i}": torch.full((1 << 16,), float(i), device="cuda") for i in range(4)}
+    async with Stager() as stager:
+        await adcp.save(sd, stager=stager, checkpoint_id=tmp_path, no_dist=True, host_budget_bytes=1 << 20)
+    assert [k for k, _ in seen] == ["register", "unregister"], seen
+    assert 0 < seen[0][1] <= 1 << 20
+
+
+def test_failed_pin_registration_raises_and_leaves_no_cuda_error() -> None:
+    from async_stager import PinningError
+    from async_stager._core.memory.arena import CudaPinner, pin
+    from async_stager._core.memory.ring import Ring
+
+    mem = torch.empty(1 << 20, dtype=torch.uint8)
+    pinner = CudaPinner()
+    pinner.register(mem.data_ptr(), mem.numel())
+    try:
+        # Registered twice: cudaErrorHostMemoryAlreadyRegistered, raised as PinningError.
+        with pytest.raises(PinningError, match="cudaHostRegister"):
+            pin(pinner, mem, mem.data_ptr(), mem.numel())
+        # The failure is not left on the thread for the next kernel launch to report.
+        y = torch.ones(1 << 10, device="cuda") * 2
+        torch.cuda.synchronize()
+        assert float(y.sum()) == 2.0 * (1 << 10)
+    finally:
+        pinner.unregister(mem.data_ptr())
+    ring = Ring(1 << 20, pinner=pinner)
+    assert ring.pinned
+    ring.close()
+    assert not ring.pinned
+
+
+# -- issue 25: restore's verification hashes on the rank's device ----------------------
+
+
+def test_verification_in_a_worker_thread_hashes_on_the_ranks_device() -> None:
+    import threading
+
+    from async_stager._checkpoint import integrity
+    from async_stager._core.checksum.digest import chunk_key
+    from async_stager._core.checksum.wordhash import ALGORITHM, OFFLOAD_BYTES, wsum64_digest
+
+    dev = torch.cuda.current_device()
+    big = torch.randn(OFFLOAD_BYTES // 2)  # 16 MiB: hashed on a GPU
+    entry = {
+        "fqn": "w",
+        "offsets": [0],
+        "shape": list(big.shape),
+        "dtype": "float32",
+        "digest": wsum64_digest(big.clone()),
+        "hash": ALGORITHM,
+    }
+    if "LOCAL_RANK" not in os.environ:
+        assert integrity.rank_cuda_device() == dev
+    seen: list[object] = []
+
+    def worker() -> None:
+        try:
+            n = integrity.verify_flat(1, {chunk_key("w", [0]): entry}, {"w": big})
+            seen.append(n)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            seen.append(e)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join(60)
+    assert seen == [1], seen
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_verification_creates_no_context_on_gpu0() -> None:
+    # A fresh process: rank 1 verifies a big host chunk from a worker thread (whose
+    # current device is 0); GPU 0 must stay untouched.
+    code = textwrap.dedent(
+        """
+        import threading, torch
+        from async_stager._checkpoint import integrity
+        from async_stager._core.checksum.digest import chunk_key
+        from async_stager._core.checksum.wordhash import ALGORITHM, wsum64_digest
+
+        torch.cuda.set_device(1)
+        torch.ones(1, device="cuda:1")
+        big = torch.randn(1 << 23)
+        entry = {"fqn": "w", "offsets": [0], "shape": list(big.shape), "dtype": "float32",
+                 "digest": wsum64_digest(big), "hash": ALGORITHM}
+        assert not torch._C._cuda_hasPrimaryContext(0)
+        out = []
+        t = threading.Thread(target=lambda: out.append(
+            integrity.verify_flat(1, {chunk_key("w", [0]): entry}, {"w": big})))
+        t.start()
+        t.join()
+        assert out == [1], out
+        assert not torch._C._cuda_hasPrimaryContext(0), "verification made a context on GPU 0"
+        print("ok")
+        """
+    )
+    env = dict(os.environ, LOCAL_RANK="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-4000:]
+
+
+# -- issue 25: a CPU-only state dict creates no CUDA context to pin ----------------------
+
+
+def test_cpu_only_state_dict_creates_no_cuda_context() -> None:
+    # A fresh process (contexts cannot be undone): CPU-only stages leave CUDA
+    # uninitialised; once a GPU tensor is staged, its memory is pinned.
+    code = textwrap.dedent(
+        """
+        import asyncio, torch
+        from async_stager import Stager
+
+        async def main():
+            async with Stager() as stager:
+                assert stager.options.pin_memory
+                sd = {"w": torch.randn(1 << 20), "step": torch.tensor(3)}
+                for _ in range(2):
+                    staged = await stager.stage(sd)
+                    assert torch.equal(staged["w"], sd["w"])
+                    del staged
+                assert not torch.cuda.is_initialized(), "a CPU-only stage initialised CUDA"
+                x = torch.full((1 << 20,), 2.0, device="cuda")
+                staged = await stager.stage({"x": x})
+                await stager.fence()
+                assert staged["x"].is_pinned(), "a GPU stage's memory is not pinned"
+                assert torch.equal(staged["x"], torch.full((1 << 20,), 2.0))
+
+        asyncio.run(main())
+        print("ok")
+        """
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-4000:]
+
+
+# -- issue 25: CUDA generator states are taken at the call --------------------------------
+
+
+class _WalkGate:
+    """An object the worker's walk stops at (its reduce waits) until the test says."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.go = threading.Event()
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        assert self.go.wait(30)
+        return (_WalkGate, ())
+
+
+async def test_cuda_default_generator_is_staged_as_of_the_call(anyio_backend: Any) -> None:
+    dev = torch.cuda.current_device()
+    default = torch.cuda.default_generators[dev]
+    gate = _WalkGate()
+    async with Stager() as stager:
+        want = default.get_state()
+        coro = stager.stage({"gate": gate, "rng": default, "w": torch.ones(1 << 10, device="cuda")})
+        torch.rand(1 << 10, device="cuda")  # advances the default CUDA generator
+        gate.go.set()
+        staged = await coro
+        rng = staged["rng"]
+        assert isinstance(rng, torch.Generator) and torch.equal(rng.get_state(), want)
+        assert not torch.equal(default.get_state(), want)
+        await stager.fence()
+
+
+def test_cuda_generator_at_the_top_level_is_staged_as_of_the_call() -> None:
+    from async_stager._core.run.engine import build_engine
+
+    engine = build_engine()
+    try:
+        g = torch.Generator(device="cuda").manual_seed(7)
+        sd = {"train": {"rng": g}, "w": torch.ones(1 << 10, device="cuda")}
+        for _ in range(2):  # the slow path, then the fast path
+            want = g.get_state()
+            captures = engine.capture(sd)
+            torch.rand(1 << 10, device="cuda", generator=g)  # launched right after the call
+            staged = engine.run(sd, captures)
+            for c in staged.completions:
+                c.synchronize()
+            engine.settle(staged)
+            rng = staged.result["train"]["rng"]
+            assert rng.device == g.device and torch.equal(rng.get_state(), want)
+            assert torch.equal(staged.result["w"], torch.ones(1 << 10))
+            del staged, rng
+    finally:
+        engine.close()
+
+
+# -- issue 25: the copy and hash streams are never the caller's -------------------------
+
+
+def test_streams_drawn_after_the_pool_cycles_are_never_the_callers() -> None:
+    from async_stager._core.copy.device import fresh_stream
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    default = torch.cuda.default_stream(dev).cuda_stream
+    for _ in range(3):
+        mine = torch.cuda.Stream(device=dev)
+        for _ in range(31):  # the pool holds 32: the next plain draw may be ``mine``
+            torch.cuda.Stream(device=dev)
+        with torch.cuda.stream(mine):
+            copier = CudaCopier(dev, non_blocking=True)
+            try:
+                assert copier.stream.cuda_stream not in (mine.cuda_stream, default)
+                copier.capture()
+                other = fresh_stream(dev, (copier.stream.cuda_stream,))
+                assert other.cuda_stream not in (mine.cuda_stream, default, copier.stream.cuda_stream)
+            finally:
+                copier.close()
+
+
+async def test_hash_stream_is_neither_the_copy_stream_nor_the_callers(anyio_backend: Any) -> None:
+    side = _side_stream()
+    x = torch.randn(4 << 20, device="cuda")  # 16 MiB: hashed on the device (WSUM64)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        async with Stager() as stager:
+            for _ in range(40):  # cycle the pool well past the stager's own streams
+                torch.cuda.Stream()
+            lease = await stager.lease({"x": x}, checksums=True)
+            assert torch.equal(lease.state_dict["x"], x.cpu())
+            assert lease.checksums is not None
+            lease.release()
+            copiers = [c for c in stager._engine._copiers.values() if isinstance(c, CudaCopier)]
+            assert copiers
+            default = torch.cuda.default_stream().cuda_stream
+            for c in copiers:
+                hs = c._hash_stream
+                assert hs is not None  # the stage hashed on the device
+                assert c.stream.cuda_stream not in (side.cuda_stream, default)
+                assert hs.cuda_stream not in (side.cuda_stream, default, c.stream.cuda_stream)
+            await stager.fence()

@@ -269,3 +269,26 @@ async def test_cuda_budgeted_save_orders_after_the_callers_stream(tmp_path: Path
     dcp.load(out, checkpoint_id=str(tmp_path), no_dist=True)
     for i, k in enumerate(sd):
         assert torch.equal(out[k], torch.full((256 * KIB,), float(i))), k
+
+
+async def test_budgeted_save_inside_a_graph_capture_is_refused_before_any_event(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import async_stager._dcp.budget_save as budget_save
+
+    # A CUDA machine whose device 0 is capturing a graph, seen through the two queries
+    # the budgeted save asks; no event may be made (recorded) once it is refused.
+    made: list[Any] = []
+    monkeypatch.setattr(budget_save, "cuda_context_devices", lambda: [0])
+    monkeypatch.setattr(budget_save, "capturing", lambda index: index == 0)
+    monkeypatch.setattr(budget_save, "CudaEvent", lambda stream: made.append(stream))
+    async with Stager() as stager:
+        with pytest.raises(UnsupportedError, match="capturing a CUDA graph") as err:
+            _ = adcp.save(
+                make_sd(n=2), stager=stager, checkpoint_id=tmp_path, no_dist=True, host_budget_bytes=10**6
+            )
+        assert "dcp.save" in str(err.value) and "cuda:0" in str(err.value)
+        assert made == []
+        with anyio.fail_after(5):
+            await stager.fence()  # nothing registered a fence hook
+    assert not (tmp_path / ".metadata").exists()

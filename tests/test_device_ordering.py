@@ -96,13 +96,18 @@ def test_worker_runs_on_the_callers_device_and_pins_off_gpu0() -> None:
     stage_sync(engine, {"w": torch.ones(8)})
     assert backend.guards and set(backend.guards) == {CUDA1}
     engine.close()
-    # No device has a context yet (CPU-only state dict, CUDA not initialised): with
-    # pinning, the backend's host device; without, no device at all.
-    backend = FakeBackend(devices=[], host_device=torch.device("cuda", 2))
-    engine = make_engine(backend=backend, pinner=FakePinner())
-    stage_sync(engine, {"w": torch.ones(8)})
-    assert backend.guards and set(backend.guards) == {torch.device("cuda", 2)}
-    engine.close()
+    # No device has a context yet (CPU-only state dict, CUDA not initialised): no
+    # device at all, with pinning on too. A pinner needing a context (CUDA's) pins
+    # nothing: it would create a context just for memory no device copy uses; one
+    # that does not (mlock) pins as ever.
+    for needs_context in (True, False):
+        pinner = FakePinner(needs_context=needs_context)
+        backend = FakeBackend(devices=[], host_device=torch.device("cuda", 2))
+        engine = make_engine(backend=backend, pinner=pinner)
+        stage_sync(engine, {"w": torch.ones(8)})
+        assert backend.guards == []
+        assert pinner.total_registrations == (0 if needs_context else 1)
+        engine.close()
     backend = FakeBackend(devices=[], host_device=torch.device("cuda", 2))
     engine = make_engine(backend=backend)
     stage_sync(engine, {"w": torch.ones(8)})

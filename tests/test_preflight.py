@@ -310,11 +310,11 @@ async def main():
             assert e.limit <= 3, e
             assert "ulimit -n" in e.fix and "4 descriptors" in str(e)
             print("refused")
-        assert s.host_bytes == 0 and s.shared_arenas() == []
+        assert s.host_bytes == 0 and s._shared_arenas() == []
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         await s.reserve(sd)
         staged = await s.stage(sd)
-        assert staged["w"].sum() == 1000 and len(s.shared_arenas()) == 1
+        assert staged["w"].sum() == 1000 and len(s._shared_arenas()) == 1
         print("usable")
 
 asyncio.run(main())

@@ -60,7 +60,7 @@ def _sd() -> dict[str, Any]:
 
 
 def _ranges(stager: Any) -> list[tuple[int, int]]:
-    return [(a.base, a.base + a.nbytes) for a in stager.shared_arenas()]
+    return [(a.base, a.base + a.nbytes) for a in stager._shared_arenas()]
 
 
 def _inside(staged: dict[str, Any], ranges: list[tuple[int, int]]) -> bool:
@@ -243,7 +243,7 @@ def test_many_tensors_one_descriptor_per_arena_per_message() -> None:
     sd = {f"t{i}": torch.full((16,), float(i)) for i in range(500)}
     with _stager() as stager:
         staged = _stage(stager, sd)
-        arenas = len(stager.shared_arenas())
+        arenas = len(stager._shared_arenas())
         for _ in range(3):
             _mp_reduce.counters(reset=True)
             got = pickle.loads(ForkingPickler.dumps(staged))

@@ -19,6 +19,7 @@ so a checkpoint written on N ranks verifies on any number of ranks.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -42,7 +43,8 @@ from async_stager._core.checksum.digest import (
     chunk_key as key,
     tensor_digest,
 )
-from async_stager._core.checksum.wordhash import ALGORITHM as WSUM64, wsum64_digest
+from async_stager._core.checksum.wordhash import ALGORITHM as WSUM64, OFFLOAD_BYTES, wsum64_digest
+from async_stager._core.copy.device import cuda_context_devices
 from async_stager.errors import IntegrityError
 
 __all__ = [
@@ -54,6 +56,7 @@ __all__ = [
     "checksum_state",
     "interrupt_in",
     "load_manifest",
+    "rank_cuda_device",
     "read_manifest",
     "tensor_crcs",
     "verify_dcp",
@@ -494,7 +497,38 @@ def _compare_stored(folder: Path, step: int | None, what: str, entry: dict[str, 
         )
 
 
-def _compare(step: int | None, k: str, entry: dict[str, Any], data: torch.Tensor) -> None:
+def rank_cuda_device() -> int | None:
+    """The CUDA device this rank hashes on (WSUM64 of a big host chunk goes to a GPU):
+    ``LOCAL_RANK``'s device when it has a context, else the first device with one;
+    None (hash on the CPU) when this process has no CUDA context. Never the calling
+    thread's ``current_device()``: in a worker thread that is device 0, so every rank
+    would create a context (about 0.5 GiB) on GPU 0. Creates no context."""
+    devices = cuda_context_devices()
+    if not devices:
+        return None
+    local = os.environ.get("LOCAL_RANK", "")
+    if local.isdigit():
+        index = int(local) % max(torch.cuda.device_count(), 1)
+        if index in devices:
+            return index
+    return devices[0]
+
+
+def _hashing_on(data: torch.Tensor, device: int | None) -> contextlib.AbstractContextManager[Any]:
+    """The current device while ``data`` is hashed with WSUM64: the tensor's own when it
+    is on CUDA; for a host tensor big enough to be hashed on a GPU (``OFFLOAD_BYTES``),
+    ``device`` (the rank's, ``rank_cuda_device`` when None); else none (the CPU)."""
+    if data.device.type == "cuda":
+        return torch.cuda.device(data.device)
+    if data.numel() * data.element_size() < OFFLOAD_BYTES:
+        return contextlib.nullcontext()
+    index = device if device is not None else rank_cuda_device()
+    return torch.cuda.device(index) if index is not None else contextlib.nullcontext()
+
+
+def _compare(
+    step: int | None, k: str, entry: dict[str, Any], data: torch.Tensor, device: int | None = None
+) -> None:
     if list(data.shape) != entry["shape"]:
         raise IntegrityError(
             f"tensor {entry['fqn']!r} (offsets {entry['offsets']}) has shape {list(data.shape)}, "
@@ -507,7 +541,8 @@ def _compare(step: int | None, k: str, entry: dict[str, Any], data: torch.Tensor
     if algorithm == "crc32":
         got = tensor_crcs(data)
     elif algorithm == WSUM64:
-        got = wsum64_digest(data)
+        with _hashing_on(data, device):
+            got = wsum64_digest(data)
     else:
         got = tensor_digest(data)
     want = entry["digest"]
@@ -523,15 +558,19 @@ def _compare(step: int | None, k: str, entry: dict[str, Any], data: torch.Tensor
         )
 
 
-def verify_flat(step: int | None, tensors: dict[str, dict[str, Any]], loaded: dict[str, Any]) -> int:
+def verify_flat(
+    step: int | None, tensors: dict[str, dict[str, Any]], loaded: dict[str, Any], *, device: int | None = None
+) -> int:
     """Check a loaded (``torch.save`` format) state dict against its manifest; returns
-    the number of tensors checked. Every tensor must have an entry and match."""
+    the number of tensors checked. Every tensor must have an entry and match.
+    ``device``: the CUDA device big host chunks are hashed on (None: the rank's,
+    ``rank_cuda_device``)."""
     seen = set()
     for k, fqn, local, _ in tensor_chunks(loaded):
         entry = tensors.get(k)
         if entry is None:
             raise IntegrityError(f"tensor {fqn!r} has no checksum", step=step, tensor=fqn)
-        _compare(step, k, entry, local)
+        _compare(step, k, entry, local, device)
         seen.add(k)
     missing = set(tensors) - seen
     if missing:
@@ -560,11 +599,14 @@ def verify_dcp(
     *,
     part: tuple[int, int] = (0, 1),
     batch_bytes: int = 256 * 2**20,
+    device: int | None = None,
 ) -> int:
     """Read back every tensor of a DCP checkpoint folder (through DCP's own reader, in
     batches of about ``batch_bytes``) and check each stored chunk against the manifest.
     ``part=(i, n)`` checks only every n-th tensor starting at the i-th (one rank's
-    share). Returns the number of chunks checked; raises IntegrityError."""
+    share). ``device``: the CUDA device big chunks are hashed on (None: the rank's,
+    ``rank_cuda_device``; any thread may call this). Returns the number of chunks
+    checked; raises IntegrityError."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -613,7 +655,7 @@ def verify_dcp(
                         tensor=fqn,
                     )
                 region = target[fqn][tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))]
-                _compare(step, k, found, region)
+                _compare(step, k, found, region, device)
                 checked += 1
             for k in by_fqn.pop(fqn, []):
                 if k not in keys:

@@ -96,7 +96,7 @@ def _make_stager(kind: str) -> Any:
 def _in_own_arenas(stager: Any) -> bool | None:
     """Whether every storage of the stager's last result lies in its own arenas (None:
     not our stager)."""
-    arenas = getattr(stager, "shared_arenas", None)
+    arenas = getattr(stager, "_shared_arenas", None)
     staged = getattr(stager, "get_staged_state_dict", None)
     if not callable(arenas) or not callable(staged):
         return None

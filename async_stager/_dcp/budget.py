@@ -75,6 +75,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from async_stager._core.aio.waiting import wait_future
 from async_stager._core.checksum.digest import chunk_key, tensor_digest
 from async_stager._core.copy.copiers import CpuCopier, CudaEvent
+from async_stager._core.copy.device import fresh_stream
+from async_stager._core.memory.arena import Pinner
 from async_stager._core.memory.ring import ALIGN, Ring, padded
 from async_stager.errors import BudgetTooSmallError, StagingError, UnsupportedError
 
@@ -289,6 +291,8 @@ class Pipeline:
         *,
         captures: dict[int, CudaEvent],
         t0: float,
+        pinner: Pinner | None = None,
+        caller_streams: dict[int, int] | None = None,
         copy_threads: int | None = None,
         digests: dict[str, dict[str, Any]] | None = None,
         object_hint: int | None = None,
@@ -303,6 +307,11 @@ class Pipeline:
         self.digests = digests
         self.copy_threads = copy_threads
         self.captures = captures
+        #: Pins the ring (the arenas' path, ``arena.pin``); None: the ring is pageable.
+        self.pinner = pinner
+        #: Per device, the caller's current stream at the call (``cuda_stream``): what
+        #: the copy stream made there must not be (``fresh_stream``).
+        self.caller_streams = caller_streams or {}
         self.t0 = t0
         self.object_hint = object_hint
         self.object_paths = object_paths or {}
@@ -362,7 +371,12 @@ class Pipeline:
         # Two pieces of a bytes item fit the ring at once: its copy overlaps its write.
         self._chunk = min(_CHUNK_MAX, max(ALIGN, capacity // 2 // ALIGN * ALIGN))
         # Pinned (exact size) when CUDA is in use: device copies into it are asynchronous.
-        self._ring = Ring(capacity, pin=bool(self.captures))
+        # A failed registration (PinningError) fails the save as itself.
+        try:
+            self._ring = Ring(capacity, pinner=self.pinner)
+        except StagingError as e:
+            self._error = e
+            raise
         self._thread = threading.Thread(target=self._copy_all, name="async-stager-dcp-budget", daemon=True)
         self._thread.start()
 
@@ -628,7 +642,8 @@ class Pipeline:
         with torch.cuda.device(index):
             stream = self._streams.get(index)
             if stream is None:
-                stream = self._streams[index] = torch.cuda.Stream(device=index)
+                avoid = [self.caller_streams[index]] if index in self.caller_streams else []
+                stream = self._streams[index] = fresh_stream(torch.device("cuda", index), avoid)
                 cap = self.captures.get(index)
                 if cap is not None:
                     cap.wait(stream)

@@ -34,7 +34,13 @@ import torch
 
 from async_stager._core.aio.waiting import wait_future, wait_future_uninterrupted
 from async_stager._core.copy.copiers import CudaEvent
-from async_stager._core.copy.device import caller_cuda_device, cuda_context_devices
+from async_stager._core.copy.device import (
+    caller_cuda_device,
+    capturing,
+    cuda_context_devices,
+    graph_capture_error,
+)
+from async_stager._core.memory.arena import CudaPinner
 from async_stager._core.memory.ring import ALIGN, padded
 from async_stager._core.options import AUTO, loop_friendly_threads
 from async_stager._dcp.budget import BudgetStats, Pipeline, PipelinePlanner, PipelineWriter
@@ -288,7 +294,8 @@ def budgeted_save(
     ``digests`` (the Checkpointer's): filled with each written chunk's manifest entry
     (``_integrity``), hashed from its ring piece as it lands, before it is written.
 
-    Raises at the call: InvalidOptionError, UnsupportedError, ClosedError, and
+    Raises at the call: InvalidOptionError, UnsupportedError (also when the caller's
+    current stream of a device is capturing a CUDA graph), ClosedError, and
     BudgetTooSmallError (``survey``) for a tensor item or a value seen to need more than
     ``budget`` in one piece. The coroutine raises BudgetTooSmallError itself (not DCP's
     CheckpointException around it) for a value found too big when serialized."""
@@ -307,20 +314,31 @@ def budgeted_save(
     if stager.closed:
         raise ClosedError("the stager is closed")
     object_hint, object_paths = survey(state_dict, budget)
+    devices = cuda_context_devices()
+    # Checked before any event is recorded (as stage() does): an event recorded on a
+    # capturing stream belongs to the graph, so the copies could not be ordered with it.
+    for d in devices:
+        if capturing(d):
+            raise graph_capture_error("dcp.save(host_budget_bytes=...)", torch.device("cuda", d))
     # The snapshot point: the caller's current stream of every device with a context.
-    captures = {d: CudaEvent(torch.cuda.current_stream(d)) for d in cuda_context_devices()}
+    streams = {d: torch.cuda.current_stream(d) for d in devices}
+    captures = {d: CudaEvent(s) for d, s in streams.items()}
     threads = stager.options.copy_threads
     pipeline = Pipeline(
         budget,
         captures=captures,
         t0=t0,
+        # The ring pins as the stager's arenas do (when CUDA is in use and the stager
+        # pins): one registration, exact size, through CudaPinner.
+        pinner=CudaPinner() if captures and stager.options.pin_memory else None,
+        caller_streams={d: s.cuda_stream for d, s in streams.items()},
         # One core is left to the writer, as by default for the loop.
         copy_threads=loop_friendly_threads() if threads == AUTO or isinstance(threads, str) else threads,
         digests=digests,
         object_hint=object_hint,
         object_paths=object_paths,
     )
-    remove = stager.add_fence(pipeline.fence)
+    remove = stager._add_fence(pipeline.fence)
     coro = _run(
         pipeline,
         remove,

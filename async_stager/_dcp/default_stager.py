@@ -262,7 +262,7 @@ class DefaultStager(CheckpointStager):
         # First: a finished stage's result held here would keep its buffer set busy.
         self._collect()
         t0 = time.perf_counter()
-        captures = self._engine.capture()
+        captures = self._engine.capture(source)
         with self._latest_lock:
             # The stager lets go of the previous result now: held by nobody else, its
             # buffer set is free for this stage.
@@ -442,7 +442,7 @@ class DefaultStager(CheckpointStager):
         filled in)."""
         return self._engine.options
 
-    def shared_arenas(self) -> list[Arena]:
+    def _shared_arenas(self) -> list[Arena]:
         """Internal (for ``export_shared``): the open shared-memory arenas of every
         buffer set. Not part of the public API."""
         return self._engine.shared_arenas()

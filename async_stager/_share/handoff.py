@@ -107,7 +107,7 @@ class SharedHandle:
 
 def _shared_arenas(stager: Any) -> list[Any]:
     """The stager's live shared arenas, sorted by base address."""
-    arenas_of = getattr(stager, "shared_arenas", None)
+    arenas_of = getattr(stager, "_shared_arenas", None)
     options = getattr(stager, "options", None)
     if not callable(arenas_of) or not isinstance(options, StagerOptions):
         raise UnsupportedError(

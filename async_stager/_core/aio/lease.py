@@ -142,7 +142,7 @@ class Lease(Generic[T]):
             raise StagingError("the lease was released: its state dict may be overwritten")
         return result
 
-    def bind(self, state_dict: Any, checksums: Checksums | None = None) -> None:
+    def _bind(self, state_dict: Any, checksums: Checksums | None = None) -> None:
         """Internal: attach the staged copy this lease protects (and the digests its
         stage computed). Called once by the stager, when the stage completes, before
         the lease is handed to the caller."""

@@ -205,11 +205,12 @@ class Stager:
         lease = staged.lease
         assert lease is not None
         result, staged.result = staged.result, None
-        lease.bind(result, staged.checksums)
+        lease._bind(result, staged.checksums)
         return lease
 
     def snapshot(self, sd: T) -> _Snapshot[T]:
-        """``async with stager.snapshot(sd) as staged:`` a leased staged copy.
+        """``async with stager.snapshot(sd) as staged:`` a leased staged copy: sugar over
+        ``async with await stager.lease(sd) as staged:`` (the same lease and release).
 
         The snapshot point is entering the block. No later stage overwrites the leased
         buffers until the block exits; such a stage uses a spare buffer set, or, when
@@ -315,7 +316,7 @@ class Stager:
 
         return fenced()
 
-    def add_fence(self, hook: Callable[[], Callable[[], Awaitable[None]]]) -> Callable[[], None]:
+    def _add_fence(self, hook: Callable[[], Callable[[], Awaitable[None]]]) -> Callable[[], None]:
         """Make ``fence()`` also wait for work outside the stager's own stages (a
         budgeted ``dcp.save``): ``hook`` is called at each ``fence()`` call (caller's
         thread: it reads its ordering points then) and returns the wait that the fence
@@ -333,7 +334,7 @@ class Stager:
     def _submit(self, sd: Any, *, lease: bool, copy: bool, checksums: bool = False) -> StageJob:
         if self._closed:
             raise ClosedError("the stager is closed")
-        captures = self._engine.capture()
+        captures = self._engine.capture(sd)
         job = StageJob(self._engine, self._abandoned)
         run = functools.partial(
             logged_run,
@@ -432,7 +433,7 @@ class Stager:
 
     # -- state ------------------------------------------------------------------------
 
-    def shared_arenas(self) -> list[Arena]:
+    def _shared_arenas(self) -> list[Arena]:
         """Internal (for ``export_shared``): the open shared-memory arenas of every
         buffer set. Not part of the public API."""
         return self._engine.shared_arenas()

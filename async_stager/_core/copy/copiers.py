@@ -26,6 +26,7 @@ from async_stager._core.copy.device import (
     Copier,
     capturing,
     cuda_context_devices,
+    fresh_stream,
     pinning_device,
 )
 from async_stager._core.copy.hostcopy import MIN_POOL_BYTES, CopyPool, Schedule, hashed_pieces, schedule
@@ -349,8 +350,12 @@ class CudaCopier(ScratchCopier):
     def __init__(self, device: torch.device, *, non_blocking: bool) -> None:
         super().__init__(device)
         self.non_blocking = non_blocking
-        with torch.cuda.device(device):
-            self.stream = torch.cuda.Stream(device=device)
+        #: The callers' current streams seen at captures (``cuda_stream``; bounded):
+        #: what a stream made later (the hash stream, in the worker) must not be.
+        self._callers: set[int] = set()
+        # Made on the caller's thread (the first capture): not the caller's stream.
+        self.stream = fresh_stream(device)
+        self._callers.add(torch.cuda.current_stream(device).cuda_stream)
         self._ctx: contextlib.ExitStack | None = None
         # Made at the first stage that takes checksums; see hash_sources.
         self._hash_stream: torch.cuda.Stream | None = None
@@ -362,7 +367,10 @@ class CudaCopier(ScratchCopier):
         self.hash_fallbacks = 0
 
     def capture(self) -> Any:
-        return CudaEvent(torch.cuda.current_stream(self.stream.device_index))
+        current = torch.cuda.current_stream(self.stream.device_index)
+        if len(self._callers) < 64:
+            self._callers.add(current.cuda_stream)
+        return CudaEvent(current)
 
     def begin(self, capture: Any) -> None:
         ctx = contextlib.ExitStack()
@@ -392,9 +400,10 @@ class CudaCopier(ScratchCopier):
         # end() makes the copy stream wait for the hash stream, so the stage's one
         # completion covers both. Temporaries and the constant tables are made with the
         # hash stream current (used and reused only in its order); the sources are
-        # recorded on it (the allocator keeps them until it is done). Hazard: torch
-        # hands streams out from a pool, so this stream may be one that other work
-        # also uses; that serializes, it cannot reorder.
+        # recorded on it (the allocator keeps them until it is done). torch hands
+        # streams out from a pool: ``fresh_stream`` keeps it off the copy stream and the
+        # callers' streams (another stream of the program may still share it: that
+        # serializes, it cannot reorder).
         #
         # A device hash is an optimization: when it cannot be had (device memory runs
         # out), nothing is recorded and the host copy is hashed later instead.
@@ -402,8 +411,8 @@ class CudaCopier(ScratchCopier):
         if not layout:
             return
         if self._hash_stream is None:
-            with torch.cuda.device(self.device):
-                self._hash_stream = torch.cuda.Stream(device=self.device)
+            # Neither the copy stream nor a caller's (see ``fresh_stream``).
+            self._hash_stream = fresh_stream(self.device, (self.stream.cuda_stream, *self._callers))
         stream = self._hash_stream
         # Pinned (torch's caching host allocator, which keeps the block until the copy
         # into it is done), so the result's copy is asynchronous; the Checksums keep it

@@ -19,11 +19,12 @@ when the last tensor viewing it dies.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import mmap
 import os
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -31,7 +32,18 @@ import torch
 
 from async_stager.errors import HostAllocationError, PinningError
 
-__all__ = ["ALIGN", "Arena", "Block", "CudaPinner", "HostPool", "Pinner", "align", "arena_at"]
+__all__ = [
+    "ALIGN",
+    "Arena",
+    "Block",
+    "CudaPinner",
+    "HostPool",
+    "Pinner",
+    "align",
+    "arena_at",
+    "pin",
+    "pinning_skipped",
+]
 
 #: Block alignment in bytes: a cache line, and enough for any dtype and for DMA.
 ALIGN = 64
@@ -51,7 +63,12 @@ class Pinner(Protocol):
 
     Optional class attribute ``charges_memlock`` (default False): True for a pinner
     whose pages count against RLIMIT_MEMLOCK (one built on ``mlock``); the pre-flight
-    then enforces that limit (``_preflight``). CudaPinner's do not."""
+    then enforces that limit (``_preflight``). CudaPinner's do not.
+
+    Optional attribute ``needs_context`` (default False): True for a pinner that needs
+    an accelerator context to pin, and creates one where none exists (CudaPinner); the
+    engine then pins nothing for a stage with no device in use (see
+    ``Engine._skips_pinning``)."""
 
     def register(self, ptr: int, nbytes: int) -> None: ...
 
@@ -64,6 +81,8 @@ class CudaPinner:
     # cudaHostRegisterPortable: the pinning is visible to every CUDA context, so one
     # arena serves copies from any device.
     _FLAGS = 1
+    #: cudaHostRegister creates a context on the current device when it has none.
+    needs_context = True
 
     def register(self, ptr: int, nbytes: int) -> None:
         rt = torch.cuda.cudart()
@@ -80,6 +99,23 @@ class CudaPinner:
         if err != 0:
             _clear_cuda_last_error()
             raise PinningError(f"cudaHostUnregister failed with CUDA error {err}")
+
+
+def pin(pinner: Pinner, owner: object, ptr: int, nbytes: int) -> weakref.finalize[Any, Any]:
+    """Register the ``nbytes`` bytes at ``ptr`` with ``pinner``: the one pinning path of
+    the arenas and the budget ring (same pinner, same flags, a failed registration's
+    CUDA error cleared by ``CudaPinner``). Raises PinningError (the pinner's own, or one
+    wrapping any other failure); nothing stays registered then. Returns the finalizer
+    that unregisters once: call it to unpin; it also runs when ``owner`` (what holds
+    the memory) is collected, since pages left pinned would make a later mapping at the
+    same address fail to register ("already registered")."""
+    try:
+        pinner.register(ptr, nbytes)
+    except PinningError:
+        raise
+    except Exception as e:
+        raise PinningError(f"pinning {nbytes} bytes failed: {e}") from e
+    return weakref.finalize(owner, pinner.unregister, ptr)
 
 
 def _clear_cuda_last_error() -> None:
@@ -143,17 +179,16 @@ class Arena:
             self.tensor.zero_()
         if pinner is not None:
             try:
-                pinner.register(self.base, nbytes)
-            except Exception as e:
+                self._unpinner = pin(pinner, self, self.base, nbytes)
+            except PinningError:
                 self._release_mapping()
-                if isinstance(e, PinningError):
-                    raise
-                raise PinningError(f"pinning {nbytes} bytes failed: {e}") from e
+                raise
             self._pinned_ptr = self.base
-            # An arena dropped without close() (a stager never closed) must not leave
-            # its pages pinned: a later mapping at the same address would then fail
-            # to register ("already registered").
-            self._unpinner = weakref.finalize(self, pinner.unregister, self.base)
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the arena is registered with its pinner now."""
+        return self._pinned_ptr != 0
 
     def block_tensor(self, offset: int, nbytes: int) -> torch.Tensor:
         """A uint8 tensor whose storage is exactly bytes [offset, offset+nbytes)."""
@@ -288,6 +323,23 @@ class Block:
         self.storage = self.tensor.untyped_storage()
 
 
+_skip = threading.local()
+
+
+@contextlib.contextmanager
+def pinning_skipped() -> Iterator[None]:
+    """Within it, arenas a pool makes on this thread are not pinned, and free space is
+    taken from any arena: the engine's, for a stage with no accelerator device in use
+    (a CPU-only state dict before CUDA is initialised), where pinning would create a
+    CUDA context (about 0.5 GiB of device memory) for memory no device copy uses."""
+    prev = getattr(_skip, "on", False)
+    _skip.on = True
+    try:
+        yield
+    finally:
+        _skip.on = prev
+
+
 class HostPool:
     """Arenas of one kind (pinned/shared) and the free space in them.
 
@@ -314,7 +366,13 @@ class HostPool:
 
         Blocks of one call that land in a new arena are adjacent and in order, which
         lets the device layer move a run of small ones with one copy.
+
+        A pool that pins takes free space only from pinned arenas (an arena made
+        within ``pinning_skipped`` is not: a device copy into it would be synchronous),
+        except within ``pinning_skipped``, where its new arena is not pinned either.
         """
+        skip = self._pinner is not None and getattr(_skip, "on", False)
+        pinner = None if skip else self._pinner
         with self._lock:
             out: list[Block | None] = [None] * len(sizes)
             pending = [i for i, n in enumerate(sizes) if n > 0]
@@ -324,11 +382,13 @@ class HostPool:
             for arena in self.arenas:
                 if not pending:
                     break
+                if pinner is not None and not arena.pinned:
+                    continue
                 pending = self._fit(arena, sizes, pending, out)
             if pending:
                 need = sum(align(sizes[i]) for i in pending)
                 arena = Arena(
-                    max(need, MIN_ARENA_BYTES), shared=self.shared, pinner=self._pinner, prefault=prefault
+                    max(need, MIN_ARENA_BYTES), shared=self.shared, pinner=pinner, prefault=prefault
                 )
                 self.arenas.append(arena)
                 self._free[arena] = [(0, arena.nbytes)]

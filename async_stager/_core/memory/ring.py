@@ -21,10 +21,14 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
+
+from async_stager._core.memory.arena import Pinner, pin
 
 __all__ = ["ALIGN", "Ring", "padded"]
 
@@ -40,20 +44,22 @@ def padded(nbytes: int) -> int:
 class Ring:
     """``capacity`` bytes of host memory, allocated FIFO (thread-safe).
 
-    ``pin``: register the arena with CUDA (``cudaHostRegister``, exact size, so device
-    copies into it are asynchronous); unregistered by ``close``. Owner: the pipeline of
-    one save; pieces handed out stay valid memory while referenced, but their bytes are
-    overwritten once released and reallocated.
+    ``pinner``: registers the arena (exact size, so device copies into it are
+    asynchronous) through the arenas' pinning path (``arena.pin``: a ``CudaPinner`` on
+    CUDA); a failed registration raises PinningError, never leaves the ring silently
+    unpinned (its copies would then be synchronous). Unregistered by ``close`` (or when
+    the ring is collected). Owner: the pipeline of one save; pieces handed out stay
+    valid memory while referenced, but their bytes are overwritten once released and
+    reallocated.
     """
 
-    def __init__(self, capacity: int, *, pin: bool = False) -> None:
+    def __init__(self, capacity: int, *, pinner: Pinner | None = None) -> None:
         self.capacity = capacity
         self._mem = torch.empty(max(capacity, 1), dtype=torch.uint8)
         self._np = self._mem.numpy()
-        self._pinned = False
-        if pin:
-            rc = torch.cuda.cudart().cudaHostRegister(self._mem.data_ptr(), self._mem.numel(), 0)
-            self._pinned = int(rc) == 0
+        self._unpinner: weakref.finalize[Any, Any] | None = None
+        if pinner is not None:
+            self._unpinner = pin(pinner, self, self._mem.data_ptr(), self._mem.numel())
         self._live: deque[tuple[int, int]] = deque()  # (start, padded size), oldest first
         self._tail = 0
         self._cond = threading.Condition()
@@ -132,6 +138,10 @@ class Ring:
         self.release_all()
         with self._cond:
             self._closed = True
-        if self._pinned:
-            self._pinned = False
-            torch.cuda.cudart().cudaHostUnregister(self._mem.data_ptr())
+        if self._unpinner is not None:
+            self._unpinner()  # unregister, once (PinningError if that fails)
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the arena is registered with the pinner now."""
+        return self._unpinner is not None and self._unpinner.alive

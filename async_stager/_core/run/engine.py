@@ -29,7 +29,7 @@ from async_stager._core.aio.lease import Lease
 from async_stager._core.checksum.digest import Checksums
 from async_stager._core.copy.copiers import RealBackend, ScratchCopier
 from async_stager._core.copy.device import Backend, Completion, Copier, graph_capture_error
-from async_stager._core.memory.arena import Arena, Pinner
+from async_stager._core.memory.arena import Arena, Pinner, pinning_skipped
 from async_stager._core.memory.buffer_sets import BufferSet, BufferSets
 from async_stager._core.memory.preflight import engine_hook
 from async_stager._core.options import StagerOptions, resolve_options
@@ -38,10 +38,11 @@ from async_stager._core.plan.layout import signature_of
 from async_stager._core.plan.reuse import plan_holds, take_over
 from async_stager._core.run.enqueue import diagnose_copy_error, enqueue, no_torch_function
 from async_stager._core.run.interp import gc_paused, gil_interval
+from async_stager._core.walk.objects import GeneratorStates, generator_states
 from async_stager._core.walk.tree import Interrupt, Walk
 from async_stager.errors import ClosedError, StagingError
 
-__all__ = ["Cancelled", "Engine", "StageRecord", "build_engine"]
+__all__ = ["Captures", "Cancelled", "Engine", "StageRecord", "build_engine"]
 
 
 _log = logging.getLogger("async_stager")
@@ -49,6 +50,23 @@ _log = logging.getLogger("async_stager")
 
 class Cancelled(Interrupt):
     """Internal: the job was cancelled before its copies were enqueued."""
+
+
+class Captures(dict[torch.device, Any]):
+    """What ``Engine.capture`` takes at the call: per device, the copier's capture
+    (the snapshot point on the caller's stream); ``generators``: generator states taken
+    at the call (``generator_states``), which the walk rebuilds them from."""
+
+    __slots__ = ("generators",)
+
+    def __init__(self, points: dict[torch.device, Any], generators: GeneratorStates) -> None:
+        super().__init__(points)
+        self.generators = generators
+
+
+#: ``Engine.capture``'s default: no state dict given (only torch's default generators
+#: are looked at).
+_NO_STATE: Any = object()
 
 
 class _PlanStale(Exception):
@@ -116,11 +134,14 @@ class Engine:
 
     # -- caller thread ----------------------------------------------------------------
 
-    def capture(self) -> dict[torch.device, Any]:
+    def capture(self, sd: Any = _NO_STATE) -> Captures:
         """Snapshot point: an event on the caller's current stream of every device a
         source may live on (every CUDA device with a context, the caller's current one
         first, and every device staged from before). The leaves are not known before
-        the walk, so all of them: an event record each, microseconds.
+        the walk, so all of them: an event record each, microseconds. Also the states
+        of the generators at the top levels of ``sd`` (the state dict being staged) and
+        of torch's default generators (``generator_states``): a generator advances on
+        the host, unordered by any stream, so it is read now, not when the worker walks.
 
         Raises UnsupportedError if one of those streams is capturing a CUDA graph."""
         if self.closed:
@@ -132,7 +153,8 @@ class Engine:
         for d in devices:
             if self.backend.capturing(d):
                 raise graph_capture_error("stage()", d)
-        return {d: self._copier(d).capture() for d in devices}
+        points = {d: self._copier(d).capture() for d in devices}
+        return Captures(points, generator_states(None if sd is _NO_STATE else sd))
 
     def _copier(self, device: torch.device) -> Copier:
         # Called from the caller's thread (capture, fence) and the worker: one copier
@@ -155,17 +177,26 @@ class Engine:
         context, else another captured one, else that of any copier) as the worker's
         current device: a new thread starts on device 0, and pinning, event waits or
         stream work there would create a CUDA context on GPU 0 for every rank. With no
-        such device (a CPU-only state dict before CUDA is initialised) and pinning on,
-        the backend's ``host_device`` (pinning needs a context somewhere)."""
+        such device: none (see ``_skips_pinning``)."""
         devs = [d for d in captures if d.type == "cuda"] or [
             d for d in list(self._copiers) if d.type == "cuda"
         ]
-        device = devs[0] if devs else None
-        if device is None and self._pinner is not None:
-            device = self.backend.host_device()
-        if device is not None:
-            return self.backend.device_guard(device)
+        if devs:
+            return self.backend.device_guard(devs[0])
         return contextlib.nullcontext()
+
+    def _skips_pinning(self, captures: dict[torch.device, Any]) -> bool:
+        """A stage pins no new host memory with a pinner that needs a device context
+        (``Pinner.needs_context``: CudaPinner) when no accelerator device is in use: no
+        device was captured at the call (the real backend captures every CUDA device
+        with a context, and a CUDA tensor implies one), so every source is on the host
+        (a CPU-only state dict on a machine that has not used CUDA yet). Pinning would
+        create a CUDA context (about 0.5 GiB of device memory, on some GPU) for memory
+        that no device copy reads or writes. Arenas made so stay unpinned; a later stage
+        from a device takes new, pinned ones (``HostPool.allocate``)."""
+        return (
+            self._pinner is not None and bool(getattr(self._pinner, "needs_context", False)) and not captures
+        )
 
     # -- worker thread ----------------------------------------------------------------
 
@@ -182,16 +213,23 @@ class Engine:
         """Stage ``sd`` into a free buffer set; returns once the copies are enqueued
         (on the CPU: done, and with ``checksums`` hashed). Raises StagingError
         subclasses, or Cancelled."""
-        with gil_interval(self.options.yield_interval), self._device_context(captures):
-            try:
-                return self._run(sd, captures, lease, cancel, copy, checksums, allow_fast=True)
-            except _PlanStale:
-                pass
-            # A leaf changed in a way the fingerprint does not see: the plan is gone;
-            # the slow path checks everything. Retried outside the except block, so the
-            # failed attempt's frame (and the result it built) is gone: a stale result
-            # alive now would skew the buffer set's reachability baseline.
-            return self._run(sd, captures, lease, cancel, copy, checksums, allow_fast=False)
+        unpinned = pinning_skipped() if self._skips_pinning(captures) else contextlib.nullcontext()
+        try:
+            with gil_interval(self.options.yield_interval), self._device_context(captures), unpinned:
+                try:
+                    return self._run(sd, captures, lease, cancel, copy, checksums, allow_fast=True)
+                except _PlanStale:
+                    pass
+                # A leaf changed in a way the fingerprint does not see: the plan is gone;
+                # the slow path checks everything. Retried outside the except block, so the
+                # failed attempt's frame (and the result it built) is gone: a stale result
+                # alive now would skew the buffer set's reachability baseline.
+                return self._run(sd, captures, lease, cancel, copy, checksums, allow_fast=False)
+        finally:
+            if isinstance(captures, Captures):
+                # Used by the walks only: not kept (with its generators and their state
+                # tensors) for as long as whoever holds the captures lives.
+                captures.generators = {}
 
     def _run(
         self,
@@ -206,6 +244,8 @@ class Engine:
     ) -> StageRecord:
         t0 = time.perf_counter()
         tick = CancelCheck(cancel, self)
+        # Generator states taken at the call (``capture``); none: read as the walk goes.
+        gens: GeneratorStates | None = getattr(captures, "generators", None)
         sig = signature_of(sd)
         bufset, held = self.sets.select(sig, lease, tick.check_cancelled)
         track = functools.partial(self.sets.track, bufset)
@@ -219,7 +259,7 @@ class Engine:
             fast = False
             hits = misses = 0
             if plan is not None:
-                walk = Walk(plan.hosts, validate=False, tick=tick)
+                walk = Walk(plan.hosts, validate=False, tick=tick, generators=gens)
                 result = walk.rebuild(sd)
                 leaves = walk.leaves
                 with no_torch_function():
@@ -238,7 +278,7 @@ class Engine:
                 # scanning a heap that grows with every plan doubled the first stage
                 # of 20k tensors in a process already holding other plans.
                 with gc_paused():
-                    collect = Walk((), validate=True, tick=tick)
+                    collect = Walk((), validate=True, tick=tick, generators=gens)
                     collect.rebuild(sd)
                     with no_torch_function():
                         plan, hits, misses = make_plan(
@@ -249,13 +289,15 @@ class Engine:
                             collect.leaves,
                             tick,
                             prefault=not copy,
-                            preflight=self._preflight(bufset, reserve=not copy),
+                            preflight=self._preflight(
+                                bufset, reserve=not copy, pinned=not self._skips_pinning(captures)
+                            ),
                         )
                     # Remembered and watched before the walk below builds the result: the
                     # baseline of ``held`` must count the stager's references only.
                     bufset.remember(plan)
                     bufset.watch()
-                    walk = Walk(plan.hosts, validate=False, tick=tick)
+                    walk = Walk(plan.hosts, validate=False, tick=tick, generators=gens)
                     result = walk.rebuild(sd)
                     leaves = walk.leaves
                     # Hazard: the copies read the second walk's leaves into the plan of the
@@ -327,17 +369,20 @@ class Engine:
         finally:
             self.sets.done_writing(bufset, succeeded=succeeded)
 
-    def _preflight(self, bufset: BufferSet, *, reserve: bool) -> Callable[[list[int]], None] | None:
+    def _preflight(
+        self, bufset: BufferSet, *, reserve: bool, pinned: bool = True
+    ) -> Callable[[list[int]], None] | None:
         """The pre-flight check ``make_plan`` runs before it allocates (see
         ``_preflight``): at reserve(), and at a stage into a set that maps nothing yet.
-        None otherwise, so a stage into a set that holds memory pays nothing."""
+        None otherwise, so a stage into a set that holds memory pays nothing.
+        ``pinned``: whether this stage's new memory is pinned (``_skips_pinning``)."""
         if not self.options.preflight or (not reserve and bufset.pool.arenas):
             return None
         with self.sets.cond:
             held = [s for s in self.sets.all() if s.pool.arenas]
         return engine_hook(
             self.options,
-            self._pinner,
+            self._pinner if pinned else None,
             reserve=reserve,
             held_bytes=sum(s.pool.host_bytes for s in held),
             held_sets=len(held),

@@ -16,7 +16,7 @@ import enum
 import functools
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -24,7 +24,16 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from async_stager.errors import Attr, Nth, StagingError, UncopyableObjectError
 
-__all__ = ["ATOMIC", "REDUCE", "UNWALKED", "Interrupt", "ObjectWalk", "key_step"]
+__all__ = [
+    "ATOMIC",
+    "REDUCE",
+    "UNWALKED",
+    "GeneratorStates",
+    "Interrupt",
+    "ObjectWalk",
+    "generator_states",
+    "key_step",
+]
 
 _Tensor = torch.Tensor
 
@@ -78,6 +87,60 @@ def key_step(d: Any, key: Any) -> Nth:
     return Nth(-1)
 
 
+#: Per generator (by id): the generator and its reduce (``__reduce_ex__(4)``, its state
+#: copied) taken at the call; what the walk rebuilds that generator from.
+GeneratorStates = Mapping[int, tuple[torch.Generator, Any]]
+
+#: Containers of more entries than this are not looked into for generators at the
+#: call (the look must cost microseconds, not a pass over a flat model state dict).
+_SCAN_WIDTH = 256
+#: How deep the look at the call goes: the state itself (0), its values (1), and
+#: their values (2).
+_SCAN_DEPTH = 2
+
+
+def _default_generators() -> list[torch.Generator]:
+    """torch's default generators: the CPU's, and CUDA's of every device with a context
+    (only those can have advanced; none before CUDA is initialised). Creates no
+    context."""
+    out = [torch.default_generator]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+        for i, g in enumerate(torch.cuda.default_generators):
+            if has_context is None or has_context(i):
+                out.append(g)
+    return out
+
+
+def generator_states(sd: Any) -> dict[int, tuple[torch.Generator, Any]]:
+    """At the call, on the caller's thread: the state of every ``torch.Generator``
+    found at the top levels of ``sd`` (``sd`` itself, its values and their values,
+    looking only into dicts, lists and tuples of at most ``_SCAN_WIDTH`` entries) and of
+    torch's default generators (CPU, and CUDA's per device), wherever they are in
+    ``sd``. A generator advances as soon as the caller draws a number (on CUDA: when a
+    kernel using it is launched, without any stream ordering), so a state read when the
+    worker walks would not be the state as of the call. Generators found only by the
+    walk (deeper, inside objects) are read when the worker walks. Cost: a reduce per
+    generator (a 5 KB copy for a CPU one), microseconds."""
+    out: dict[int, tuple[torch.Generator, Any]] = {}
+
+    def take(g: torch.Generator) -> None:
+        if id(g) not in out:
+            out[id(g)] = (g, g.__reduce_ex__(4))
+
+    for g in _default_generators():
+        take(g)
+    stack: list[tuple[Any, int]] = [(sd, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, torch.Generator):
+            take(v)
+        elif depth < _SCAN_DEPTH and isinstance(v, (dict, list, tuple)) and len(v) <= _SCAN_WIDTH:
+            values = v.values() if isinstance(v, dict) else v
+            stack.extend((x, depth + 1) for x in values)
+    return out
+
+
 class Interrupt(Exception):
     """Base of the engine's control-flow exceptions raised from ``tick`` (a
     cancellation): the walk lets them through untouched, never wraps them."""
@@ -92,6 +155,7 @@ class ObjectWalk:
     memo: dict[int, Any]
     keep: list[Any]
     nhosts: int
+    generators: GeneratorStates
 
     def visit(self, obj: Any) -> Any:
         raise NotImplementedError
@@ -153,12 +217,14 @@ class ObjectWalk:
     def _generator(self, g: torch.Generator) -> Any:
         # Hazard: Generator.__setstate__ reads its state tensor's *values*, but an
         # object rebuilt in the walk gets host tensors the copies fill only later. So a
-        # generator is copied here and now, outside the plan (a few KB).
+        # generator is copied here and now, outside the plan (a few KB): from its state
+        # taken at the call when there is one (``generator_states``), else as it is now.
         memo = self.memo
         if id(g) in memo:
             return memo[id(g)]
         try:
-            rv: Any = g.__reduce_ex__(4)
+            taken = self.generators.get(id(g))
+            rv: Any = taken[1] if taken is not None and taken[0] is g else g.__reduce_ex__(4)
             func, args, state = rv[:3]
             out = func(*args)
             out.__setstate__(state)

@@ -30,7 +30,15 @@ from typing import Any
 
 import torch
 
-from async_stager._core.walk.objects import ATOMIC, REDUCE, UNWALKED, Interrupt, ObjectWalk, key_step
+from async_stager._core.walk.objects import (
+    ATOMIC,
+    REDUCE,
+    UNWALKED,
+    GeneratorStates,
+    Interrupt,
+    ObjectWalk,
+    key_step,
+)
 from async_stager.errors import Attr, NestingError, Nth, StagingError, UnsupportedTensorError
 
 __all__ = ["REDUCE", "Interrupt", "Walk", "check_tensor", "path_of_leaf", "wrap_like"]
@@ -84,10 +92,13 @@ class Walk(ObjectWalk):
     must agree; errors name their path. Leaves past the end of ``hosts`` stay the
     source tensors (the result is then only good for its ``leaves``; hazard: it must
     not be None, since objects rebuilt around it, e.g. ``torch.Generator``, check it).
+    ``generators``: states taken at the call (``generator_states``), which the
+    generators they name are rebuilt from.
     """
 
     __slots__ = (
         "accel",
+        "generators",
         "hosts",
         "keep",
         "leaves",
@@ -104,7 +115,9 @@ class Walk(ObjectWalk):
         *,
         validate: bool,
         tick: Callable[[], None],
+        generators: GeneratorStates | None = None,
     ) -> None:
+        self.generators = generators if generators is not None else {}
         self.leaves: list[torch.Tensor] = []
         self.hosts = hosts
         self.nhosts = len(hosts)
