@@ -117,12 +117,11 @@ async def test_a_bad_step_answers_the_request_with_its_error(tmp_path: Path) -> 
 
 
 def _busy(seconds: float) -> None:
-    """A training step's compute: holds the thread, never yields to the loop."""
+    """A training step's compute: blocks the loop's thread, never yields to the loop,
+    and (as torch's kernels do) releases the GIL while it runs."""
     import time
 
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
+    time.sleep(seconds)
 
 
 async def test_writes_go_on_in_a_loop_that_yields_only_at_fence_and_save(tmp_path: Path) -> None:

@@ -30,16 +30,17 @@ class Ranks:
 
     @classmethod
     def resolve(cls, group: ProcessGroup | None) -> Ranks:
-        """The given group, else (in a distributed job) the default group if it is gloo,
-        else a new gloo group over every rank (a collective: every rank constructs its
-        Checkpointer at the same point)."""
+        """The given group, else (in a distributed job) a new gloo group over every rank
+        (a collective: every rank constructs its Checkpointer at the same point).
+
+        Hazard: never the default group, even a gloo one: the background writes run
+        their collectives in worker threads while training runs its own (FSDP's
+        all-gathers) on the default group, and two threads' collectives on one group
+        interleave differently on each rank (gloo: "Received data size doesn't match")."""
         if not (dist.is_available() and dist.is_initialized()):
             return cls(rank=0, world=1, group=None, distributed=False)
         if group is None:
-            if dist.get_backend() == "gloo":
-                group = dist.group.WORLD
-            else:
-                group = dist.new_group(backend="gloo")
+            group = dist.new_group(backend="gloo")
         return cls(rank=dist.get_rank(group), world=dist.get_world_size(group), group=group, distributed=True)
 
     @property
