@@ -207,14 +207,10 @@ class Writer:
         return manifest, file_entry, checksum_seconds, nbytes
 
     def _dcp_writer(self, staged: dict[str, Any], tmp: Path) -> Callable[[], Any]:
-        from async_stager._dcp.blocking import _save_blocking, host_writer
+        from async_stager._dcp.blocking import _save_blocking
 
-        kwargs: dict[str, Any] = {
-            "checkpoint_id": str(tmp),
-            "cuda_device": caller_cuda_device(),
-            # The staged copy is on the host: a writer that never syncs a CUDA stream.
-            "storage_writer": host_writer(None, str(tmp)),
-        }
+        # _save_blocking picks the host writer (no CUDA stream sync) for the path.
+        kwargs: dict[str, Any] = {"checkpoint_id": str(tmp), "cuda_device": caller_cuda_device()}
         if self.ranks.distributed:
             kwargs.update(process_group=self.ranks.group, no_dist=False)
         else:
