@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from async_stager._core.options import StagerOptions
+from async_stager._core.plan.views import lazy_bits, view_on
 from async_stager._share import reducers as _mp_reduce  # noqa: F401  - registers the torch.multiprocessing reducers
 from async_stager.errors import ClosedError, HostAllocationError, StagingError, UnsupportedError
 
@@ -183,10 +184,7 @@ class _Exporter(pickle.Pickler):
                 t.storage_offset(),
                 requires_grad,
                 param,
-                # Hazard: the lazy conjugate/negative bits of a staged view (see
-                # _plan._hosts_and_units) are not in its bytes: a reference without them
-                # reads z where the source was z.conj(), x where it was -x.
-                int(t.is_conj()) | (int(t.is_neg()) << 1),
+                lazy_bits(t),  # not in its bytes (see _core/plan/views)
             )
         )
         return len(self.refs) - 1
@@ -346,12 +344,7 @@ class _Attacher(pickle.Unpickler):
                 1:
             ]
             storage = self._storage(slot, offset, nbytes)
-            t = torch.empty(0, dtype=getattr(torch, dtype)).set_(storage, storage_offset, size, stride)
-            # The exported view's lazy bits, in _plan._hosts_and_units's order.
-            if math_bits & 1:
-                t = t.conj()
-            if math_bits & 2:
-                t = torch._neg_view(t)
+            t = view_on(storage, getattr(torch, dtype), storage_offset, size, stride, math_bits)
             if param:
                 return torch.nn.Parameter(t, requires_grad=requires_grad)
             if requires_grad:

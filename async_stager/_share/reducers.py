@@ -51,6 +51,7 @@ import torch.multiprocessing  # torch registers its reducers first; ours replace
 from torch.multiprocessing import reductions as torch_reductions
 
 from async_stager._core.memory.arena import Arena, arena_at
+from async_stager._core.plan.views import lazy_bits, view_on
 
 __all__ = ["ForkingCounters", "counters", "install"]
 
@@ -207,7 +208,7 @@ def _reduce_tensor(t: torch.Tensor) -> Any:
     if found is None:
         return _torch_reduce_tensor(t)
     torch.utils.hooks.warn_if_has_hooks(t)
-    bits = int(t.is_conj()) | (int(t.is_neg()) << 1)
+    bits = lazy_bits(t)
     cls = torch.nn.Parameter if type(t) is torch.nn.Parameter else None
     args = (storage, t.dtype, t.storage_offset(), tuple(t.shape), t.stride(), t.requires_grad, bits, cls)
     state = torch._utils._get_obj_state(t) or None
@@ -270,12 +271,7 @@ def _rebuild_tensor(
     bits: int,
     cls: type[torch.Tensor] | None,
 ) -> torch.Tensor:
-    t = torch.empty(0, dtype=dtype).set_(storage, storage_offset, size, stride)
-    # The sender's lazy bits, in _plan._hosts_and_units's order.
-    if bits & 1:
-        t = t.conj()
-    if bits & 2:
-        t = torch._neg_view(t)
+    t = view_on(storage, dtype, storage_offset, size, stride, bits)  # with the sender's lazy bits
     if cls is torch.nn.Parameter:
         return torch.nn.Parameter(t, requires_grad=requires_grad)
     if requires_grad:

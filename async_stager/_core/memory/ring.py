@@ -28,12 +28,9 @@ from typing import Any
 
 import torch
 
-from async_stager._core.memory.arena import Pinner, pin
+from async_stager._core.memory.arena import ALIGN, Pinner, pin
 
 __all__ = ["ALIGN", "Ring", "padded"]
-
-#: Piece offsets are multiples of this (bytes): copies run at full speed on aligned rows.
-ALIGN = 64
 
 
 def padded(nbytes: int) -> int:

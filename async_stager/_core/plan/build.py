@@ -29,6 +29,7 @@ from async_stager._core.memory.buffer_sets import BufferSet
 from async_stager._core.options import StagerOptions
 from async_stager._core.plan.layout import DeviceProgram, Plan, Run, Unit, fingerprint, identity_layout
 from async_stager._core.plan.reuse import overlaps, reads_in_pool, repeats
+from async_stager._core.plan.views import lazy_bits, with_lazy_bits
 from async_stager._core.walk.tree import wrap_like
 
 __all__ = ["make_plan", "sources"]
@@ -179,7 +180,7 @@ def _hosts_and_units(
         rep_bits = 0
         for u in g.members:
             t = uniq[u]
-            bits = int(t.is_conj()) | (int(t.is_neg()) << 1)
+            bits = lazy_bits(t)
             if u == g.members[0]:
                 rep_bits = bits
             dtype = t.dtype
@@ -197,11 +198,7 @@ def _hosts_and_units(
                 if base is None:
                     base = base_t.untyped_storage()
                 h = torch.empty(0, dtype=dtype).set_(base, t.storage_offset(), t.size(), t.stride())
-            if bits & 1:
-                h = h.conj()
-            if bits & 2:
-                h = torch._neg_view(h)
-            host_u[u] = h
+            host_u[u] = with_lazy_bits(h, bits)
         nbytes += size
         rep_u = g.members[0]
         t = uniq[rep_u]
