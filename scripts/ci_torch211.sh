@@ -26,5 +26,5 @@ fi
 "$VENV/bin/python" -c 'import torch; print("torch", torch.__version__, torch.__file__)'
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
-    tests/test_default_stager.py tests/test_default_stager_dropin.py tests/test_stager.py \
-    tests/test_dcp.py tests/test_engine.py "$@"
+    tests/dcp/test_default_stager.py tests/dcp/test_default_stager_dropin.py tests/core/test_stager.py \
+    tests/dcp/test_dcp.py tests/core/test_engine.py "$@"

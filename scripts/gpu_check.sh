@@ -2,7 +2,7 @@
 # GPU check: one prepared script for a CUDA machine, under 5 minutes on one GPU.
 # Each step's bound (its timeout) is given; the steps add up to 280 s at most.
 #
-#   1. pytest tests/test_cuda.py tests/test_device_ordering.py and every other cuda-marked
+#   1. pytest tests/gpu/test_cuda.py tests/core/test_device_ordering.py and every other cuda-marked
 #      test (the Checkpointer round trip, two devices refused): the CUDA path and its
 #      ordering logic. Fails when CUDA is there but no CUDA test ran (all skipped). 90 s
 #   2. the benchmark on the GPU, modest runs; its row: GB/s against a one-buffer pinned
@@ -40,7 +40,7 @@
 #   GPU_CHECK_DEVICE=cpu GPU_CHECK_SCALE=0.01 scripts/gpu_check.sh
 # GPU_CHECK_BLOCK="trio uvloop pytest_asyncio hypothesis matplotlib" makes those
 # modules unimportable (a sitecustomize first on PYTHONPATH), as on the GPU machine;
-# CI runs that (tests/test_gpu_readiness.py::test_gpu_check_dry_run).
+# CI runs that (tests/gpu/test_gpu_readiness.py::test_gpu_check_dry_run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-$PWD/gpu_out}"
@@ -116,7 +116,7 @@ done
 # -- 1. tests --------------------------------------------------------------------------
 t0=$(now)
 # GPU_CHECK_TESTS: the test ids to run instead (the CI dry run takes a short list).
-read -r -a tests <<< "${GPU_CHECK_TESTS:-tests/test_cuda.py tests/test_device_ordering.py tests/test_device_checksums.py tests/test_checkpointer.py::test_cuda_state_round_trip tests/test_reliability_input.py::test_two_cuda_devices_in_one_state_dict_are_refused}"
+read -r -a tests <<< "${GPU_CHECK_TESTS:-tests/gpu/test_cuda.py tests/core/test_device_ordering.py tests/core/test_device_checksums.py tests/checkpoint/test_checkpointer.py::test_cuda_state_round_trip tests/reliability/test_reliability_input.py::test_two_cuda_devices_in_one_state_dict_are_refused}"
 common_args=(-p no:asyncio -p no:cacheprovider
     -W "ignore::pytest.PytestConfigWarning" -W "ignore::pytest.PytestUnknownMarkWarning")
 # Hazard: an installed but unimportable plugin (the dry run's blocked hypothesis) still

@@ -269,7 +269,7 @@ def test_30k_tensors_in_shared_memory_with_256_fds() -> None:
         print("fds", len(os.listdir("/proc/self/fd")))
         """
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = subprocess.run(
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=110, check=False
     )

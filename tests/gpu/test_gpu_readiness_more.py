@@ -1,7 +1,7 @@
 """CUDA defects of issue 25 reached on the CPU through the fakes: the budget ring pins
 through the arenas' pinning path, restore's hashing runs on the tensor's device, a
 CPU-only state dict pins nothing on a machine with a fake accelerator, and generator
-states are taken at the call. The real paths are in tests/test_cuda.py."""
+states are taken at the call. The real paths are in tests/gpu/test_cuda.py."""
 
 from __future__ import annotations
 

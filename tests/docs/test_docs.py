@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ["quickstart.md", "recipes.md", "migration.md", "troubleshooting.md"]
 REFERENCE = ["concepts.md", "api.md", "benchmarks.md", "reliability.md", "../README.md"]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)

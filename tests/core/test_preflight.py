@@ -36,7 +36,7 @@ from async_stager.testing import FakePinner
 
 pytestmark = pytest.mark.timeout(120)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(code: str) -> subprocess.CompletedProcess[str]:

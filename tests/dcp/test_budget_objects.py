@@ -463,7 +463,7 @@ async def test_checkpointer_budget_saves_values_with_tensors_and_restores_them_v
 # -- peak RSS in a fresh process -----------------------------------------------------------------------
 
 #: What a budgeted save holds besides its ring (docs/concepts.md; the same constant as
-#: tests/test_dcp_budget_procs.py): DCP's plan and metadata, the zip writer's buffers,
+#: tests/dcp/test_dcp_budget_procs.py): DCP's plan and metadata, the zip writer's buffers,
 #: a bytes item's gathered small writes, thread stacks.
 OVERHEAD_BYTES = 8 * MIB
 
@@ -527,7 +527,7 @@ def test_peak_rss_growth_with_a_64mib_tensor_inside_a_dataclass_stays_within_a_1
     tmp_path: Path, mode: str
 ) -> None:
     budget = 1 * MIB
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     res = subprocess.run(
         [sys.executable, "-c", _CHILD, mode, str(tmp_path / "c"), str(budget)],
         capture_output=True,

@@ -18,7 +18,7 @@ import crash_child
 
 from async_stager._cli.main import main as cli_main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHILD = Path(__file__).resolve().parent / "crash_child.py"
 
 SHORT = ["lease:3", "write_item:7", "fsync:9", "rename:2"]

@@ -63,7 +63,7 @@ print(json.dumps({"growth": peak[0] - base}))
 
 
 def _growth(tmp_path: Path, mode: str, state_mib: int, budget: int) -> int:
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     out = str(tmp_path / mode)
     res = subprocess.run(
         [sys.executable, "-c", _CHILD, mode, out, str(state_mib), str(budget)],

@@ -103,7 +103,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
 ]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHILD = Path(__file__).resolve().parent / "model_child.py"
 
 #: Seconds a rule waits for a command, a commit or a gate before it calls it a hang.

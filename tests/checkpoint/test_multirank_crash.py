@@ -20,7 +20,7 @@ import pytest
 
 from async_stager._cli.main import main as cli_main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHILD = Path(__file__).resolve().parent / "crash_child_dist.py"
 
 #: (kill point, rank killed, world size of the run).

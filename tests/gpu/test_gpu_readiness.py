@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
 pytestmark = pytest.mark.timeout(150)
@@ -31,7 +31,7 @@ def test_gpu_check_dry_run(tmp_path: Path) -> None:
         "GPU_CHECK_DEVICE": "cpu",
         "GPU_CHECK_SCALE": "0.0005",
         "GPU_CHECK_RUNS": "1",
-        "GPU_CHECK_TESTS": "tests/test_cuda.py",
+        "GPU_CHECK_TESTS": "tests/gpu/test_cuda.py",
         "GPU_CHECK_WORKLOADS": "fresh",
         "GPU_CHECK_BENCH_ARGS": "--no-all-threads",
         "GPU_CHECK_BLOCK": "trio uvloop pytest_asyncio hypothesis matplotlib",

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from async_stager import CheckpointStagerConfig, DefaultStager
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.timeout(60),

@@ -30,7 +30,7 @@ from async_stager._core.run import interp as _interp
 
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_script(code: str, timeout: float) -> subprocess.CompletedProcess[str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
 pytestmark = pytest.mark.timeout(60)
@@ -53,7 +53,7 @@ def test_every_example_is_tested() -> None:
         "dcp_async_save.py",
         "writer_process.py",
         "budgeted_checkpoint.py",
-        "fsdp_training.py",  # under torchrun: tests/test_fsdp_example.py
+        "fsdp_training.py",  # under torchrun: tests/docs/test_fsdp_example.py
     }
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 

@@ -20,7 +20,7 @@ from async_stager._core.memory.preflight import set_bytes
 
 pytestmark = pytest.mark.timeout(120)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _parse(*argv: str) -> argparse.Namespace:

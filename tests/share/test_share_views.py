@@ -26,7 +26,7 @@ from async_stager import AttachedStateDict, ClosedError, Stager, attach_shared, 
 
 pytestmark = pytest.mark.timeout(120)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class TaggedParameter(torch.nn.Parameter):

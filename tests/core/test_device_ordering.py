@@ -3,7 +3,7 @@
 Each test models one hazard of the real CUDA path with ``FakeBackend``'s streams (work
 queued on a caller's stream runs only when something waits for it), captures, fences,
 device guards and scratch accounting, or checks the real helpers with torch.cuda's
-functions replaced. The same hazards on a real GPU: tests/test_cuda.py (``cuda``-marked).
+functions replaced. The same hazards on a real GPU: tests/gpu/test_cuda.py (``cuda``-marked).
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Tests of the staging pipeline (_core): walk, memory, copy, plan, run, aio; the Stager."""

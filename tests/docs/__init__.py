@@ -1,0 +1,1 @@
+"""Tests of the docs' code blocks, the examples, the module map."""

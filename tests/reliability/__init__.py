@@ -1,0 +1,1 @@
+"""Tests of cancellation storms, injected faults, bad input, leaks, interpreter exit and fork."""
