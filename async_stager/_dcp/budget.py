@@ -12,13 +12,13 @@ before asking for the next. So a copier thread walks the final local plan
 
 - each bytes item (an int, a list, a dataclass, any value that is not a tensor or a
   container DCP walks into, with the tensors inside it) is serialized exactly as DCP
-  would (``torch.save`` of the value) into a sink (``_RingSink``) whose writes go to
-  the ring: small ones gathered across items into one piece of up to ``_SMALL`` bytes
-  (a small value costs one handover per batch, not one per value), larger ones cut
-  into pieces. ``torch.save`` hands a CPU tensor's storage to the sink as a view of the
-  source memory, so a tensor inside an object is copied into the ring piecewise, never
-  whole. ``resolve_data`` returns a stand-in (``_Streamed``) and the file stream of the
-  writer (``_StreamingStream``, from the writer's file system) writes the item's
+  would (``torch.save`` of the value) into a sink (``pickling.RingSink``) whose writes
+  go to the ring: small ones gathered across items into one piece of up to ``_SMALL``
+  bytes (a small value costs one handover per batch, not one per value), larger ones
+  cut into pieces. ``torch.save`` hands a CPU tensor's storage to the sink as a view of
+  the source memory, so a tensor inside an object is copied into the ring piecewise,
+  never whole. ``resolve_data`` returns a stand-in (``streaming.Streamed``) and the
+  file stream of the writer (from its file system, ``streaming``) writes the item's
   segments of those pieces as they land, releasing each piece once written;
 - each tensor item's data (what DCP's default planner would resolve: the tensor, a
   DTensor's local shard) is copied into the next piece of the ring, waiting while the
@@ -31,12 +31,21 @@ alternate. The snapshot point is the call: sources must not change until every c
 is enqueued (every bytes item serialized too), which is what the fence waits for
 (``Pipeline.fence``).
 
+Every tensor copy goes through the device seam (``_core.copy.device``; ``copies``):
+the ``Copier`` of the source's device, made by the stager's ``Backend`` (those of the
+devices known at the call are made then, on the caller's thread, and their
+``capture()`` is the snapshot point), one piece per ``begin``/``copy``/``protect``/
+``end``. So the budgeted copies have the engine's CUDA ordering (the copy stream waits
+on the capture recorded on the caller's stream; ``record_stream`` keeps the sources'
+memory; the copy stream is neither the default nor the caller's, ``fresh_stream``) and
+its bounded host waits, and a ``FakeBackend`` drives the pipeline on the CPU.
+
 What ``torch.save`` builds whole, outside the ring, for one bytes item at a time: the
 item's pickle (the value without its CPU tensors' data), and a host copy of each
 device tensor's storage inside the value (``storage.cpu()``). Each is checked against
-the budget (``_checked_pickle_module``): BudgetTooSmallError, naming the value, when
-either is bigger, since neither can be cut into pieces. ``dcp.save`` checks what it
-can see at the call (``_budget_save``).
+the budget (``pickling.checked_pickle_module``): BudgetTooSmallError, naming the
+value, when either is bigger, since neither can be cut into pieces. ``dcp.save``
+checks what it can see at the call (``budget_save``).
 
 Limits of DCP's public API (documented in docs/concepts.md):
 - The order in which a storage writer asks for items is not part of DCP's interface;
@@ -44,47 +53,38 @@ Limits of DCP's public API (documented in docs/concepts.md):
   against the expected order and fails with UnsupportedError rather than deadlock.
 - The writer holds each written tensor until its file is closed, and clones a tensor
   whose storage is bigger than itself: hence one arena and pieces with exact storages
-  (``_ring``).
+  (``_core.memory.ring``).
 - The writer writes a bytes item as ``stream.write(data.getbuffer())`` on the stream
-  its file system opened: the stand-in's buffer is a marker the stream recognizes.
-  Should a writer do anything else with it (read it, copy it), the save fails with
+  its file system opened (``streaming``): anything else fails the save with
   UnsupportedError before any metadata is written; it never writes a wrong item.
 """
 
 from __future__ import annotations
 
-import io
-import pickle
 import threading
 import time
 import types
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Future
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any, cast
+from typing import IO, Any, cast
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from async_stager._core.aio.waiting import wait_future
 from async_stager._core.checksum.digest import chunk_key, tensor_digest
-from async_stager._core.copy.copiers import CpuCopier, CudaEvent
-from async_stager._core.copy.device import fresh_stream
+from async_stager._core.copy.device import Backend, Completion, Copier
 from async_stager._core.memory.arena import Pinner
 from async_stager._core.memory.ring import ALIGN, Ring, padded
+from async_stager._dcp.copies import RingCopies
+from async_stager._dcp.pickling import RingSink, Stopped, checked_pickle_module
+from async_stager._dcp.streaming import Marker, Streamed
 from async_stager.errors import BudgetTooSmallError, StagingError, UnsupportedError
 
-if TYPE_CHECKING:
-    from torch.distributed.checkpoint.storage import WriteResult
-    from torch.futures import Future as TorchFuture
-
-__all__ = ["BudgetStats", "Pipeline", "PipelinePlanner", "PipelineWriter", "SaveAborted"]
+__all__ = ["BudgetStats", "Pipeline", "SaveAborted"]
 
 #: Writes to a bytes item's sink up to this size (bytes) are gathered before they take
 #: a piece of the ring (a ``torch.save`` makes many small writes: zip headers, records).
@@ -128,141 +128,12 @@ class SaveAborted(StagingError):
     save (on every rank) before writing the checkpoint's metadata."""
 
 
-class _Stopped(Exception):
-    """The copier's sink was told to stop (the save is aborted): unwinds ``torch.save``."""
-
-
 def _item_nbytes(item: WriteItem) -> int:
     assert item.tensor_data is not None
     n = 1
     for s in item.tensor_data.chunk.sizes:
         n *= int(s)
     return n * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
-
-
-class _Marker(bytearray):
-    """The (empty) buffer a ``_Streamed`` stand-in hands the writer: the writer's stream
-    recognizes it (``memoryview.obj``) and writes the bytes item's pieces instead."""
-
-    def __init__(self, pos: int) -> None:
-        super().__init__()
-        self.pos = pos
-
-
-class _Streamed(io.BytesIO):
-    """What ``resolve_data`` returns for a bytes item: a stand-in whose ``getbuffer()``
-    is the marker that ``_StreamingStream.write`` turns into the item's streamed
-    pieces. Its own content is empty; reading it is refused rather than wrong."""
-
-    def __init__(self, marker: _Marker, fqn: str) -> None:
-        super().__init__()
-        self._marker = marker
-        self._fqn = fqn
-
-    def getbuffer(self) -> memoryview:
-        return memoryview(self._marker)
-
-    def _refuse(self) -> UnsupportedError:
-        return UnsupportedError(
-            f"the storage writer read the bytes item {self._fqn!r} instead of writing "
-            "data.getbuffer() to its stream; a budgeted save streams it and needs "
-            "FileSystemWriter(thread_count=1, per_thread_copy_ahead=0)"
-        )
-
-    def getvalue(self) -> bytes:
-        raise self._refuse()
-
-    def read(self, size: int | None = -1, /) -> bytes:
-        raise self._refuse()
-
-
-def _storage_of(obj: Any) -> Any:
-    return obj._untyped_storage if isinstance(obj, torch.storage.TypedStorage) else obj
-
-
-def _checked_pickle_module(budget: int, where: Callable[[], tuple[Any, ...]]) -> types.ModuleType:
-    """A pickle module for ``torch.save`` (which only uses its ``Pickler``) whose output
-    is the same as ``pickle``'s, and which refuses, before ``torch.save`` goes on, what
-    it would hold whole in host memory beyond ``budget`` bytes: the pickle itself
-    (checked once dumped), a device storage (``torch.save`` subclasses the Pickler to
-    add ``persistent_id``; ``__init_subclass__`` wraps it to check each storage).
-    ``where()``: the path of the value being serialized (for the error). One module
-    per save: building one per value would cost more than pickling a small value."""
-
-    def too_big(what: str, n: int) -> BudgetTooSmallError:
-        return BudgetTooSmallError(
-            f"{what} {n} bytes, which torch.save holds in host memory in one piece, more "
-            f"than host_budget_bytes={budget}; store the data as a tensor of the state dict "
-            "(DCP writes tensors in pieces of the budget) or pass "
-            f"host_budget_bytes >= {n}",
-            path=where(),
-            needed_bytes=n,
-        )
-
-    class Pickler(pickle.Pickler):
-        def __init__(self, file: Any, *args: Any, **kwargs: Any) -> None:
-            super().__init__(file, *args, **kwargs)
-            self._sink = file
-
-        def __init_subclass__(cls, **kwargs: Any) -> None:
-            super().__init_subclass__(**kwargs)
-            inner = cls.__dict__.get("persistent_id")
-            if inner is None:
-                return
-
-            def persistent_id(self: Any, obj: Any) -> Any:
-                pid = inner(self, obj)
-                if pid is not None and (isinstance(obj, torch.storage.TypedStorage) or torch.is_storage(obj)):
-                    storage = _storage_of(obj)
-                    if storage.device.type not in ("cpu", "meta") and storage.nbytes() > budget:
-                        raise too_big(
-                            f"this non-tensor value holds a {storage.device.type} tensor whose storage takes",
-                            storage.nbytes(),
-                        )
-                return pid
-
-            cls.persistent_id = persistent_id  # type: ignore[method-assign]
-
-        def dump(self, obj: Any) -> None:
-            super().dump(obj)
-            n = self._sink.tell()
-            if n > budget:
-                raise too_big("this non-tensor value pickles to", n)
-
-    mod = types.ModuleType("async_stager._budget_pickle")
-    mod.Pickler = Pickler  # type: ignore[attr-defined]
-    return mod
-
-
-class _RingSink:
-    """The file ``torch.save`` writes one bytes item into (copier thread); the bytes go
-    to ``Pipeline._object_write``, small ones straight into its batch (the fast path:
-    ``torch.save`` makes about twenty writes for a small value). ``failure``: the first
-    error raised here or by the checks; once set, later writes (``torch.save`` still
-    writes the zip's directory on its way out) are dropped."""
-
-    def __init__(self, pipeline: Pipeline, batch: bytearray, limit: int) -> None:
-        self._pipeline = pipeline
-        self._batch = batch
-        self._limit = limit
-        self.failure: BaseException | None = None
-
-    def write(self, data: Any) -> int:
-        n = data.nbytes if type(data) is memoryview else len(data)
-        if self.failure is None and len(self._batch) + n <= self._limit and n:
-            self._batch += data
-            return n
-        if self.failure is not None or n == 0:
-            return n
-        try:
-            self._pipeline._object_write(memoryview(data).cast("B"))
-        except BaseException as e:
-            self.failure = e
-            raise
-        return n
-
-    def flush(self) -> None:
-        pass
 
 
 #: What the writer is handed for bytes items, in ring order: (item position, bytes to
@@ -275,10 +146,14 @@ class Pipeline:
 
     Threads: ``start``/``take``/``pump``/``finish`` run in DCP's save thread (the
     writer), ``_copy_all`` in the copier thread, ``fence``/``abort`` on the event loop.
-    ``copy_threads``: torch threads for host copies (the stager's ``copy_threads``: by
-    default one core is left, here to the writer). ``captures``: per CUDA device index,
-    the event recorded on the caller's stream at the call; the copy stream of each
-    device waits on it, CPU copies (and the serialization of bytes items) wait for all.
+    ``backend``: the device seam (the stager's; None: the real one, non-blocking) that
+    makes the ``Copier`` of a device first seen in the copier thread (on the real one,
+    the CPU's: its ``copy_threads`` are the stager's, one core left to the writer).
+    ``copiers``: the copiers made at the call, on the caller's thread, for the devices
+    in ``captures``; owned by the pipeline from now on (closed by ``finish``).
+    ``captures``: per device, its copier's ``capture()`` at the call (the snapshot
+    point on the caller's stream); each piece's copy is ordered after it
+    (``order_after``: a host copy, and the serialization of bytes items, after all).
     ``object_hint``: the caller's estimate of the bytes items' serialized size (bytes),
     only to size the ring (a short estimate means smaller pieces, not a failure);
     ``object_paths``: per flattened DCP name (``fqn``), the value's path from the root,
@@ -289,11 +164,11 @@ class Pipeline:
         self,
         budget: int,
         *,
-        captures: dict[int, CudaEvent],
+        captures: Mapping[torch.device, Any],
         t0: float,
+        backend: Backend | None = None,
+        copiers: Mapping[torch.device, Copier] | None = None,
         pinner: Pinner | None = None,
-        caller_streams: dict[int, int] | None = None,
-        copy_threads: int | None = None,
         digests: dict[str, dict[str, Any]] | None = None,
         object_hint: int | None = None,
         object_paths: dict[str, tuple[Any, ...]] | None = None,
@@ -305,13 +180,10 @@ class Pipeline:
         #: it lands (the copier thread; the writer thread for a device's piece, once
         #: its copy is done), before the writer writes it.
         self.digests = digests
-        self.copy_threads = copy_threads
-        self.captures = captures
+        #: The tensor copies, through the device seam (``copies``).
+        self.copies = RingCopies(captures, backend=backend, copiers=copiers)
         #: Pins the ring (the arenas' path, ``arena.pin``); None: the ring is pageable.
         self.pinner = pinner
-        #: Per device, the caller's current stream at the call (``cuda_stream``): what
-        #: the copy stream made there must not be (``fresh_stream``).
-        self.caller_streams = caller_streams or {}
         self.t0 = t0
         self.object_hint = object_hint
         self.object_paths = object_paths or {}
@@ -325,7 +197,9 @@ class Pipeline:
         self._cond = threading.Condition()
         self._items: list[WriteItem] = []
         self._objects: list[WriteItem] = []
-        self._ready: dict[int, tuple[torch.Tensor, CudaEvent | None]] = {}
+        # Per tensor item position: its piece and the completion of its copy (None:
+        # landed, and hashed).
+        self._ready: dict[int, tuple[torch.Tensor, Completion | None]] = {}
         self._segments: deque[_Segment] = deque()
         # Copier thread: bytes items' small writes gathered across items (at most
         # ``_SMALL`` bytes, outside the ring) into one piece, with their segments.
@@ -340,8 +214,6 @@ class Pipeline:
         self._error: BaseException | None = None
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._last_events: dict[int, CudaEvent] = {}
-        self._streams: dict[int, torch.cuda.Stream] = {}
         self._writer_wait = 0.0
         self._tensor_bytes = 0
         self._object_bytes = 0
@@ -390,7 +262,7 @@ class Pipeline:
                 raise self._out_of_order(item)
             self._next_object = at + 1
             self._streaming = at
-            return _Streamed(_Marker(at), item.index.fqn)
+            return Streamed(Marker(at), item.index.fqn)
         ring = self._ring
         assert ring is not None
         pos = self._next
@@ -413,11 +285,28 @@ class Pipeline:
             raise SaveAborted("the budgeted save was cancelled")
         dst, done = got
         if done is not None:
-            done.synchronize()
+            try:
+                landed = self.copies.landed(item.index.fqn, done, lambda: self._stop)
+            except StagingError as e:
+                self._fail(e)
+                raise
+            if not landed:
+                raise SaveAborted("the budgeted save was cancelled")
             self._hash(item, dst)
         self._writer_wait += time.perf_counter() - t0
         self._next = pos + 1
         return dst
+
+    def _fail(self, error: BaseException) -> None:
+        """Record the save's first failure (raised by ``_budget_save`` as itself) and
+        stop the copier."""
+        with self._cond:
+            if self._error is None:
+                self._error = error
+            self._stop = True
+            self._cond.notify_all()
+        if self._ring is not None:
+            self._ring.wake()
 
     def _out_of_order(self, item: WriteItem) -> UnsupportedError:
         return UnsupportedError(
@@ -434,7 +323,7 @@ class Pipeline:
                 "FileSystemWriter(thread_count=1, per_thread_copy_ahead=0)"
             )
 
-    def pump(self, marker: _Marker, out: Any) -> int:
+    def pump(self, marker: Marker, out: Any) -> int:
         """Write the bytes item of ``marker`` to the file ``out`` as its segments land,
         releasing each piece once written; returns the bytes written."""
         if marker.pos != self._streaming:
@@ -492,30 +381,34 @@ class Pipeline:
         self.abort()
         if self._thread is not None:
             self._thread.join()
-        for ev in self._last_events.values():
-            ev.synchronize()  # no copy may still land in memory about to be unregistered
         with self._cond:
             self._segments.clear()
             self._ready.clear()
-        if self._ring is not None:
-            self._ring.close()
-        self._settle()
+        # No copy may still land in memory about to be unregistered (and reused): every
+        # copy the writer did not take, and the latest of each device, are waited for
+        # (bounded); a failing one stops neither the others nor the ring's release.
+        failed = self.copies.settle()
+        with self._cond:
+            if failed is not None and self._error is None:
+                self._error = failed
+        try:
+            if self._ring is not None:
+                self._ring.close()
+        finally:
+            self.copies.close()
+            self._settle()
 
     # -- copier thread -------------------------------------------------------------------
 
     def _copy_all(self) -> None:
         ring = self._ring
         assert ring is not None and self.source is not None
-        # The device seam's host copier, without its helper pool (one piece at a time).
-        cpu = CpuCopier(torch.device("cpu"), threads=1)
-        cpu.threads = self.copy_threads
         try:
             with torch.no_grad():
-                waited_host = False
                 if self._objects:
-                    # A value may hold CPU tensors the caller's stream is still writing.
-                    self._wait_host()
-                    waited_host = True
+                    # A value may hold CPU tensors the caller's stream is still writing
+                    # (torch.save reads them on the host): wait for every capture.
+                    self.copies.wait_captures()
                 for at, item in enumerate(self._objects):
                     self._serialize(at, item)
                 self._flush()
@@ -526,45 +419,35 @@ class Pipeline:
                     if start is None:
                         return
                     dst = ring.view(start, nbytes, src.dtype, src.shape)
-                    event: CudaEvent | None = None
-                    if src.device.type == "cuda":
-                        event = self._copy_cuda(dst, src)
-                    else:
-                        if not waited_host:
-                            self._wait_host()
-                            waited_host = True
-                        cpu.copy([dst], [src])
-                        self._hash(item, dst)
+                    done = self.copies.copy(item.index.fqn, dst, src)
+                    if done is None:
+                        self._hash(item, dst)  # landed: hashed here, before the writer
                     del src
                     self._tensor_bytes += nbytes
                     with self._cond:
-                        self._ready[pos] = (dst, event)
+                        self._ready[pos] = (dst, done)
                         self._cond.notify_all()
             self._fence_at = time.perf_counter()
-        except _Stopped:
+        except Stopped:
             pass  # aborted: the writer raises SaveAborted
         except BaseException as e:  # noqa: BLE001 - handed to the writer
             with self._cond:
-                self._error = e
+                if self._error is None:
+                    self._error = e
                 self._cond.notify_all()
         finally:
-            cpu.close()
             self._settle()
-
-    def _wait_host(self) -> None:
-        for cap in self.captures.values():
-            cap.synchronize()
 
     def _serialize(self, at: int, item: WriteItem) -> None:
         """``torch.save`` of a bytes item's value, as DCP's planner does, into the ring
-        (``_object_write``). Raises _Stopped if the save was aborted meanwhile."""
+        (``_object_write``). Raises Stopped if the save was aborted meanwhile."""
         assert self.lookup is not None
         if self._pickle is None:
-            self._pickle = _checked_pickle_module(self.budget, self._open_path)
+            self._pickle = checked_pickle_module(self.budget, self._open_path)
         value = self.lookup(item)
         self._open = at
         self._open_from = len(self._batch)
-        sink = _RingSink(self, self._batch, min(_SMALL, self._chunk))
+        sink = RingSink(self._object_write, self._batch, min(_SMALL, self._chunk))
         try:
             torch.save(value, cast("IO[bytes]", sink), pickle_module=self._pickle)
         except BaseException as e:
@@ -627,7 +510,7 @@ class Pipeline:
         assert ring is not None
         start = ring.alloc(n, stop=lambda: self._stop)
         if start is None:
-            raise _Stopped
+            raise Stopped
         self._object_bytes += n
         piece: np.ndarray[Any, Any] = ring.view(start, n, torch.uint8, (n,)).numpy()
         return piece
@@ -636,27 +519,6 @@ class Pipeline:
         with self._cond:
             self._segments.extend(segments)
             self._cond.notify_all()
-
-    def _copy_cuda(self, dst: torch.Tensor, src: torch.Tensor) -> CudaEvent:
-        index = src.device.index if src.device.index is not None else torch.cuda.current_device()
-        with torch.cuda.device(index):
-            stream = self._streams.get(index)
-            if stream is None:
-                avoid = [self.caller_streams[index]] if index in self.caller_streams else []
-                stream = self._streams[index] = fresh_stream(torch.device("cuda", index), avoid)
-                cap = self.captures.get(index)
-                if cap is not None:
-                    cap.wait(stream)
-                else:
-                    stream.wait_stream(torch.cuda.default_stream(index))
-            with torch.cuda.stream(stream):
-                dst.copy_(src, non_blocking=True)
-            # The caching allocator must not hand the source's memory to a new tensor
-            # (which could overwrite it) before this copy has read it.
-            src.record_stream(stream)
-            event = CudaEvent(stream)
-        self._last_events[index] = event
-        return event
 
     # -- event loop -----------------------------------------------------------------------
 
@@ -676,17 +538,19 @@ class Pipeline:
             self._ring.wake()
 
     def fence(self) -> Callable[[], Awaitable[None]]:
-        """``Stager.fence``'s hook: reads the caller's current CUDA streams now; the
-        returned wait returns once every copy is enqueued (or the save stopped), then
-        makes those streams wait for the last copy of each device (no host block)."""
-        points = {i: torch.cuda.current_stream(i) for i in self.captures}
+        """``Stager.fence``'s hook (caller's thread; ``Engine.fence`` has refused a
+        capturing stream): reads each copier's ``fence_point`` (the caller's current
+        stream) now; the returned wait returns once every copy is enqueued (or the save
+        stopped), then has each copier order its point after that device's last copy
+        (``Copier.fence``: no host block). A device first seen after the call: the
+        current stream of the thread applying it.
+
+        Cancellation: only the wait is cancelled; no ordering was added."""
+        points = self.copies.fence_points()
 
         async def wait() -> None:
             await wait_future(self.enqueued)
-            for index, event in list(self._last_events.items()):
-                point = points.get(index)
-                if point is not None:
-                    event.wait(point)
+            self.copies.apply_fence(points)
 
         return wait
 
@@ -715,73 +579,3 @@ def _too_small(items: Sequence[WriteItem], budget: int) -> BudgetTooSmallError:
         f"host_budget_bytes={budget}; pass host_budget_bytes >= {need}",
         needed_bytes=need,
     )
-
-
-class PipelinePlanner(DefaultSavePlanner):
-    """DCP's default save planner whose ``resolve_data`` hands out staged pieces."""
-
-    def __init__(self, pipeline: Pipeline) -> None:
-        super().__init__()
-        self._pipeline = pipeline
-        pipeline.source = self._source
-        pipeline.lookup = self._lookup
-
-    def _source(self, item: WriteItem) -> Any:
-        return DefaultSavePlanner.resolve_data(self, item)
-
-    def _lookup(self, item: WriteItem) -> Any:
-        return self.lookup_object(item.index)
-
-    def resolve_data(self, write_item: WriteItem) -> Any:
-        return self._pipeline.take(write_item)
-
-
-class _StreamingStream:
-    """A file the writer opened (through ``_StreamingFileSystem``): writes pass through,
-    except a bytes item's marker buffer, which becomes that item's pieces."""
-
-    def __init__(self, raw: Any, pipeline: Pipeline) -> None:
-        self._raw = raw
-        self._pipeline = pipeline
-
-    def write(self, data: Any) -> int:
-        if isinstance(data, memoryview) and isinstance(data.obj, _Marker):
-            return self._pipeline.pump(data.obj, self._raw)
-        n: int = self._raw.write(data)
-        return n
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._raw, name)
-
-
-class _StreamingFileSystem(FileSystem):
-    """DCP's local file system whose write streams are ``_StreamingStream``s."""
-
-    def __init__(self, pipeline: Pipeline) -> None:
-        super().__init__()
-        self._pipeline = pipeline
-
-    @contextmanager
-    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
-        with super().create_stream(path, mode) as stream:
-            yield _StreamingStream(stream, self._pipeline) if "w" in mode else stream
-
-
-class PipelineWriter(FileSystemWriter):
-    """DCP's ``FileSystemWriter`` with one thread and its serial loader (the order
-    ``Pipeline`` stages in), starting and finishing the pipeline around the write; its
-    file system's write streams write bytes items as they are streamed."""
-
-    def __init__(self, path: Any, pipeline: Pipeline, **kwargs: Any) -> None:
-        super().__init__(path, thread_count=1, per_thread_copy_ahead=0, **kwargs)
-        self._pipeline = pipeline
-        self.fs = _StreamingFileSystem(pipeline)
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
-        try:
-            self._pipeline.start(plan)
-            result = super().write_data(plan, planner)
-            self._pipeline.check_written()
-            return result
-        finally:
-            self._pipeline.finish()

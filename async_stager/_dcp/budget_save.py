@@ -1,6 +1,10 @@
 """``dcp.save(..., host_budget_bytes=N)``: the call, the coroutine and cancellation.
 
-The pipeline itself (ring, copier thread, DCP planner and writer) is ``_budget``.
+The pipeline itself is ``budget`` (ring, copier thread), ``copies`` (its copies
+through the device seam), ``pickling`` (bytes items into the ring) and ``streaming``
+(DCP's planner, writer and file system). The device seam is the stager's: its engine's
+``Backend`` (a ``FakeBackend`` in CPU tests) makes the copiers and answers the device
+questions at the call, and the engine's pinner pins the ring.
 
 What the budget bounds: the ring, ``N`` bytes of host memory at most, through which
 every byte DCP writes passes in pieces: tensor items (a tensor, a DTensor's local
@@ -33,17 +37,11 @@ import numpy as np
 import torch
 
 from async_stager._core.aio.waiting import wait_future, wait_future_uninterrupted
-from async_stager._core.copy.copiers import CudaEvent
-from async_stager._core.copy.device import (
-    caller_cuda_device,
-    capturing,
-    cuda_context_devices,
-    graph_capture_error,
-)
-from async_stager._core.memory.arena import CudaPinner
+from async_stager._core.copy.device import Copier, caller_cuda_device, graph_capture_error
+from async_stager._core.memory.arena import Pinner
 from async_stager._core.memory.ring import ALIGN, padded
-from async_stager._core.options import AUTO, loop_friendly_threads
-from async_stager._dcp.budget import BudgetStats, Pipeline, PipelinePlanner, PipelineWriter
+from async_stager._dcp.budget import BudgetStats, Pipeline
+from async_stager._dcp.streaming import PipelinePlanner, PipelineWriter
 from async_stager.errors import (
     Attr,
     BudgetTooSmallError,
@@ -314,26 +312,35 @@ def budgeted_save(
     if stager.closed:
         raise ClosedError("the stager is closed")
     object_hint, object_paths = survey(state_dict, budget)
-    devices = cuda_context_devices()
-    # Checked before any event is recorded (as stage() does): an event recorded on a
-    # capturing stream belongs to the graph, so the copies could not be ordered with it.
+    # The stager's device seam (``Stager(backend=...)``): what its stages copy with.
+    engine = stager._engine
+    backend = engine.backend
+    devices = list(dict.fromkeys(backend.known_devices()))
+    # Checked before anything is made or recorded on a device (as stage() does): an
+    # event recorded on a capturing stream belongs to the graph, so the copies could
+    # not be ordered with it.
     for d in devices:
-        if capturing(d):
-            raise graph_capture_error("dcp.save(host_budget_bytes=...)", torch.device("cuda", d))
-    # The snapshot point: the caller's current stream of every device with a context.
-    streams = {d: torch.cuda.current_stream(d) for d in devices}
-    captures = {d: CudaEvent(s) for d, s in streams.items()}
-    threads = stager.options.copy_threads
+        if backend.capturing(d):
+            raise graph_capture_error("dcp.save(host_budget_bytes=...)", d)
+    # The snapshot point: a capture on the caller's current stream of every device a
+    # source may live on, by the save's own copier there (made on this thread: its copy
+    # stream is not the caller's). The stager's copiers belong to its worker.
+    copiers: dict[torch.device, Copier] = {}
+    try:
+        for d in devices:
+            copiers[d] = backend.copier(d)
+        captures = {d: c.capture() for d, c in copiers.items()}
+    except BaseException:
+        for c in copiers.values():
+            c.close()
+        raise
     pipeline = Pipeline(
         budget,
         captures=captures,
         t0=t0,
-        # The ring pins as the stager's arenas do (when CUDA is in use and the stager
-        # pins): one registration, exact size, through CudaPinner.
-        pinner=CudaPinner() if captures and stager.options.pin_memory else None,
-        caller_streams={d: s.cuda_stream for d, s in streams.items()},
-        # One core is left to the writer, as by default for the loop.
-        copy_threads=loop_friendly_threads() if threads == AUTO or isinstance(threads, str) else threads,
+        backend=backend,
+        copiers=copiers,
+        pinner=_ring_pinner(engine._pinner, bool(captures)),
         digests=digests,
         object_hint=object_hint,
         object_paths=object_paths,
@@ -352,6 +359,16 @@ def budgeted_save(
     # Never awaited: nothing was staged; the fence must not wait for it.
     _ABANDON[coro] = weakref.finalize(coro, _forget, pipeline, remove)
     return coro
+
+
+def _ring_pinner(pinner: Pinner | None, devices_in_use: bool) -> Pinner | None:
+    """The ring pins as the stager's arenas do, with the engine's pinner (None when the
+    stager does not pin): one registration, exact size. Not with a pinner that needs a
+    device context while no device is in use (``Engine._skips_pinning``'s rule: no
+    context is created for memory no device copy reads)."""
+    if pinner is None or (getattr(pinner, "needs_context", False) and not devices_in_use):
+        return None
+    return pinner
 
 
 #: Per budgeted save not yet awaited: what lets its fence hook and pipeline go.

@@ -142,7 +142,7 @@ async def test_sources_changed_after_the_fence_never_reach_the_checkpoint(tmp_pa
         sd["step"] = -1
         sd["note"]["lr"] = -1.0
     assert_same(load(tmp_path, want), want)
-    assert stats[0].blocked_seconds > 0  # the budget did hold the copies back
+    assert stats[0].peak_bytes <= 3 * 64 * KIB  # within the budget, however the copier and writer raced
 
 
 async def test_too_small_budget_is_refused_at_the_call_naming_the_tensor(tmp_path: Path) -> None:
@@ -271,24 +271,5 @@ async def test_cuda_budgeted_save_orders_after_the_callers_stream(tmp_path: Path
         assert torch.equal(out[k], torch.full((256 * KIB,), float(i))), k
 
 
-async def test_budgeted_save_inside_a_graph_capture_is_refused_before_any_event(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import async_stager._dcp.budget_save as budget_save
-
-    # A CUDA machine whose device 0 is capturing a graph, seen through the two queries
-    # the budgeted save asks; no event may be made (recorded) once it is refused.
-    made: list[Any] = []
-    monkeypatch.setattr(budget_save, "cuda_context_devices", lambda: [0])
-    monkeypatch.setattr(budget_save, "capturing", lambda index: index == 0)
-    monkeypatch.setattr(budget_save, "CudaEvent", lambda stream: made.append(stream))
-    async with Stager() as stager:
-        with pytest.raises(UnsupportedError, match="capturing a CUDA graph") as err:
-            _ = adcp.save(
-                make_sd(n=2), stager=stager, checkpoint_id=tmp_path, no_dist=True, host_budget_bytes=10**6
-            )
-        assert "dcp.save" in str(err.value) and "cuda:0" in str(err.value)
-        assert made == []
-        with anyio.fail_after(5):
-            await stager.fence()  # nothing registered a fence hook
-    assert not (tmp_path / ".metadata").exists()
+# The graph-capture refusal before any copier or event is made: tests/dcp/test_budget_seam.py
+# (test_the_real_backends_capture_check_comes_before_any_copier), through the copiers' queries.

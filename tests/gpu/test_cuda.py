@@ -467,7 +467,6 @@ async def test_budgeted_save_inside_a_graph_capture_is_refused(anyio_backend: An
 async def test_budget_ring_pins_through_the_arenas_pinner(
     anyio_backend: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import async_stager._dcp.budget_save as budget_save
     import async_stager.dcp as adcp
     from async_stager._core.memory.arena import CudaPinner
 
@@ -482,9 +481,8 @@ async def test_budget_ring_pins_through_the_arenas_pinner(
             super().unregister(ptr)
             seen.append(("unregister", 0))
 
-    monkeypatch.setattr(budget_save, "CudaPinner", Recording)
     sd = {f"w{i}": torch.full((1 << 16,), float(i), device="cuda") for i in range(4)}
-    async with Stager() as stager:
+    async with Stager(pinner=Recording()) as stager:  # the budget ring pins with the stager's pinner
         await adcp.save(sd, stager=stager, checkpoint_id=tmp_path, no_dist=True, host_budget_bytes=1 << 20)
     assert [k for k, _ in seen] == ["register", "unregister"], seen
     assert 0 < seen[0][1] <= 1 << 20

@@ -1,0 +1,180 @@
+"""The budgeted save's tensor copies into its ring, through the device seam.
+
+``RingCopies`` copies each tensor item's source into its piece of the ring with the
+``Copier`` of the source's device (``_core.copy.device``), one piece per stage:
+``begin(order_after(...))``, ``copy``, ``protect``, ``end()`` (the piece's
+``Completion``, None when it has landed already). So a budgeted save has the engine's
+CUDA ordering and a ``FakeBackend`` drives it on the CPU:
+
+- the copiers of the devices known at the call are made then, on the caller's thread,
+  and their ``capture()`` is the snapshot point (an event on the caller's current
+  stream); the copy stream (``CudaCopier``: ``fresh_stream``, never the default nor
+  the caller's stream) waits on it, a host copy waits for every accelerator's capture;
+- ``protect`` keeps the sources' memory from the caching allocator until they are read
+  (``record_stream``);
+- host waits are bounded (``HOST_WAIT_SECONDS``) and see an abort.
+
+Owner: the pipeline of one save (``budget.Pipeline``); the copiers are its own (not the
+stager's: those belong to the stager's worker), closed by ``close``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from async_stager._core.copy.copiers import RealBackend, bytewise
+from async_stager._core.copy.device import Backend, Completion, Copier, order_after
+from async_stager._core.memory.buffer_sets import HOST_WAIT_SECONDS, wait_bounded
+from async_stager.errors import CopyError
+
+__all__ = ["RingCopies"]
+
+
+class RingCopies:
+    """One budgeted save's copiers, captures and the completions of its copies that
+    have not been seen to land.
+
+    ``captures``: per device, its copier's ``capture()`` at the call. ``copiers``: the
+    copiers that made them (the caller's thread). ``backend``: makes the copier of a
+    device first seen in the copier thread (on the real backend, the CPU's; None: the
+    real one, non-blocking). Threads: ``copy`` in the copier thread, ``landed`` and
+    ``settle``/``close`` in the writer's, ``fence_points`` in the caller's,
+    ``apply_fence`` on the event loop; the dicts are read there as snapshots."""
+
+    def __init__(
+        self,
+        captures: Mapping[torch.device, Any],
+        *,
+        backend: Backend | None = None,
+        copiers: Mapping[torch.device, Copier] | None = None,
+    ) -> None:
+        self.captures = dict(captures)
+        self._backend = backend
+        self._copiers: dict[torch.device, Copier] = dict(copiers or {})
+        # Copies not yet seen to land (by ``landed``), in enqueue order, keyed by
+        # ``id``: what a fence orders after (each of them: a fake device's completions
+        # are independent, and on CUDA more waits on one stream cost microseconds) and
+        # what ``settle`` waits for before the ring is unregistered. At most the pieces
+        # the ring holds.
+        self._pending: dict[int, tuple[torch.device, Completion]] = {}
+        self._lock = threading.Lock()
+
+    def wait_captures(self) -> None:
+        """Block until every capture has fired (the host is about to read CPU tensors
+        the caller's streams may still be writing: a bytes item's value)."""
+        for cap in list(self.captures.values()):
+            cap.synchronize()
+
+    def _copier(self, device: torch.device) -> Copier:
+        copier = self._copiers.get(device)
+        if copier is None:
+            if self._backend is None:
+                self._backend = RealBackend(non_blocking=True)
+            copier = self._copiers[device] = self._backend.copier(device)
+        return copier
+
+    def copy(self, fqn: str, dst: torch.Tensor, src: torch.Tensor) -> Completion | None:
+        """Enqueue ``dst.copy_(src)`` (copier thread) as one stage of the source's
+        copier: ordered after the capture, the source protected until it is read.
+        Returns the copy's completion, None when it has landed already. Bytes, not
+        values (``bytewise``: bf16/fp16/fp8 must not pass through float), except for a
+        source with lazy conj/neg bits (values: the bits resolved). A failed
+        enqueue raises CopyError naming the write item ``fqn``."""
+        device = src.device
+        if device.type == "cuda" and device.index is None:  # pragma: no cover - torch sets it
+            device = torch.device("cuda", torch.cuda.current_device())
+        copier = self._copier(device)
+        copier.begin(order_after(device, self.captures))
+        try:
+            if src.is_conj() or src.is_neg():
+                # The bytes of a view with lazy bits are not its values: an elementwise
+                # copy resolves them.
+                dsts, srcs = [dst], [src]
+            else:
+                dsts, srcs = bytewise([dst], [src])
+            copier.copy(dsts, srcs)
+            copier.protect([src])
+        except Exception as e:
+            raise CopyError(f"copying write item {fqn!r} into the budget's ring failed: {e}") from e
+        finally:
+            # The stage ends also when the enqueue failed (the copy stream made current
+            # for it is left); what was enqueued is still waited for (``settle``).
+            done = copier.end()
+            if done is not None:
+                with self._lock:
+                    self._pending[id(done)] = (device, done)
+        return done
+
+    def landed(self, fqn: str, done: Completion, stop: Callable[[], bool]) -> bool:
+        """Wait (writer thread) until the copy of write item ``fqn`` has landed; False
+        if ``stop()`` became true first (the copy goes on: ``settle`` waits for it).
+        Polls ``query()`` with a sleep doubling up to 1 ms, so the wait sees an abort
+        and is bounded (a blocking synchronize cannot be): CopyError after
+        ``HOST_WAIT_SECONDS``, and when the completion fails (a device reports a copy's
+        error there), the error its cause."""
+        deadline = time.monotonic() + HOST_WAIT_SECONDS
+        delay = 0.0001
+        try:
+            while not done.query():
+                if stop():
+                    return False
+                if time.monotonic() >= deadline:
+                    raise CopyError(
+                        f"the copy of write item {fqn!r} still not finished after "
+                        f"{HOST_WAIT_SECONDS:.0f} s: the device looks wedged (a kernel that never "
+                        "ends, an Xid error); see nvidia-smi"
+                    )
+                time.sleep(delay)
+                delay = min(delay * 2, 0.001)
+        except CopyError:
+            raise
+        except Exception as e:
+            raise CopyError(f"copying write item {fqn!r} into the budget's ring failed: {e}") from e
+        with self._lock:
+            self._pending.pop(id(done), None)
+        return True
+
+    def settle(self) -> BaseException | None:
+        """Wait (bounded) for every copy not seen to land (the writer never took it, or
+        stopped waiting): no copy may still land in ring memory about to be
+        unregistered and reused. Every one is waited for even when one fails; returns
+        the first failure (None: all landed). After the copier thread has ended."""
+        with self._lock:
+            pending, self._pending = list(self._pending.values()), {}
+        first: BaseException | None = None
+        for _, done in pending:
+            try:
+                wait_bounded(done, "a copy into the budget's ring", HOST_WAIT_SECONDS)
+            except Exception as e:  # noqa: BLE001 - returned: the others are waited for too
+                first = first or e
+        return first
+
+    def fence_points(self) -> dict[torch.device, Any]:
+        """Caller's thread, at a ``fence()`` call: each copier's ``fence_point`` (the
+        caller's current stream)."""
+        return {d: c.fence_point() for d, c in list(self._copiers.items())}
+
+    def apply_fence(self, points: Mapping[torch.device, Any]) -> None:
+        """Order each point after its device's copies not yet seen to land
+        (``Copier.fence``: no host block); a device first seen after the fence's call:
+        the current stream of the calling thread. Nothing once settled (every copy
+        landed)."""
+        copiers = dict(self._copiers)
+        with self._lock:
+            pending = list(self._pending.values())
+        for device, done in pending:
+            copier = copiers.get(device)
+            if copier is not None:
+                copier.fence(done, points.get(device))
+
+    def close(self) -> None:
+        """Close every copier (their streams are synchronized; nothing held)."""
+        copiers = list(self._copiers.values())
+        self._copiers.clear()
+        for copier in copiers:
+            copier.close()
