@@ -23,6 +23,7 @@ __all__ = [
     "InvalidOptionError",
     "InvalidOptionTypeError",
     "NestingError",
+    "NodeBudgetError",
     "PinningError",
     "StagingError",
     "UncopyableObjectError",
@@ -187,6 +188,38 @@ class HostLimitError(HostAllocationError):
         self.unit = unit
         self.fix = fix
         self.report = report
+
+
+class NodeBudgetError(HostLimitError):
+    """The node-wide host-memory budget (``node_budget_bytes``, shared by the ranks of
+    one machine through a node ledger) cannot give ``need`` bytes: either at once,
+    because ``need`` is more than the whole budget (``limit``; ``waited`` is 0), or
+    within the wait's bound (``waited`` seconds, in ticket order). ``what`` says what
+    the bytes were for, ``holders`` maps each pid holding bytes of the budget to its
+    bytes, and ``resource`` starts with ``"node budget"``. Also raised by the pre-flight
+    (``reserve()``, a first stage) for a need the whole budget cannot hold, with its
+    ``report``. Nothing was reserved; the stager (or the caller) stays usable."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        need: int = 0,
+        limit: int = 0,
+        fix: str = "",
+        what: str = "",
+        waited: float = 0.0,
+        holders: dict[int, int] | None = None,
+        resource: str = "node budget",
+        unit: str = "bytes",
+        report: Any = None,
+    ) -> None:
+        super().__init__(
+            message, resource=resource, need=need, limit=limit, unit=unit, fix=fix, report=report
+        )
+        self.what = what
+        self.waited = waited
+        self.holders: dict[int, int] = dict(holders or {})
 
 
 class PinningError(HostAllocationError):

@@ -14,6 +14,11 @@ weights in ``--dtype`` plus the optimizer's per-parameter states in the same dty
 (AdamW/Adam: two, ``exp_avg`` and ``exp_avg_sq``; SGD with momentum: one; none: zero).
 Gradients are not part of a checkpoint. Mixed precision with fp32 master weights: pass
 ``--dtype fp32`` (the optimizer's copy is what is saved) or use ``--bytes``.
+
+The node: ``--ranks-per-node K`` (default 1) judges the machine-wide limits (memory,
+the cgroup, /dev/shm) against K ranks' worth (the size is one rank's), and
+``--node-budget SIZE`` (``node_budget_bytes``) caps what the node maps at the budget
+and checks that one rank's need fits the whole budget (ranks beyond it take turns).
 """
 
 from __future__ import annotations
@@ -116,6 +121,20 @@ def add_check_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--buffer-sets", type=_positive, default=2, metavar="K", help="max_buffer_sets (2)")
     p.add_argument("--pin-memory", action="store_true", help="pinned host buffers")
     p.add_argument("--share-memory", action="store_true", help="shared-memory host buffers")
+    p.add_argument(
+        "--ranks-per-node",
+        type=_positive,
+        default=1,
+        metavar="K",
+        help="ranks staging alike on this machine; the size is one rank's (1)",
+    )
+    p.add_argument(
+        "--node-budget",
+        type=parse_bytes,
+        default=None,
+        metavar="SIZE",
+        help="node_budget_bytes: one host budget shared by the node's ranks (none)",
+    )
 
 
 def checkpoint_bytes(ns: argparse.Namespace) -> int:
@@ -135,6 +154,8 @@ def run_check(ns: argparse.Namespace, out: TextIO, limits: HostLimits | None = N
         sets=ns.buffer_sets,
         pinned=ns.pin_memory,
         shared=ns.share_memory,
+        ranks=getattr(ns, "ranks_per_node", 1),
+        node_budget=getattr(ns, "node_budget", None),
     )
     report = check(need, limits if limits is not None else HostLimits.read())
     kinds = [k for k, on in (("pinned", ns.pin_memory), ("shared", ns.share_memory)) if on] or ["private"]
@@ -142,7 +163,7 @@ def run_check(ns: argparse.Namespace, out: TextIO, limits: HostLimits | None = N
     if ns.bytes is None:
         source += f" ({_count(ns.model_size)} parameters, {ns.dtype}, {ns.optimizer} optimizer)"
     out.write(f"pre-flight: {source}\n")
-    out.write(f"need: {need.describe()} of {', '.join(kinds)} host memory\n\n")
+    out.write(f"need: {need.describe_node()} of {', '.join(kinds)} host memory\n\n")
     out.write(report.format() + "\n\n")
     short = [r for r in report.rows if r.enforced and not r.fits]
     if not short:

@@ -115,6 +115,20 @@ def check_int(name: str, value: object, minimum: int, maximum: int | None = None
     return number
 
 
+def check_text(name: str, value: object) -> str | None:
+    """``value`` if it is None or a non-empty string (a path or a name); an ``os.PathLike``
+    becomes its string."""
+    if value is None:
+        return None
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise _wrong_type(name, value, "a non-empty string, or None")
+    if not value:
+        raise _out_of_range(name, value, "a non-empty string, or None")
+    return value
+
+
 def check_seconds(name: str, value: object, *, maximum: float | None = None, zero_ok: bool = False) -> float:
     """``value`` as a float of seconds: a real number (int or float, not bool), not NaN,
     > 0 (>= 0 with ``zero_ok``) and <= ``maximum`` (None: infinity allowed)."""
@@ -200,6 +214,13 @@ class StagerOptions:
     - ``preflight``: before host memory is mapped (at ``reserve()``, and at the first
       stage into each buffer set), check that it fits this process's limits and raise
       HostLimitError if not (see ``_preflight``); False skips the check.
+    - ``node_budget_bytes``: one host-memory budget (bytes) for every process of the
+      job on this machine: each host arena is reserved from the node ledger before it
+      is mapped and given back when it is unmapped (see ``_core/memory/ledger.py``);
+      None (the default): no node budget. Every rank of the node must give the same.
+    - ``node_budget_path``: the ledger's directory (default: one under ``/dev/shm``
+      named from the job's identity); ``node_budget_job``: that identity (default:
+      ``TORCHELASTIC_RUN_ID``, else ``MASTER_ADDR:MASTER_PORT``).
 
     Every field is checked at construction (and so by ``replace``):
 
@@ -213,6 +234,8 @@ class StagerOptions:
     - ``copy_threads``: an integer from 1 to 1024, or None.
     - ``buffer_wait_timeout``: a number of seconds >= 0 (``inf`` allowed), or None.
     - ``preflight``: True or False.
+    - ``node_budget_bytes``: an integer >= 1, or None; ``node_budget_path``,
+      ``node_budget_job``: a non-empty string, or None.
 
     Integers exclude bools and floats (``2.0`` too). A value of the wrong type raises
     :class:`InvalidOptionTypeError` (also a ``TypeError``), one out of range
@@ -232,6 +255,9 @@ class StagerOptions:
     copy_threads: int | Literal["auto"] | None = None
     buffer_wait_timeout: float | None = DEFAULT_BUFFER_WAIT_TIMEOUT
     preflight: bool = True
+    node_budget_bytes: int | None = None
+    node_budget_path: str | None = None
+    node_budget_job: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -254,6 +280,11 @@ class StagerOptions:
             "yield_interval": check_seconds("yield_interval", self.yield_interval, maximum=1.0),
             "worker_nice": check_int("worker_nice", self.worker_nice, NICE_MIN, NICE_MAX),
             "preflight": check_bool("preflight", self.preflight),
+            "node_budget_bytes": None
+            if self.node_budget_bytes is None
+            else check_int("node_budget_bytes", self.node_budget_bytes, 1, also="or None (no node budget)"),
+            "node_budget_path": check_text("node_budget_path", self.node_budget_path),
+            "node_budget_job": check_text("node_budget_job", self.node_budget_job),
             "buffer_wait_timeout": None
             if self.buffer_wait_timeout is None
             else check_seconds("buffer_wait_timeout", self.buffer_wait_timeout, zero_ok=True),

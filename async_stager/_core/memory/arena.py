@@ -14,6 +14,13 @@ Ownership: the pool owns its arenas; every block's tensor holds a reference to t
 arena's mmap object, so a staged tensor a user still holds after ``close()`` stays
 valid host memory. Close unpins and drops the pool's references; the region is unmapped
 when the last tensor viewing it dies.
+
+Node budget: a pool given a ``reserve`` function (a node ledger's, see ``ledger``)
+reserves each new arena's bytes before it maps or pins it; the reservation is given
+back when the pool lets the arena go (``trim``, ``close``; ``trim`` drops only arenas
+no result uses), and by a finalizer on the mmap object for an arena dropped without
+``close()``. A staged result a caller still holds after the stager is closed keeps its
+memory mapped, no longer counted.
 """
 
 from __future__ import annotations
@@ -24,13 +31,16 @@ import mmap
 import os
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from async_stager.errors import HostAllocationError, PinningError
+
+if TYPE_CHECKING:
+    from async_stager._core.memory.ledger import Reservation
 
 __all__ = [
     "ALIGN",
@@ -138,7 +148,17 @@ def _clear_cuda_last_error() -> None:
 class Arena:
     """One mapping of ``nbytes`` bytes: anonymous, or a memfd when ``shared``."""
 
-    def __init__(self, nbytes: int, *, shared: bool, pinner: Pinner | None, prefault: bool = False) -> None:
+    def __init__(
+        self,
+        nbytes: int,
+        *,
+        shared: bool,
+        pinner: Pinner | None,
+        prefault: bool = False,
+        reservation: Reservation | None = None,
+    ) -> None:
+        """``reservation``: ``nbytes`` of a node budget, owned by the arena from now on
+        (given back when the mapping goes, or at once if mapping fails)."""
         self.nbytes = nbytes
         self.shared = shared
         self.fd = -1
@@ -167,9 +187,21 @@ class Arena:
                     pass
         except OSError as e:
             self._close_fd()
+            if reservation is not None:
+                reservation.release()
             raise HostAllocationError(
                 f"could not map {nbytes} bytes of {'shared' if shared else 'host'} memory: {e}"
             ) from e
+        except BaseException:
+            if reservation is not None:
+                reservation.release()
+            raise
+        self._reservation = reservation
+        if reservation is not None:
+            # The backstop for an arena never closed: when its region is unmapped.
+            # Hazard: that may be any thread, the event loop's too: a release takes the
+            # node lock for one record write (plus any wait for another process's).
+            weakref.finalize(self.mm, reservation.release)
         # The base tensor views the whole mapping; its data_ptr is the arena's address.
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.base = self.tensor.data_ptr()
@@ -216,6 +248,11 @@ class Arena:
         self.__dict__.pop("tensor", None)
         self.__dict__.pop("mm", None)
         self._close_fd()
+        # The pool lets the arena go: its bytes go back to the node budget now (the
+        # stager's own references to old blocks may keep the mapping a little longer).
+        reservation, self._reservation = getattr(self, "_reservation", None), None
+        if reservation is not None:
+            reservation.release()
 
     def _close_fd(self) -> None:
         if self.fd >= 0:
@@ -346,9 +383,20 @@ class HostPool:
     Thread-safe: the worker thread allocates while the loop thread may close.
     """
 
-    def __init__(self, *, shared: bool, pinner: Pinner | None) -> None:
+    def __init__(
+        self,
+        *,
+        shared: bool,
+        pinner: Pinner | None,
+        reserve: Callable[[int, Callable[[], int]], Reservation] | None = None,
+    ) -> None:
+        """``reserve``: called with a new arena's bytes before it is mapped (blocking,
+        worker thread; may raise, e.g. NodeBudgetError), and a function that releases
+        this pool's arenas no block is allocated from (returns the bytes; for a budget
+        that is short); None: no node budget."""
         self.shared = shared
         self._pinner = pinner
+        self._reserve = reserve
         self._lock = threading.Lock()
         self.arenas: list[Arena] = []
         # Per arena: sorted, coalesced free ranges [(offset, size)].
@@ -386,9 +434,13 @@ class HostPool:
                     continue
                 pending = self._fit(arena, sizes, pending, out)
             if pending:
-                need = sum(align(sizes[i]) for i in pending)
+                need = max(sum(align(sizes[i]) for i in pending), MIN_ARENA_BYTES)
+                # Hazard: this may wait (the node budget's bound) with the pool's lock
+                # held; only this set's stage allocates from it, and a close marks the
+                # sets closed first, which ends the wait (the reserve function's stop).
+                reservation = self._reserve(need, self._trim_locked) if self._reserve is not None else None
                 arena = Arena(
-                    max(need, MIN_ARENA_BYTES), shared=self.shared, pinner=pinner, prefault=prefault
+                    need, shared=self.shared, pinner=pinner, prefault=prefault, reservation=reservation
                 )
                 self.arenas.append(arena)
                 self._free[arena] = [(0, arena.nbytes)]
@@ -455,12 +507,16 @@ class HostPool:
         bytes released. Raises PinningError (after releasing the rest) if unpinning
         failed."""
         with self._lock:
-            errors: list[BaseException] = []
-            empty = [a for a in self.arenas if self._used[a] == 0]
-            for arena in empty:
-                self._drop(arena, errors)
-            _raise_first(errors)
-            return sum(a.nbytes for a in empty)
+            return self._trim_locked()
+
+    def _trim_locked(self) -> int:
+        # Under the lock (``trim``, or ``allocate`` making room in a node budget).
+        errors: list[BaseException] = []
+        empty = [a for a in self.arenas if self._used[a] == 0]
+        for arena in empty:
+            self._drop(arena, errors)
+        _raise_first(errors)
+        return sum(a.nbytes for a in empty)
 
     def _drop(self, arena: Arena, errors: list[BaseException]) -> None:
         # Forgotten first, closed second: an arena whose unpinning fails is still

@@ -5,6 +5,11 @@ cache and its plans. A stage writes into exactly one set; a set that is leased (
 consumer holds its result), still reachable from a result, or still has copies in
 flight is never written. ``BufferSets`` picks the set for a stage (or waits for one),
 and owns the lock that guards the sets' bookkeeping.
+
+Node budget: with a node ledger (``node_budget_bytes``), every arena a set maps is
+reserved from it first (waiting at most ``wait_timeout`` seconds, in the node's ticket
+order) and given back when unmapped; cached sets stay counted between checkpoints, and
+``trim()``/``close()`` give their bytes back.
 """
 
 from __future__ import annotations
@@ -13,12 +18,13 @@ import functools
 import gc
 import logging
 import operator
+import os
 import sys
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +34,9 @@ from async_stager._core.memory.arena import Arena, HostPool, Pinner
 from async_stager._core.memory.storage_cache import StorageCache
 from async_stager._core.plan.layout import Plan
 from async_stager.errors import BuffersHeldError, ClosedError, CopyError
+
+if TYPE_CHECKING:
+    from async_stager._core.memory.ledger import NodeLedger, Reservation
 
 __all__ = ["MAX_PLANS", "BufferSet", "BufferSets"]
 
@@ -45,9 +54,16 @@ class BufferSet:
     condition variable of the ``BufferSets`` that holds the set, except ``cache``/``plans``, which only the worker
     thread touches while the set is selected."""
 
-    def __init__(self, index: int, *, shared: bool, pinner: Pinner | None) -> None:
+    def __init__(
+        self,
+        index: int,
+        *,
+        shared: bool,
+        pinner: Pinner | None,
+        reserve: Callable[[int, Callable[[], int]], Reservation] | None = None,
+    ) -> None:
         self.index = index
-        self.pool = HostPool(shared=shared, pinner=pinner)
+        self.pool = HostPool(shared=shared, pinner=pinner, reserve=reserve)
         self.cache = StorageCache(self.pool)
         self.plans: OrderedDict[Any, Plan] = OrderedDict()
         self.leases = 0
@@ -169,9 +185,20 @@ class BufferSets:
     """
 
     def __init__(
-        self, *, max_sets: int, shared: bool, pinner: Pinner | None, wait_timeout: float | None
+        self,
+        *,
+        max_sets: int,
+        shared: bool,
+        pinner: Pinner | None,
+        wait_timeout: float | None,
+        ledger: NodeLedger | None = None,
+        owns_ledger: bool = False,
     ) -> None:
+        """``ledger``: the node budget every arena is reserved from (None: none);
+        ``owns_ledger``: close it at ``close()``."""
         self.max_sets = max_sets
+        self.ledger = ledger
+        self._owns_ledger = owns_ledger
         self.shared = shared
         self.pinner = pinner
         self.wait_timeout = wait_timeout
@@ -265,10 +292,36 @@ class BufferSets:
             if not s.held():
                 return s
         if len(self._sets) < self.max_sets:
-            s = BufferSet(len(self._sets), shared=self.shared, pinner=self.pinner)
+            reserve = None if self.ledger is None else functools.partial(self._reserve, len(self._sets))
+            s = BufferSet(len(self._sets), shared=self.shared, pinner=self.pinner, reserve=reserve)
             self._sets.append(s)
             return s
         return None
+
+    def _reserve(self, index: int, nbytes: int, trim_own: Callable[[], int]) -> Reservation:
+        """Worker thread, for a new arena of set ``index``: ``nbytes`` of the node
+        budget, waiting at most ``wait_timeout`` seconds (NodeBudgetError after; at
+        once for more than the budget). A close ends the wait (ClosedError).
+
+        When the bytes are not to be had at once, this stager first gives back what it
+        holds and no result uses (``trim_own``: the set's own empty arenas; then every
+        other set ``trim`` may release), so that its own idle cache never makes it wait
+        (with one process, that wait could only end in the timeout: nothing else would
+        release), and the node gets the bytes back before this rank queues."""
+        assert self.ledger is not None
+        what = f"a {nbytes}-byte host arena of buffer set {index} (pid {os.getpid()})"
+        got = self.ledger.try_reserve(nbytes, what)
+        if got is not None:
+            return got
+        released = trim_own() + self.trim()
+        if released:
+            _log.info("node budget short: released %d bytes of idle staging memory before waiting", released)
+
+        def stop() -> None:
+            if self.closed:
+                raise ClosedError("the stager was closed while a stage waited for the node budget")
+
+        return self.ledger.reserve(nbytes, timeout=self.wait_timeout, what=what, stop=stop)
 
     def _describe_held(self) -> str:
         parts = []
@@ -381,5 +434,12 @@ class BufferSets:
             try:
                 s.close()
             except Exception as e:  # noqa: BLE001 - keep releasing the rest
+                errors.append(e)
+        if self._owns_ledger and self.ledger is not None:
+            # After the arenas: their reservations were given back as they were
+            # unmapped; what a staged tensor a user still holds views stops counting.
+            try:
+                self.ledger.close()
+            except Exception as e:  # noqa: BLE001
                 errors.append(e)
         return errors

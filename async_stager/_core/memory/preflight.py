@@ -18,18 +18,30 @@ limits' usage). RLIMIT_MEMLOCK is enforced only for a pinner that charges it
 pins through the driver's ``get_user_pages``, which the kernel does not charge to
 RLIMIT_MEMLOCK, so for it the row is shown but not enforced (containers' 64 KiB default
 would otherwise refuse every pinned stager that works).
+
+The node: with ``ranks`` processes per node staging alike (``LOCAL_WORLD_SIZE`` at
+run time, ``--ranks-per-node`` in ``check``), the machine-wide limits (MemAvailable,
+the cgroup, /dev/shm) are judged against every rank's new bytes, capped by what a node
+budget (``node_budget_bytes``) may still grant. With a node budget two rows more: one
+process's need must fit the whole budget (else it can never be granted: enforced), and
+the ranks' sum against the budget (information: ranks beyond it take turns).
 """
 
 from __future__ import annotations
 
+import os
 import textwrap
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from async_stager._core.memory.arena import MIN_ARENA_BYTES, Pinner, align
 from async_stager._core.memory.host_limits import HostLimits
 from async_stager._core.options import StagerOptions
-from async_stager.errors import HostLimitError
+from async_stager.errors import HostLimitError, NodeBudgetError
+
+if TYPE_CHECKING:
+    from async_stager._core.memory.ledger import NodeLedger
 
 __all__ = [
     "Need",
@@ -109,7 +121,9 @@ class Need:
     to provide for (``max_buffer_sets`` at ``reserve()``, 1 for the buffer set a stage
     is about to fill); ``held_bytes``/``held_sets``: what the stager already maps (no
     new memory for that); ``pinned``/``shared``: the options; ``charges_memlock``: the
-    pinner's pages count against RLIMIT_MEMLOCK."""
+    pinner's pages count against RLIMIT_MEMLOCK. ``ranks``: processes per node
+    staging alike; ``node_budget``: the node budget (bytes; None: none), of which
+    ``node_reserved`` bytes are granted now (every rank, this one included)."""
 
     per_set: int
     sets: int = 1
@@ -118,11 +132,23 @@ class Need:
     pinned: bool = False
     shared: bool = False
     charges_memlock: bool = False
+    ranks: int = 1
+    node_budget: int | None = None
+    node_reserved: int = 0
 
     @property
     def new_bytes(self) -> int:
-        """Host bytes still to be mapped."""
+        """Host bytes still to be mapped (this process)."""
         return max(0, self.per_set * self.sets - self.held_bytes)
+
+    @property
+    def node_new_bytes(self) -> int:
+        """Host bytes still to be mapped on the node: every rank's, capped by what the
+        node budget may still grant."""
+        total = self.new_bytes * self.ranks
+        if self.node_budget is not None:
+            total = min(total, max(0, self.node_budget - self.node_reserved))
+        return total
 
     @property
     def new_sets(self) -> int:
@@ -137,6 +163,15 @@ class Need:
         text = human(self.per_set) if self.sets == 1 else f"{self.sets} x {human(self.per_set)}"
         if self.held_bytes and self.new_bytes != self.per_set * self.sets:
             text += f" ({human(self.new_bytes)} not yet held)"
+        return text
+
+    def describe_node(self) -> str:
+        """What the node maps: ``4 ranks x 2 x 37.2 GiB``, capped by the node budget."""
+        if self.ranks == 1 and self.node_budget is None:
+            return self.describe()
+        text = self.describe() if self.ranks == 1 else f"{self.ranks} ranks x {self.describe()}"
+        if self.node_new_bytes < self.new_bytes * self.ranks:
+            text += f", at most {human(self.node_new_bytes)} (node budget)"
         return text
 
 
@@ -203,7 +238,8 @@ class PreflightReport:
             if r.enforced and not r.fits:
                 assert r.limit is not None
                 unit = "" if r.unit == "bytes" else f" {r.unit}"
-                raise HostLimitError(
+                cls = NodeBudgetError if r.resource.startswith("node budget") else HostLimitError
+                raise cls(
                     f"pre-flight: {r.resource}: staging needs {r.need_text or r.show(r.need)}{unit}, "
                     f"{r.show(r.limit)}{unit} left of the limit: {r.fix}; "
                     "nothing was allocated (pass preflight=False if this limit is misjudged)",
@@ -231,8 +267,19 @@ def _fewer(need: Need, left: int) -> str:
 def check(need: Need, limits: HostLimits) -> PreflightReport:
     """Compare ``need`` with ``limits``; one row per limit that applies."""
     rows: list[Row] = []
-    memory = need.new_bytes
-    text = need.describe()
+    # Machine-wide limits see every rank's memory (capped by the node budget);
+    # per-process ones (RLIMIT_MEMLOCK) this process's.
+    memory = need.node_new_bytes
+    node = need.ranks > 1 or need.node_budget is not None
+    text = human(memory) if node else need.describe()
+    ranks = need.ranks
+    per_node = f"fewer than {ranks} ranks per node" if ranks > 1 else "fewer ranks per node"
+    if need.node_budget is not None:
+        fewer = f"{per_node}, or a smaller node_budget_bytes"
+    elif node:
+        fewer = f"{per_node}, or one node budget they share: node_budget_bytes"
+    else:
+        fewer = "fewer ranks or workers per node"
     if limits.mem_available is not None:
         left = limits.mem_available
         rows.append(
@@ -241,9 +288,9 @@ def check(need: Need, limits: HostLimits) -> PreflightReport:
                 memory,
                 left,
                 "bytes",
-                "free memory on this machine (fewer ranks or workers per node)"
+                f"free memory on this machine ({fewer})"
                 + _fewer(need, left)
-                + budget_fix(left, need.per_set),
+                + budget_fix(left // ranks, need.per_set),
                 need_text=text,
             )
         )
@@ -258,10 +305,12 @@ def check(need: Need, limits: HostLimits) -> PreflightReport:
                 f"raise the container's memory limit ({human(cg.limit)} at {cg.path}; Docker "
                 "--memory, Kubernetes resources.limits.memory)"
                 + _fewer(need, cg.headroom)
-                + budget_fix(cg.headroom, need.per_set),
+                + budget_fix(cg.headroom // ranks, need.per_set),
                 need_text=text,
             )
         )
+    if need.node_budget is not None:
+        rows += _node_rows(need)
     if need.pinned:
         enforced = need.charges_memlock and not limits.ipc_lock
         locked_left = None if limits.memlock is None else max(0, limits.memlock - limits.locked)
@@ -273,13 +322,13 @@ def check(need: Need, limits: HostLimits) -> PreflightReport:
         rows.append(
             Row(
                 "pinned memory (RLIMIT_MEMLOCK)",
-                memory,
+                need.new_bytes,
                 locked_left,
                 "bytes",
                 "raise it (ulimit -l; Docker --ulimit memlock=-1) or pass pin_memory=False",
                 enforced=enforced,
                 note=note,
-                need_text=text,
+                need_text=need.describe(),
             )
         )
     if need.shared and need.new_sets:
@@ -318,6 +367,56 @@ def check(need: Need, limits: HostLimits) -> PreflightReport:
     return PreflightReport(need, tuple(rows))
 
 
+def _node_rows(need: Need) -> list[Row]:
+    """The node budget's rows: one process's whole need against the whole budget
+    (enforced: more can never be granted, whatever the other ranks do), and every
+    rank's against it (information: ranks beyond it wait their turn, FIFO)."""
+    assert need.node_budget is not None
+    own = need.per_set * need.sets
+    fix = (
+        "raise node_budget_bytes (every rank the same)"
+        + (
+            f", or lower max_buffer_sets (now {need.sets}) to 1"
+            if need.sets > 1 and need.per_set <= need.node_budget
+            else ""
+        )
+        + budget_fix(need.node_budget, need.per_set)
+    )
+    rows = [
+        Row(
+            "node budget, one rank",
+            own,
+            need.node_budget,
+            "bytes",
+            fix,
+            need_text=need.describe(),
+        )
+    ]
+    if need.ranks > 1:
+        rows.append(
+            Row(
+                f"node budget, all {need.ranks} ranks",
+                own * need.ranks,
+                need.node_budget,
+                "bytes",
+                "ranks beyond the budget wait their turn (FIFO, bounded by buffer_wait_timeout)",
+                enforced=False,
+                note="staging memory counts while it stays mapped: ranks take turns only if idle ones trim()",
+                need_text=f"{need.ranks} x {human(own)}",
+            )
+        )
+    return rows
+
+
+def ranks_per_node() -> int:
+    """Processes of the job on this node, as the launcher says (``LOCAL_WORLD_SIZE``,
+    torchrun's); 1 when it says nothing."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
 #: Reads the limits for the engine's check (a module attribute: the seam for tests).
 read_limits: Callable[[], HostLimits] = HostLimits.read
 
@@ -329,12 +428,22 @@ def engine_hook(
     reserve: bool,
     held_bytes: int,
     held_sets: int,
+    ledger: NodeLedger | None = None,
 ) -> Callable[[list[int]], None]:
     """The check ``make_plan`` runs with the unique storages' sizes (bytes) before it
     allocates: at ``reserve()`` for ``max_buffer_sets`` sets, less what the stager
-    holds; at a stage, for the one fresh buffer set it is about to fill."""
+    holds; at a stage, for the one fresh buffer set it is about to fill. With a node
+    ``ledger``, ``reserve()`` judges the node (``ranks_per_node()`` ranks, what the
+    ledger has granted now) and both check the node budget's rows."""
 
     def preflight(sizes: list[int]) -> None:
+        node: dict[str, int] = {}
+        if ledger is not None:
+            node = {
+                "ranks": ranks_per_node() if reserve else 1,
+                "node_budget": ledger.budget,
+                "node_reserved": ledger.usage().reserved,
+            }
         need = Need(
             per_set=set_bytes(sizes),
             sets=options.max_buffer_sets if reserve else 1,
@@ -343,6 +452,7 @@ def engine_hook(
             pinned=pinner is not None,
             shared=options.share_memory,
             charges_memlock=bool(getattr(pinner, "charges_memlock", False)),
+            **node,
         )
         if need.new_bytes or need.descriptors:
             check(need, read_limits()).raise_if_short()

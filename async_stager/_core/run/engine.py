@@ -31,6 +31,7 @@ from async_stager._core.copy.copiers import RealBackend, ScratchCopier
 from async_stager._core.copy.device import Backend, Completion, Copier, graph_capture_error
 from async_stager._core.memory.arena import Arena, Pinner, pinning_skipped
 from async_stager._core.memory.buffer_sets import BufferSet, BufferSets
+from async_stager._core.memory.ledger import NodeLedger
 from async_stager._core.memory.preflight import engine_hook
 from async_stager._core.options import StagerOptions, resolve_options
 from async_stager._core.plan.build import make_plan
@@ -40,7 +41,7 @@ from async_stager._core.run.enqueue import diagnose_copy_error, enqueue, no_torc
 from async_stager._core.run.interp import gc_paused, gil_interval
 from async_stager._core.walk.objects import GeneratorStates, generator_states
 from async_stager._core.walk.tree import Interrupt, Walk
-from async_stager.errors import ClosedError, StagingError
+from async_stager.errors import ClosedError, InvalidOptionError, StagingError
 
 __all__ = ["Captures", "Cancelled", "Engine", "StageRecord", "build_engine"]
 
@@ -96,24 +97,52 @@ class StageRecord:
     checksums: Checksums | None = None
 
 
-def build_engine(*, backend: Backend | None = None, pinner: Pinner | None = None, **given: object) -> Engine:
+def build_engine(
+    *,
+    backend: Backend | None = None,
+    pinner: Pinner | None = None,
+    ledger: NodeLedger | None = None,
+    **given: object,
+) -> Engine:
     """The engine of a stager, from its options as given (StagerOptions fields, ``None``
     for what the machine supports; see ``resolve_options``) and the device seam:
     ``backend`` (default: the real one, configured from the resolved options) and
     ``pinner`` (default: the backend's). Used by both stagers and the tests; checks
-    every option before anything is made."""
+    every option before anything is made. ``ledger``: a node ledger the caller owns
+    (shared with its other users); else one is opened from ``node_budget_bytes`` (and
+    closed with the engine)."""
     options, pinner = resolve_options(backend if backend is not None else RealBackend(), pinner, **given)
+    owns = False
+    if ledger is not None and options.node_budget_bytes not in (None, ledger.budget):
+        raise InvalidOptionError(
+            f"node_budget_bytes={options.node_budget_bytes} differs from the budget of the node ledger "
+            f"given ({ledger.budget}); pass one of them"
+        )
+    if ledger is None and options.node_budget_bytes is not None:
+        ledger = NodeLedger.open(
+            options.node_budget_bytes, path=options.node_budget_path, job=options.node_budget_job
+        )
+        owns = True
     if backend is None:
         backend = RealBackend(non_blocking=options.non_blocking, copy_threads=options.copy_threads)
-    return Engine(options, backend=backend, pinner=pinner)
+    return Engine(options, backend=backend, pinner=pinner, ledger=ledger, owns_ledger=owns)
 
 
 class Engine:
     """Host buffers, caches, plans and copiers of one stager."""
 
-    def __init__(self, options: StagerOptions, *, backend: Backend, pinner: Pinner | None) -> None:
+    def __init__(
+        self,
+        options: StagerOptions,
+        *,
+        backend: Backend,
+        pinner: Pinner | None,
+        ledger: NodeLedger | None = None,
+        owns_ledger: bool = False,
+    ) -> None:
         """Made by ``build_engine`` (options resolved against ``backend``, ``pinner``
-        the one it pins with, None when not pinning)."""
+        the one it pins with, None when not pinning; ``ledger``: the node budget, closed
+        with the engine when ``owns_ledger``)."""
         self.options = options
         self.backend = backend
         self._pinner = pinner
@@ -122,6 +151,8 @@ class Engine:
             shared=options.share_memory,
             pinner=self._pinner,
             wait_timeout=options.buffer_wait_timeout,
+            ledger=ledger,
+            owns_ledger=owns_ledger,
         )
         self._copiers: dict[torch.device, Copier] = {}
         self._copiers_lock = threading.Lock()
@@ -386,6 +417,7 @@ class Engine:
             reserve=reserve,
             held_bytes=sum(s.pool.host_bytes for s in held),
             held_sets=len(held),
+            ledger=self.sets.ledger,
         )
 
     # -- any thread -------------------------------------------------------------------
