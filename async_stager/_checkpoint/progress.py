@@ -17,28 +17,52 @@ import anyio
 
 if TYPE_CHECKING:
     from async_stager._checkpoint.options import SaveStats
-    from async_stager._checkpoint.write import SaveItem
+    from async_stager._checkpoint.saves import SaveItem
 
-__all__ = ["SaveProgress", "SaveRequest", "progress_of"]
+__all__ = ["SaveProgress", "SaveRequest", "describe", "progress_of"]
 
 
 @dataclass(frozen=True)
 class SaveProgress:
     """One save in flight. ``phase``: ``"deferred"`` (waits for a buffer set or a write
     slot), ``"staging"``, ``"queued"`` (staged, waits for its write), ``"writing"``
-    (written, checksummed, committed: its background part). ``seconds`` since
-    ``save()`` was called; ``staged_seconds`` the stage took (None before it ended)."""
+    (its files written and checksummed, in its thread), ``"committing"`` (written;
+    waits for the earlier saves, then commits). ``seconds`` since ``save()`` was
+    called; ``staged_seconds`` the stage took (None before it ended); ``bytes`` its
+    tensor bytes (None before its write knows them); ``eta_seconds`` a guess of the
+    seconds left to its commit from the previous commit's write rate (None without
+    one)."""
 
     step: int
     phase: str
     seconds: float
     staged_seconds: float | None
+    bytes: int | None = None
+    eta_seconds: float | None = None
 
 
-def progress_of(item: SaveItem, now: float | None = None) -> SaveProgress:
+def progress_of(item: SaveItem, now: float | None = None, rate: float | None = None) -> SaveProgress:
+    """``item`` as a SaveProgress; ``rate``: the previous commit's bytes per second."""
     now = time.monotonic() if now is None else now
     staged = item.staged if item.phase in ("queued", "writing") else None
-    return SaveProgress(item.step, item.phase, now - item.called, staged)
+    phase = item.phase_detail or item.phase if item.phase == "writing" else item.phase
+    eta = None
+    if rate and item.bytes is not None and phase == "writing":
+        eta = max(0.0, item.bytes / rate - (now - item.called - (staged or 0.0)))
+    return SaveProgress(item.step, phase, now - item.called, staged, item.bytes, eta)
+
+
+def describe(item: SaveItem, rate: float | None = None) -> str:
+    """One line for a log: the phase, its seconds, bytes, stage time and ETA."""
+    p = progress_of(item, rate=rate)
+    parts = [f"{p.phase} for {p.seconds:.1f} s since save()"]
+    if p.bytes is not None:
+        parts.append(f"{p.bytes / 2**20:.1f} MiB")
+    if p.staged_seconds:
+        parts.append(f"staged in {p.staged_seconds:.1f} s")
+    if p.eta_seconds is not None:
+        parts.append(f"about {p.eta_seconds:.0f} s left")
+    return ", ".join(parts)
 
 
 class SaveRequest:

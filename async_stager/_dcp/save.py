@@ -26,15 +26,12 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
 import weakref
 from collections.abc import Callable, Coroutine
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from async_stager._core.aio.waiting import wait_future_uninterrupted
+from async_stager._core.aio.threads import run_in_thread
 from async_stager._core.copy.device import caller_cuda_device
-from async_stager._core.run.worker import clear_locals
 from async_stager._dcp.blocking import _save_blocking as _save_blocking  # patched by tests
 from async_stager._dcp.budget import BudgetStats
 
@@ -213,45 +210,8 @@ def save_staged(
 
 async def _save_staged(staged: dict[str, Any], *, cuda_device: int | None, **kwargs: Any) -> Metadata:
     fn = functools.partial(_save_blocking, staged, cuda_device=cuda_device, **kwargs)
-    metadata: Metadata = await _run_to_completion(fn, name="async-stager-dcp-save")
+    metadata: Metadata = await run_in_thread(fn, name="async-stager-dcp-save")
     return metadata
-
-
-async def _run_to_completion(fn: Callable[[], T], *, name: str) -> T:
-    """Run ``fn`` in a new thread and wait for it, whatever cancellation comes.
-
-    The thread is not a daemon, so an interpreter that exits waits for a save in flight
-    instead of killing it halfway through a file.
-
-    Cancellation: deferred until ``fn`` has returned, then raised; ``fn``'s result is
-    lost in that case (its side effects, e.g. files written, remain). Both anyio/trio
-    cancel scopes and a native ``asyncio`` ``Task.cancel()`` are deferred (a shielded
-    scope alone does not hold back the latter). If ``fn`` raised as well, the
-    cancellation is raised with ``fn``'s error as its cause.
-    """
-    fut: Future[T] = Future()
-    # Hazard: the thread must let go of ``fn`` (which holds the staged dict) before it
-    # wakes the waiter, or the next stage could find that result still reachable and
-    # pick another buffer set.
-    box = [fn]
-    del fn
-
-    def target() -> None:
-        f = box.pop()
-        if not fut.set_running_or_notify_cancel():
-            return
-        try:
-            result = f()
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
-            del f
-            clear_locals(e)  # its frames hold the staged dict
-            fut.set_exception(e)
-            return
-        del f
-        fut.set_result(result)
-
-    threading.Thread(target=target, name=name, daemon=False).start()
-    return await wait_future_uninterrupted(fut)
 
 
 def _current_cuda_device() -> int | None:

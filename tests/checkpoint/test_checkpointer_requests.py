@@ -70,7 +70,7 @@ async def test_in_flight_shows_each_save_until_it_ends(tmp_path: Path) -> None:
         seen = ckpt.in_flight()
         assert [p.step for p in seen] == [1, 2][: len(seen)]
         for p in seen:
-            assert p.phase in ("deferred", "staging", "queued", "writing") and p.seconds >= 0
+            assert p.phase in ("deferred", "staging", "queued", "writing", "committing") and p.seconds >= 0
         await ckpt.wait()
         assert ckpt.in_flight() == [] and ckpt.steps() == [1, 2]
 
@@ -150,7 +150,7 @@ async def test_a_long_save_logs_its_progress_at_a_bounded_rate(
     outcome once; a short save logs nothing."""
     import time
 
-    from async_stager._checkpoint import checkpointer as module, write as write_mod
+    from async_stager._checkpoint import formats as write_mod, saves as module
 
     monkeypatch.setattr(module, "PROGRESS_SECONDS", 0.05)
     caplog.set_level("INFO", logger="async_stager.checkpoint")

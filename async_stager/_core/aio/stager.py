@@ -38,6 +38,7 @@ from async_stager._core.aio.waiting import (
 from async_stager._core.checksum.digest import hasher
 from async_stager._core.copy.device import Backend
 from async_stager._core.memory.arena import Arena, Pinner
+from async_stager._core.memory.ledger import NodeLedger
 from async_stager._core.options import AUTO, StagerOptions
 from async_stager._core.run.engine import StageRecord, build_engine
 from async_stager._core.run.jobs import StageJob, drop, job_done, log_stage_end, logged_run
@@ -77,6 +78,16 @@ class Stager:
       the event loop, otherwise).
     - ``preflight``: check host limits before mapping memory (``reserve()``, the first
       stage into a buffer set) and raise HostLimitError if the state cannot fit.
+    - ``node_budget_bytes``: one host-memory budget (bytes) shared by every process of
+      the job on this machine (the ranks of a node): each host arena is reserved from
+      the node ledger before it is mapped, in FIFO order across the node, and given back
+      when unmapped (``trim()``, ``aclose()``); a stage that cannot get its bytes within
+      ``buffer_wait_timeout`` raises NodeBudgetError, one that needs more than the whole
+      budget at once. Every rank gives the same. The ledger is found by
+      ``node_budget_path`` (a directory) or the job's identity (``node_budget_job``,
+      else ``TORCHELASTIC_RUN_ID``, else ``MASTER_ADDR:MASTER_PORT``); see
+      docs/concepts.md. ``node_ledger``: an open ``NodeLedger`` to share instead (its
+      owner closes it). With one process it is a plain per-process budget.
     - ``on_stage``: called on the event loop thread with each stage's StageStats.
     - ``backend``/``pinner``: the device seam (``async_stager.testing`` has fakes).
 
@@ -98,6 +109,10 @@ class Stager:
         worker_nice: int = _D.worker_nice,
         copy_threads: int | Literal["auto"] | None = None,
         preflight: bool = _D.preflight,
+        node_budget_bytes: int | None = _D.node_budget_bytes,
+        node_budget_path: str | None = _D.node_budget_path,
+        node_budget_job: str | None = _D.node_budget_job,
+        node_ledger: NodeLedger | None = None,
         backoff: Backoff | None = None,
         on_stage: Callable[[StageStats], None] | None = None,
         backend: Backend | None = None,
@@ -118,6 +133,10 @@ class Stager:
             # Stager's own default: decided per copy program (see docs/benchmarks.md).
             copy_threads=copy_threads if copy_threads is not None else AUTO,
             preflight=preflight,
+            node_budget_bytes=node_budget_bytes,
+            node_budget_path=node_budget_path,
+            node_budget_job=node_budget_job,
+            ledger=node_ledger,
         )
         self.options: StagerOptions = self._engine.options
         prepare_backend()
@@ -237,7 +256,10 @@ class Stager:
         ``max_buffer_sets`` sets of buffers for ``sd`` need (host, pinned and shared
         bytes, descriptors; less what the stager holds) is compared with this process's
         limits; a state that cannot fit raises HostLimitError naming the limit, the need
-        and the fix, and nothing is allocated (the stager stays usable).
+        and the fix, and nothing is allocated (the stager stays usable). With a node
+        budget it judges the node: ``LOCAL_WORLD_SIZE`` ranks' worth against the machine's
+        memory (capped by what the budget may still grant), and this process's need
+        against the whole budget (NodeBudgetError if it can never be granted).
 
         Cancellation: as for ``stage()``; buffers already allocated stay cached.
         """
@@ -273,6 +295,12 @@ class Stager:
             raise ClosedError("the stager is closed") from None
         released: int = await wait_future(fut)
         return released
+
+    def _reads_devices(self) -> bool:
+        """Whether a stage called now may read from an accelerator (its backend knows a
+        device: on CUDA, one with a context in this process). Without one, every source
+        is in host memory."""
+        return bool(self._engine.backend.known_devices())
 
     def fence(self) -> Coroutine[Any, Any, None]:
         """Make the caller's current CUDA stream wait for the copies of every stage

@@ -33,6 +33,7 @@ __all__ = [
     "current_async_library",
     "poll_completion",
     "prepare_backend",
+    "threadsafe",
     "wait_future",
     "wait_future_uninterrupted",
 ]
@@ -70,7 +71,7 @@ def prepare_backend() -> None:
         anyio.current_time()  # any call of the backend imports it
 
 
-def _threadsafe(fn: Callable[[], Any]) -> Callable[[], None]:
+def threadsafe(fn: Callable[[], Any]) -> Callable[[], None]:
     """A function any thread may call to run ``fn`` soon on the current event loop."""
     lib = current_async_library()
     if lib == "asyncio":
@@ -128,7 +129,7 @@ async def wait_future(fut: Future[T]) -> T:
     """
     if not fut.done():
         event = anyio.Event()
-        wake = _OneShot(_threadsafe(event.set))
+        wake = _OneShot(threadsafe(event.set))
         fut.add_done_callback(wake)
         try:
             await event.wait()

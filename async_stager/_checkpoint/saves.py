@@ -1,0 +1,538 @@
+"""The save policy: which accepted saves stage, wait, are dropped, and start writing.
+
+A ``SaveItem`` is one accepted ``save`` call; ``SaveQueue`` moves the items forward,
+oldest first: it submits stages while buffer sets are free (a deferred save's snapshot
+point), applies the policy (``"wait"``, ``"skip"``, ``"coalesce"``), and starts writes
+while write slots are free, strictly in call order. The write itself (``Writer``) runs
+in a thread of its own; what comes back to the loop is only its end and the moment the
+staged copy is free, so the loop-side state here changes only on the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.abc
+
+from async_stager._checkpoint.options import CheckpointerOptions, SaveStats
+from async_stager._checkpoint.ranks import Ranks
+from async_stager._checkpoint.write import GivenUp, Writer
+from async_stager._core.aio.waiting import threadsafe
+from async_stager.errors import CheckpointError, ClosedError
+
+if TYPE_CHECKING:
+    from async_stager._core.aio.lease import Lease
+    from async_stager._core.aio.stager import Stager
+    from async_stager._dcp.budget import BudgetStats
+
+__all__ = ["SaveItem", "SaveQueue", "clear_frames"]
+
+_log = logging.getLogger("async_stager.checkpoint")
+#: Seconds between the progress records of a save still writing (at most one record
+#: per save per interval: a long save is visible in the logs, a short one is quiet).
+PROGRESS_SECONDS = 10.0
+
+
+@dataclass(eq=False)
+class SaveItem:
+    """One accepted ``save`` call. ``phase``: ``deferred`` (waits for a buffer set, or
+    for a write slot when budgeted), ``staging``, ``queued`` (staged, waits for a write
+    slot), ``writing``, ``done``. ``read`` is set once its sources were read (or it
+    ended without reading them); ``done`` once it is committed, failed or dropped."""
+
+    seq: int
+    step: int
+    read: anyio.Event
+    done: anyio.Event
+    phase: str = "deferred"
+    #: Within ``writing``: ``"writing"`` (its files) or ``"committing"`` (waits for the
+    #: earlier saves, then commits). Set by the write's thread.
+    phase_detail: str = ""
+    #: Its tensor bytes, once known (at its write).
+    bytes: int | None = None
+    #: The resolved state, until its stage is submitted (or its pipeline built).
+    sd: dict[str, Any] | None = None
+    #: The submitted stage (``stager.lease`` coroutine), until it is awaited.
+    stage: Coroutine[Any, Any, Lease[dict[str, Any]]] | None = None
+    lease: Lease[dict[str, Any]] | None = None
+    #: A budgeted save: its ``dcp.save`` pipeline, until the write runs it.
+    pipeline: Coroutine[Any, Any, Any] | None = None
+    digests: dict[str, dict[str, Any]] = field(default_factory=dict)
+    budget: list[BudgetStats] = field(default_factory=list)
+    queued: float = 0.0
+    staged: float = 0.0
+    #: The write's own cancel scope (shielded from outer scopes): cancelled only to
+    #: drop a budgeted save whose caller was cancelled, or at a missed exit deadline.
+    scope: anyio.CancelScope = field(default_factory=lambda: anyio.CancelScope(shield=True))
+    #: The stage task's scope: cancelled when the caller cancels the save while staging.
+    stage_scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    committed: bool = False
+    #: When ``save`` was called (monotonic seconds).
+    called: float = 0.0
+    #: The caller awaited the save's coroutine / gave it up / its stage failed.
+    awaited: bool = False
+    cancelled: bool = False
+    #: Dropped by ``"coalesce"``: a newer save replaced it before its write.
+    superseded: bool = False
+    #: Its ``save()`` returned (the caller can no longer give it up): only then does it
+    #: replace older queued saves (``"coalesce"``), so a save cancelled before it
+    #: returned never drops the one it would have replaced.
+    returned: bool = False
+    #: The SaveRequest this save answers (``save_if_requested``), and its outcome.
+    request: Any = None
+    stats: Any = None
+    failure: BaseException | None = None
+    error: BaseException | None = None
+    #: Its write started (a budgeted save's pipeline, or a staged copy's write).
+    wrote: bool = False
+    #: Set once it ended (by its write's thread, or on the loop): a thread event, so a
+    #: later save's thread waits for it without the loop (commits in call order).
+    finished: threading.Event = field(default_factory=threading.Event)
+    #: The ``finished`` events of the saves called before it, taken when its write
+    #: starts (every one of them is writing or ended then).
+    earlier: list[threading.Event] = field(default_factory=list)
+
+    def wait_earlier(self) -> None:
+        """Block until every earlier save ended (from a write's thread)."""
+        for event in self.earlier:
+            event.wait()
+
+    def release(self) -> None:
+        """Give its staged copy back (idempotent)."""
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            lease.release()
+        self.sd = None
+        stage, self.stage = self.stage, None
+        if stage is not None:
+            stage.close()  # never awaited: no warning; the stager abandons its job
+
+
+def clear_frames(exc: BaseException) -> None:
+    """Clear the locals of every frame an error's tracebacks reach: they hold the staged
+    copy (``torch.save``'s and DCP's locals), and a handler or caller keeping the error
+    must not keep the buffer set held. Walks causes, contexts, exception groups and
+    DCP's ``CheckpointException.failures`` (per rank: an error or an (error, stack)
+    pair), each error once."""
+    todo: list[Any] = [exc]
+    seen: set[int] = set()
+    while todo:
+        e = todo.pop()
+        if isinstance(e, tuple):
+            todo.extend(e)
+            continue
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
+        todo.extend((e.__cause__, e.__context__))
+        todo.extend(getattr(e, "exceptions", ()) or ())
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo.extend(failures.values())
+
+
+class SaveQueue:
+    """The accepted saves of one Checkpointer and the policy that moves them.
+
+    ``sets``: buffer sets a save may hold at once; ``deliver``: called on the loop with
+    each commit's stats. Opened with the Checkpointer (``open``): its task group, its
+    writer and its stager."""
+
+    def __init__(
+        self,
+        options: CheckpointerOptions,
+        ranks: Ranks,
+        sets: int,
+        deliver: Callable[[SaveStats], None],
+    ) -> None:
+        self.options = options
+        self.ranks = ranks
+        self.sets = sets
+        self.deliver = deliver
+        self.items: list[SaveItem] = []
+        self.seq = 0
+        self.writing = 0
+        #: Failed writes not yet raised, (call order, error): raised oldest call first.
+        self.failures: list[tuple[int, BaseException]] = []
+        self.dropped: list[int] = []
+        self.abandoned = False
+        #: The newest commit's write rate (bytes per second): the in-flight view's ETA.
+        self.rate: float | None = None
+        self._changed: anyio.Event | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._writer: Writer | None = None
+        self._stager: Stager | None = None
+
+    def open(self, tg: anyio.abc.TaskGroup, writer: Writer, stager: Stager) -> None:
+        self._tg, self._writer, self._stager = tg, writer, stager
+        self._changed = anyio.Event()
+        self.abandoned = False
+
+    def close(self) -> None:
+        self._tg = None
+
+    @property
+    def writer(self) -> Writer:
+        assert self._writer is not None
+        return self._writer
+
+    @property
+    def stager(self) -> Stager:
+        assert self._stager is not None
+        return self._stager
+
+    # -- changes -----------------------------------------------------------------------
+
+    def notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = anyio.Event()
+
+    async def changes(self) -> None:
+        assert self._changed is not None
+        await self._changed.wait()
+
+    def raise_failure(self) -> None:
+        if self.failures:
+            raise self.failures.pop(0)[1]
+
+    async def drain(self) -> None:
+        for item in list(self.items):
+            await item.done.wait()
+
+    # -- accepting -----------------------------------------------------------------------
+
+    def submit(self, sd: dict[str, Any], step: int, called: float) -> SaveItem:
+        item = SaveItem(self.seq, step, anyio.Event(), anyio.Event(), sd=sd, called=called)
+        self.seq += 1
+        self.items.append(item)
+        self.advance()
+        return item
+
+    def forget(self, item: SaveItem) -> None:
+        """A save's coroutine died never awaited: abandoned unless its write started."""
+        if not item.awaited and item.phase in ("deferred", "staging", "queued"):
+            self.cancel(item)
+
+    def _holders(self) -> int:
+        """Buffer sets held or about to be: saves staging, and staged copies not yet
+        released (queued, or being written)."""
+        return sum(1 for i in self.items if i.phase == "staging" or i.lease is not None)
+
+    def advance(self) -> None:
+        """Move the saves forward, oldest first: submit stages while buffer sets are
+        free (the snapshot point of a deferred save), then start writes while slots are
+        free, strictly in call order (a save never starts writing before an older one,
+        so a commit never waits for a save that waits for its slot). Runs in background
+        tasks and at each call: a save progresses whether or not its caller awaits."""
+        tg = self._tg
+        if tg is None or self.abandoned:
+            return
+        opts = self.options
+        budgeted = opts.host_budget_bytes is not None
+        if not budgeted:
+            free = self.sets - self._holders()
+            for item in self.items:
+                if free <= 0:
+                    break
+                if item.phase == "deferred" and item.sd is not None:
+                    item.stage = self.stager.lease(item.sd, checksums=self._checksums_while_staging())
+                    item.sd = None
+                    item.phase = "staging"
+                    item.queued = time.monotonic() - item.called
+                    tg.start_soon(self._stage_task, item)
+                    free -= 1
+        for item in self.items:
+            if self.writing >= opts.max_in_flight:
+                break
+            if item.phase == "queued":
+                self._start_write(tg, item)
+            elif budgeted and item.phase == "deferred":
+                self._start_budgeted(tg, item)
+            elif item.phase != "writing":
+                break
+        self.notify()
+
+    def _checksums_while_staging(self) -> bool:
+        """Hash in the copy threads only where that is free: on an accelerator the hash
+        runs on the device beside the copy engine; with every source in host memory,
+        hashing while copying lengthens the caller's blocked time, so the write's
+        thread hashes the staged copy instead (the same bytes, before they reach the
+        disk)."""
+        return self.options.checksums and self.stager._reads_devices()
+
+    def _start_write(self, tg: anyio.abc.TaskGroup, item: SaveItem) -> None:
+        item.phase = "writing"
+        item.phase_detail = "writing"
+        item.wrote = True
+        item.earlier = [i.finished for i in self.items if i.seq < item.seq]
+        self.writing += 1
+        tg.start_soon(self._write_task, item)
+        tg.start_soon(self._report, item)
+
+    async def _report(self, item: SaveItem) -> None:
+        """Log a long save's progress every ``PROGRESS_SECONDS`` until it ends, then its
+        outcome once if it was long (INFO on ``async_stager.checkpoint``)."""
+        from async_stager._checkpoint.progress import describe
+
+        long = False
+        while True:
+            with anyio.move_on_after(PROGRESS_SECONDS):
+                await item.done.wait()
+            if item.done.is_set():
+                break
+            long = True
+            _log.info("checkpoint step %d: %s", item.step, describe(item, self.rate))
+        if long:
+            outcome = "committed" if item.committed else "not committed"
+            _log.info(
+                "checkpoint step %d: %s after %.1f s", item.step, outcome, time.monotonic() - item.called
+            )
+
+    def end(self, item: SaveItem, *, dropped: bool = False) -> None:
+        """An item leaves: committed, failed, dropped or abandoned (idempotent)."""
+        if item.phase == "done":
+            return
+        if item.phase == "writing":
+            self.writing -= 1
+        item.phase = "done"
+        item.release()
+        item.finished.set()
+        item.read.set()
+        item.done.set()
+        if item in self.items:
+            self.items.remove(item)
+        if dropped:
+            item.superseded = True
+            self.dropped.append(item.step)
+        if item.request is not None:
+            item.request._finish(item.stats if item.committed else None, item.failure)
+        self.advance()
+        self.notify()
+
+    def cancel(self, item: SaveItem) -> None:
+        """The caller gave the save up before it returned: nothing is saved for it."""
+        item.cancelled = True
+        if item.phase == "staging":
+            item.stage_scope.cancel()  # the stage task ends it
+        elif item.phase in ("deferred", "queued"):
+            self.end(item)
+        elif item.phase == "writing" and item.lease is None and not item.read.is_set():
+            item.scope.cancel()  # a budgeted save before its last piece: nothing committed
+        # A staged save already handed its write slot: the write's thread sees
+        # ``cancelled`` before it writes, and again before it commits.
+
+    def abandon(self) -> None:
+        """The exit deadline passed: stop waiting for the saves in flight (their
+        threads go on until the process exits)."""
+        self.abandoned = True
+        for item in list(self.items):
+            if item.phase == "writing":
+                item.scope.cancel()
+            else:
+                item.stage_scope.cancel()
+                self.end(item)
+
+    # -- staging -------------------------------------------------------------------------
+
+    async def _stage_task(self, item: SaveItem) -> None:
+        """Finish a submitted stage (in the background: the caller may await later)."""
+        stage, item.stage = item.stage, None
+        assert stage is not None
+        t1 = time.monotonic()
+        lease = None
+        try:
+            with item.stage_scope:  # cancelled when the caller cancels its save
+                lease = await stage
+        except Exception as exc:  # noqa: BLE001 - the stage failed: raised to the save's caller
+            item.error = exc
+        del stage
+        if lease is not None and (item.cancelled or item.phase == "done"):
+            lease.release()
+            lease = None
+        if lease is None:
+            self.end(item)
+            return
+        item.lease = lease
+        item.staged = time.monotonic() - t1
+        item.phase = "queued"
+        item.read.set()
+        self.advance()
+        self.coalesce()
+        self.notify()
+
+    def coalesce(self) -> None:
+        """``"coalesce"``: of the queued saves, keep the newest whose ``save()``
+        returned and every newer one (still cancellable); drop the older ones. Keyed by
+        call order, not by when a stage finished: concurrent stages finish in any
+        order, and an older one finishing last must not stay queued beside a newer."""
+        if self.options.policy != "coalesce":
+            return
+        kept = [i.seq for i in self.items if i.phase == "queued" and i.returned]
+        if not kept:
+            return
+        newest = max(kept)
+        for older in [i for i in self.items if i.phase == "queued" and i.seq < newest]:
+            self.end(older, dropped=True)
+
+    def _start_budgeted(self, tg: anyio.abc.TaskGroup, item: SaveItem) -> None:
+        """Build a budgeted save's pipeline (its snapshot point) and start its write;
+        a task of its own waits until the last piece is copied (``item.read``)."""
+        from async_stager._dcp.budget_save import budgeted_save
+
+        ranks = self.ranks
+        item.queued = time.monotonic() - item.called
+        try:
+            item.pipeline = budgeted_save(
+                item.sd or {},
+                stager=self.stager,
+                budget=self.options.host_budget_bytes or 0,
+                checkpoint_id=str(self.writer.tmp(item)),
+                storage_writer=None,
+                planner=None,
+                process_group=ranks.group,
+                no_dist=not ranks.distributed,
+                on_stats=item.budget.append,
+                digests=item.digests if self.options.checksums else None,
+            )
+        except Exception as exc:  # noqa: BLE001 - refused at its start: raised to the save's caller
+            item.error = exc
+            self.end(item)
+            return
+        self._start_write(tg, item)
+        tg.start_soon(self._budget_fence_task, item)
+
+    async def _budget_fence_task(self, item: SaveItem) -> None:
+        t1 = time.monotonic()
+        try:
+            await self.stager.fence()  # covers the pipeline's last piece (its fence hook)
+        finally:
+            item.staged = time.monotonic() - t1
+            item.read.set()
+            self.notify()
+
+    async def await_save(self, item: SaveItem) -> bool:
+        """The caller's side of a save: wait until it is staged (``"coalesce"``: queued
+        is enough; ``"wait"``: until its write started; budgeted: until its last piece
+        is copied). Cancellation: before that, the save is given up."""
+        item.awaited = True
+        opts = self.options
+        try:
+            while True:
+                if item.error is not None:
+                    raise item.error
+                if opts.host_budget_bytes is not None:
+                    if item.read.is_set() and item.phase != "deferred":
+                        break
+                elif item.phase == "writing" or (item.phase == "queued" and opts.policy == "coalesce"):
+                    break
+                if item.phase == "done":
+                    if item.committed or item.wrote or item.superseded:
+                        break
+                    raise ClosedError("the Checkpointer closed before this save was staged")
+                await self.changes()
+        except BaseException:
+            if item.error is None:
+                self.cancel(item)
+            raise
+        # No await from the loop's exit to here: a cancellation cannot come between
+        # "staged" and "returned", so a queued save replaces older ones only once its
+        # caller can no longer give it up.
+        item.returned = True
+        self.coalesce()
+        return True
+
+    # -- writing -------------------------------------------------------------------------
+
+    async def _write_task(self, item: SaveItem) -> None:
+        writer = self.writer
+        stats: SaveStats | None = None
+        try:
+            outcome = await self._write_outcome(writer, item)
+            if isinstance(outcome, BaseException):
+                # Caught one frame down, in a frame that has returned: clearing the
+                # error's frames then reaches every frame that held the staged copy
+                # (an executing frame, this one, cannot be cleared).
+                self._record_failure(item, outcome)
+            else:
+                stats = item.stats = outcome
+            del outcome
+        finally:
+            item.finished.set()  # (the thread's end) later commits need not wait for the loop
+            if not item.committed and not self.abandoned:
+                await writer.discard(item)
+            self.end(item)
+        if stats is not None:
+            self.rate = stats.bytes_per_second or self.rate
+            self.deliver(stats)
+
+    async def _write_outcome(self, writer: Writer, item: SaveItem) -> SaveStats | BaseException | None:
+        """Run the write: its stats, its failure (returned, not raised), or None when
+        its caller gave it up before ``save()`` returned (nothing committed)."""
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+        try:
+            with item.scope:  # shielded: outer cancellation does not stop a write
+                return await self._write(writer, item)
+        except GivenUp:
+            return None
+        except (Exception, CheckpointException) as group:  # noqa: BLE001 - kept for the next save/wait
+            return group
+        return None  # its scope was cancelled (a budgeted save given up): nothing committed
+
+    async def _write(self, writer: Writer, item: SaveItem) -> SaveStats:
+        try:
+            if item.lease is None:
+                return await writer.run_budgeted(item)
+            lease = item.lease
+            # Set by the write's thread once the staged copy is written and hashed: a
+            # task gives it back (and may start the next stage) at the loop's next
+            # turn. Hazard: a thread-safe callback runs outside any task, where anyio
+            # cannot start tasks; so it only sets an event that a task waits on.
+            freed = anyio.Event()
+            assert self._tg is not None
+            self._tg.start_soon(self._release_when, item, freed)
+            try:
+                return await writer.run(item, lease, threadsafe(freed.set))
+            finally:
+                freed.set()  # the write ended (or failed) before it said so
+        finally:
+            if item.pipeline is not None:
+                # Never started (failed or cancelled before): its fence hook must go
+                # now, or a save waiting in fence() would wait for ever.
+                from async_stager._dcp.budget_save import abandon
+
+                abandon(item.pipeline)
+                item.pipeline = None
+
+    async def _release_when(self, item: SaveItem, freed: anyio.Event) -> None:
+        await freed.wait()
+        if item.phase == "writing":
+            item.release()  # the staged buffers are free for the next stage
+            self.advance()
+
+    def _record_failure(self, item: SaveItem, group: BaseException) -> None:
+        exc: BaseException = group
+        while len(getattr(exc, "exceptions", ())) == 1:  # a task group's wrapper
+            exc = exc.exceptions[0]  # type: ignore[attr-defined]
+        clear_frames(exc)
+        _log.error("checkpoint step %d failed: %s", item.step, exc)
+        failure = (
+            exc
+            if isinstance(exc, CheckpointError)
+            else CheckpointError(f"checkpoint step {item.step} failed: {exc}", step=item.step)
+        )
+        if failure is not exc:
+            failure.__cause__ = exc
+        item.failure = failure
+        self.failures.append((item.seq, failure))  # each raised once, oldest call first
+        self.failures.sort(key=lambda f: f[0])
