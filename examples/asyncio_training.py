@@ -132,7 +132,6 @@ async def train(steps: int, every: int, width: int, out: Path) -> int:
                 staging = stager.lease(state_of(model, optimizer, step))
                 pending = asyncio.create_task(checkpoint(staging, out / f"step{step}.pt"))
                 saves += 1
-            await asyncio.sleep(0)  # let the checkpoint task and the loop run
         if pending is not None:
             await pending
     print(await asyncio.to_thread(verify_last, out / f"step{steps}.pt", model, optimizer, steps, width))

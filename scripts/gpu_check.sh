@@ -117,7 +117,7 @@ done
 t0=$(now)
 # GPU_CHECK_TESTS: the test ids to run instead (the CI dry run takes a short list).
 read -r -a tests <<< "${GPU_CHECK_TESTS:-tests/gpu/test_cuda.py tests/core/test_device_ordering.py tests/core/test_device_checksums.py tests/checkpoint/test_checkpointer.py::test_cuda_state_round_trip tests/reliability/test_reliability_input.py::test_two_cuda_devices_in_one_state_dict_are_refused}"
-common_args=(-p no:asyncio -p no:cacheprovider
+common_args=(-p no:asyncio -p no:cacheprovider -p no:benchmark
     -W "ignore::pytest.PytestConfigWarning" -W "ignore::pytest.PytestUnknownMarkWarning")
 # Hazard: an installed but unimportable plugin (the dry run's blocked hypothesis) still
 # loads through its entry point and fails at the summary; the GPU machine has none.

@@ -21,6 +21,7 @@ import sys
 import textwrap
 from typing import Any, TextIO
 
+import anyio
 import torch
 
 from async_stager._core.stats import StageStats
@@ -97,6 +98,33 @@ async def demo(
         _say(out, f"staged embed.weight: {tuple(w.shape)} on {w.device}, equal to the source: {same}")
         del second, w
     return a, b
+
+
+async def demo_checkpoint(
+    scale: float, device: torch.device, directory: str, out: TextIO | None = None
+) -> None:
+    """Save the demo's state dict with a Checkpointer into ``directory`` (three steps)
+    and show the saves' progress on stderr while they run (``_cli/watch``), then each
+    commit's SaveStats on ``out``."""
+    from async_stager._checkpoint.checkpointer import Checkpointer
+    from async_stager._cli.watch import watch
+
+    out = out if out is not None else sys.stdout
+    sd = build_transformer(scale, device)
+    async with Checkpointer(directory, keep=2) as ckpt, anyio.create_task_group() as tg:
+        tg.start_soon(watch, ckpt, sys.stderr)
+        for step in (1, 2, 3):
+            await ckpt.save(sd, step=step)
+        await ckpt.wait()
+        tg.cancel_scope.cancel()
+        st = ckpt.last
+        assert st is not None
+        _say(
+            out,
+            f"checkpoint step {st.step} committed in {st.path}: {st.bytes / 2**20:.1f} MiB, staged in "
+            f"{st.stage_seconds * 1e3:.1f} ms (what save() blocked), written in {st.write_seconds:.2f} s, "
+            f"committed in {st.commit_seconds * 1e3:.1f} ms; kept steps {ckpt.steps()}",
+        )
 
 
 def run_cli(ns: argparse.Namespace, out: TextIO) -> int:
@@ -176,6 +204,12 @@ def _parser() -> argparse.ArgumentParser:
         "layers grow with X above 1/8, hidden size and vocabulary shrink below it",
     )
     demo_parser.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="then save it with a Checkpointer into DIR (three steps, the last two kept), "
+        "showing the saves' progress on stderr",
+    )
+    demo_parser.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),
         default="auto",
@@ -211,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         device = _bench.BenchOptions(device=ns.device).resolved_device()
         _bench.check_fits(["transformer"], ns.scale, device)
         asyncio.run(demo(ns.scale, device))
+        if ns.checkpoint:
+            asyncio.run(demo_checkpoint(ns.scale, device, ns.checkpoint))
         return 0
     except BenchError as exc:
         print(f"async-stager: error: {exc}", file=sys.stderr)

@@ -27,6 +27,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from types import TracebackType
 from typing import Any, Generic, Literal, TypeVar
 
+import anyio.lowlevel
+
 from async_stager._core.aio.lease import Lease
 from async_stager._core.aio.waiting import (
     Backoff,
@@ -318,7 +320,9 @@ class Stager:
         returns once they are done.
 
         Raises UnsupportedError at the call if the current stream is capturing a CUDA
-        graph (a wait inside a capture belongs to the graph).
+        graph (a wait inside a capture belongs to the graph). It always gives the event
+        loop one turn, even with nothing to wait for, so a training loop whose only
+        await per step is ``fence()`` still lets its writer tasks run.
 
         Cancellation: only the wait is cancelled; no ordering was added.
         """
@@ -330,6 +334,7 @@ class Stager:
 
         async def fenced() -> None:
             nonlocal fut
+            await anyio.lowlevel.cancel_shielded_checkpoint()
             for wait in hooked:
                 await wait()
             if fut is not None:
