@@ -5,6 +5,7 @@ one line on a terminal and prints a line per phase elsewhere."""
 from __future__ import annotations
 
 import io
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,7 @@ async def test_watch_prints_the_phases_of_a_save(tmp_path: Path, tty: bool, anyi
         assert "\r\x1b[K" in text and text.endswith("\n")
     else:
         lines = text.splitlines()
-        assert all(a != b for a, b in zip(lines, lines[1:]))  # a line per change, not per tick
+        assert all(a != b for a, b in itertools.pairwise(lines))  # a line per change, not per tick
 
 
 def test_demo_checkpoint_commits_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import STRESS
 from helpers import assert_same, make_engine, stage_sync
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -92,7 +93,11 @@ def state_dicts(draw: st.DrawFn) -> Any:
 
 
 @pytest.mark.parametrize("kind", ["cpu", "shared", "fake-device"])
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300 if STRESS else 30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(sd=state_dicts())
 def test_random_structures_stage_faithfully(kind: str, sd: Any) -> None:
     if kind == "cpu":

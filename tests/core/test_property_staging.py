@@ -361,7 +361,7 @@ def draw_key(data: st.DataObject, world: World, n: int) -> Any:
 @pytest.mark.parametrize("kind", ["cpu", "fake-device"])
 @settings(
     # The default run: 30 programs a kind; the stress run (ASYNC_STAGER_STRESS=1) 300.
-    max_examples=300 if os.environ.get("ASYNC_STAGER_STRESS", "") not in ("", "0") else 30,
+    max_examples=300 if os.environ.get("ASYNC_STAGER_STRESS", "") not in ("", "0") else 15,
     deadline=None,
     derandomize=True,
     # No shrinking: a stage costs milliseconds, and shrinking a failure took minutes;
