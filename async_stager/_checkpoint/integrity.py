@@ -25,7 +25,6 @@ import json
 import os
 import threading
 import time
-import warnings
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
@@ -45,6 +44,7 @@ from async_stager._core.checksum.digest import (
 )
 from async_stager._core.checksum.wordhash import ALGORITHM as WSUM64, OFFLOAD_BYTES, wsum64_digest
 from async_stager._core.copy.device import cuda_context_devices
+from async_stager._dcp.blocking import no_dist_quiet
 from async_stager.errors import IntegrityError
 
 __all__ = [
@@ -632,8 +632,7 @@ def verify_dcp(
     for batch in _batches(mine, batch_bytes):
         target = {fqn: torch.empty(md.size, dtype=md.properties.dtype) for fqn, md in batch}
         try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            with no_dist_quiet():
                 dcp.load(target, checkpoint_id=str(folder), no_dist=True)
         except (Exception, dcp.api.CheckpointException) as exc:  # a BaseException: a short or missing file
             stop = interrupt_in(exc)

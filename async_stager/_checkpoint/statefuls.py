@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 
 from async_stager._checkpoint import integrity as _integrity
 from async_stager._checkpoint.stored import HashingFile
+from async_stager._dcp.blocking import no_dist_quiet
 from async_stager.errors import CheckpointError, IntegrityError
 
 __all__ = [
@@ -301,8 +301,7 @@ def load_dcp(state: dict[str, Any], folder: Path, step: int, *, group: Any, dist
                 f"restore: cannot place saved value {_render(tuple(path))} into the state ({exc})", step=step
             ) from exc
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        with no_dist_quiet():
             if distributed:
                 dcp.load(target, checkpoint_id=str(folder), process_group=group)
             else:

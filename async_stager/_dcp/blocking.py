@@ -6,9 +6,13 @@ reaches it without going back up into the module that calls the pipeline.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import threading
 import warnings
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -16,10 +20,43 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
     from torch.distributed.checkpoint.storage import StorageWriter
 
-__all__ = ["host_writer"]
+__all__ = ["host_writer", "no_dist_quiet"]
 
-#: DCP warns on every ``no_dist`` save; a caller that asked for ``no_dist=True`` knows.
+#: DCP warns on every ``no_dist`` save and load; a caller that asked for ``no_dist=True``
+#: knows.
 _NO_DIST_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized"
+_quiet_lock = threading.Lock()
+_quiet_users = 0
+_QUIET_FILTER = ("ignore", re.compile(_NO_DIST_WARNING, re.I), UserWarning, None, 0)
+
+
+@contextlib.contextmanager
+def no_dist_quiet() -> Iterator[None]:
+    """Silence DCP's ``no_dist`` warning while the block runs, in any thread.
+
+    Hazard: ``warnings.catch_warnings`` swaps the process-wide filter list and restores
+    it at exit, so two threads inside it at once restore each other's lists: with
+    overlapping saves or a restore beside a write, the warning escaped in the other
+    thread (an error under ``-W error``), and a filter another thread added meanwhile
+    was lost. Here one filter entry is inserted by the first user and removed by the
+    last (counted under a lock); nothing else in the list is touched."""
+    global _quiet_users
+    with _quiet_lock:
+        if _quiet_users == 0:
+            cast(list[Any], warnings.filters).insert(0, _QUIET_FILTER)
+            warnings._filters_mutated()  # type: ignore[attr-defined]
+        _quiet_users += 1
+    try:
+        yield
+    finally:
+        with _quiet_lock:
+            _quiet_users -= 1
+            if _quiet_users == 0:
+                try:
+                    cast(list[Any], warnings.filters).remove(_QUIET_FILTER)
+                except ValueError:
+                    pass  # a catch_warnings elsewhere restored a list without it
+                warnings._filters_mutated()  # type: ignore[attr-defined]
 
 
 def host_writer(storage_writer: StorageWriter | None, checkpoint_id: Any) -> StorageWriter | None:
@@ -58,9 +95,6 @@ def _save_blocking(
     if not no_dist:
         metadata: Metadata = dcp_save(staged, no_dist=False, **kwargs)
         return metadata
-    # Hazard: catch_warnings swaps the process-wide filter list for the duration of the
-    # save; a thread that changes warning filters at the same time may lose its change.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_NO_DIST_WARNING, category=UserWarning)
+    with no_dist_quiet():
         metadata = dcp_save(staged, no_dist=True, **kwargs)
     return metadata
