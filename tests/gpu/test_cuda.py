@@ -718,3 +718,31 @@ async def test_hash_stream_is_neither_the_copy_stream_nor_the_callers(anyio_back
                 assert c.stream.cuda_stream not in (side.cuda_stream, default)
                 assert hs.cuda_stream not in (side.cuda_stream, default, c.stream.cuda_stream)
             await stager.fence()
+
+
+async def test_foreign_cuda_memory_is_held_until_its_copies_landed(anyio_backend: Any) -> None:
+    """Issue 25: ``record_stream`` does nothing for memory torch's caching allocator
+    does not own (DLPack imports, CUDA IPC handles). The stage's completion event holds
+    every CUDA source until its copies have read it, then lets go."""
+    import gc
+    import weakref
+
+    from torch.utils import dlpack
+
+    owner = torch.full((1 << 22,), 3.0, device="cuda")  # 16 MiB
+    src = dlpack.from_dlpack(dlpack.to_dlpack(owner))  # the same memory, via DLPack
+    alive = weakref.ref(src)
+    copier = CudaCopier(torch.device("cuda", torch.cuda.current_device()), non_blocking=True)
+    dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+    copier.begin(copier.capture())
+    copier.copy([dst], [src])
+    copier.protect([src])
+    done = copier.end()
+    assert done is not None
+    del src
+    gc.collect()
+    held = alive() is not None  # held by the event while the copy may still be reading
+    done.synchronize()
+    gc.collect()
+    assert held and alive() is None  # let go once the copy landed
+    assert torch.equal(dst, torch.full_like(dst, 3.0))

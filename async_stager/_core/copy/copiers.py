@@ -46,20 +46,26 @@ class CudaEvent:
     otherwise create one on that thread's device, GPU 0 by default.
     """
 
-    __slots__ = ("event", "index")
+    __slots__ = ("event", "index", "keep")
 
     def __init__(self, stream: torch.cuda.Stream) -> None:
         self.index: int = stream.device_index
         self.event = torch.cuda.Event(blocking=True)
         self.event.record(stream)
+        #: What must stay alive until the event completes (a stage's CUDA sources).
+        self.keep: list[torch.Tensor] = []
 
     def query(self) -> bool:
         with torch.cuda.device(self.index):
-            return bool(self.event.query())
+            done = bool(self.event.query())
+        if done:
+            self.keep = []  # read: an event kept for a later fence must not hold them
+        return done
 
     def synchronize(self) -> None:
         with torch.cuda.device(self.index):
             self.event.synchronize()
+        self.keep = []
 
     def wait(self, stream: torch.cuda.Stream) -> None:
         """Make ``stream``'s future work wait for this event (no host block)."""
@@ -362,6 +368,8 @@ class CudaCopier(ScratchCopier):
         self._tables: Tables | None = None
         self._hashing = False
         self._capture: CudaEvent | None = None
+        #: The current stage's CUDA sources, until ``end`` gives them to its event.
+        self._held: list[torch.Tensor] = []
         #: Stages whose device hash could not be had (device memory ran out): their
         #: destinations were hashed from the host copy instead.
         self.hash_fallbacks = 0
@@ -439,15 +447,22 @@ class CudaCopier(ScratchCopier):
             checksums.add_device(d, host, start)
 
     def protect(self, srcs: Sequence[torch.Tensor]) -> None:
+        # Hazard: ``record_stream`` only tells torch's caching allocator; memory it does
+        # not own (a tensor imported through DLPack, a CUDA IPC handle from another
+        # process) is freed by its owner when the last tensor on it dies, copy or no
+        # copy. So every CUDA source is also held by the stage's completion event
+        # until the copies (and device hashes) have read it: ``end`` hands them over.
         for s in srcs:
             if s.device.type == "cuda":
                 s.record_stream(self.stream)
+                self._held.append(s)
 
     def end(self) -> Completion | None:
         if self._hashing and self._hash_stream is not None:
             self._hashing = False
             self.stream.wait_stream(self._hash_stream)
         done = CudaEvent(self.stream)
+        done.keep, self._held = self._held, []
         self._capture = None
         ctx, self._ctx = self._ctx, None
         if ctx is not None:

@@ -25,7 +25,10 @@ Hazards:
   would otherwise create a context on GPU 0 (for every rank).
 - Allocator: the sources are read by another stream; ``protect`` calls
   ``record_stream`` so the caching allocator cannot hand their memory to a new tensor
-  (and overwrite it) before the copies have finished (torchrec #4231, #4322).
+  (and overwrite it) before the copies have finished (torchrec #4231, #4322). Memory
+  the allocator does not own (DLPack imports, CUDA IPC handles) is freed by its owner
+  when its last tensor dies, whatever ``record_stream`` said: the stage's completion
+  event holds every CUDA source until it is observed complete.
 - Scratch (``ScratchCopier``): device memory for gathering small storages holds real
   memory only from a run's gather to its host copy (freed in stream order right after),
   within a budget per copier; when it cannot be had, the run is copied directly.
