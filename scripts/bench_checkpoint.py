@@ -169,7 +169,7 @@ async def loop(mode: str, out: Path, steps: int, every: int, width: int, depth: 
                     if upload is not None:
                         upload.result()  # one write at a time, as the Checkpointer
                     sd = {"model": m.state_dict(), "optim": opt.state_dict()}
-                    resp = dcp.async_save(
+                    resp: Any = dcp.async_save(
                         sd, checkpoint_id=str(out / f"s{step}"), async_stager=stager, no_dist=True
                     )
                     if hasattr(resp, "staging_completion"):
