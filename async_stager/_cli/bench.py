@@ -11,7 +11,9 @@ core for programs mostly of big tensors and for a first stage, all cores but one
 otherwise), ``async_stager[threads=N]`` (``copy_threads`` = torch's thread count, raw
 throughput) and ``async_stager[threads=M]`` (all cores but one, the loop's core left
 free: the other end of the frontier), both only where they differ, and ``dcp``
-(DCP's ``DefaultStager``, async mode).
+(DCP's ``DefaultStager``, async mode). ``limit (_foreach_copy_)`` is no stager: one
+``torch._foreach_copy_`` of the same tensors into outputs that already exist, timed in
+the same rounds (the report gives each stager's ratio to it).
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ import torch
 from async_stager._core.options import loop_friendly_threads, usable_cores
 
 from .measure import (
+    LIMIT,
     Contender,
     DcpContender,
     DefaultStagerContender,
+    ForeachCopyLimit,
     OneBufferCopy,
     OursContender,
     dcp_available,
@@ -234,6 +238,9 @@ def _contender_makers(opts: BenchOptions, device: torch.device) -> list[tuple[st
             lambda: DefaultStagerContender(OURS_DEFAULT_STAGER, share_memory=opts.share_memory),
         )
     )
+    # The copy limit (no stager: one _foreach_copy_ into existing outputs), a row like
+    # the stagers', so the cached stage's ratio to it comes from the same rounds.
+    makers.append((LIMIT, functools.partial(ForeachCopyLimit, device)))
     if opts.dcp:
         why = dcp_available()
         if why is not None:

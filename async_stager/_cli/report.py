@@ -26,11 +26,13 @@ __all__ = [
     "BenchError",
     "BenchReport",
     "BoundResult",
+    "LIMIT_ROW",
     "LagStats",
     "StagerResult",
     "WorkloadResult",
     "format_table",
     "lag_stats",
+    "of_limit",
     "require_matplotlib",
     "to_json",
     "write_plot",
@@ -297,6 +299,8 @@ def _narrow(report: BenchReport, notes: _Footnotes) -> list[str]:
             "",
             *_table(_LOOP, loop),
         ]
+        limits = _limit_lines(w)
+        out += ["", *limits] if limits else []
     return out
 
 
@@ -316,6 +320,45 @@ _WIDE = (
     ("host MiB", ">"),
     ("fds", ">"),
 )
+
+
+#: The name of the copy limit's row (as ``measure.LIMIT``; the report reads results only).
+LIMIT_ROW = "limit (_foreach_copy_)"
+
+
+def of_limit(w: WorkloadResult) -> dict[str, float]:
+    """Per stager of ``w`` that did not fail: the median over the rounds of its
+    stage's seconds over the copy limit's (``limit (_foreach_copy_)``) in the same
+    round; empty without a limit row. 1.5 means half again the bare copy."""
+    limit = next((s for s in w.stagers if s.name == LIMIT_ROW and s.error is None), None)
+    if limit is None:
+        return {}
+    out = {}
+    for s in w.stagers:
+        if s is limit or s.error is not None:
+            continue
+        ratios = [a / b for a, b in zip(s.runs, limit.runs) if b > 0]
+        if ratios:
+            out[s.name] = median(ratios)
+    return out
+
+
+def _limit_lines(w: WorkloadResult) -> list[str]:
+    """``of limit: async_stager 1.52x, ...`` and each stager's loop lag p50/p99/max (ms)
+    while staging (wrapped to WIDTH)."""
+    ratios = of_limit(w)
+    if not ratios:
+        return []
+    text = ", ".join(f"{name} {r:.2f}x" for name, r in ratios.items())
+    lags = ", ".join(
+        f"{s.name} {s.lag.p50_ms:.2f}/{s.lag.p99_ms:.2f}/{s.lag.max_ms:.2f}"
+        for s in w.stagers
+        if s.error is None and s.name != LIMIT_ROW
+    )
+    return [
+        *textwrap.wrap(f"{w.name}, stage over the copy limit: {text}", WIDTH, subsequent_indent="  "),
+        *textwrap.wrap(f"{w.name}, lag p50/p99/max ms: {lags}", WIDTH, subsequent_indent="  "),
+    ]
 
 
 def _wide(report: BenchReport, notes: _Footnotes) -> list[str]:
@@ -349,7 +392,8 @@ def _wide(report: BenchReport, notes: _Footnotes) -> list[str]:
         b = w.bound
         bound = (w.name, "bound (1 buffer)", "1", mib, "", f"{b.seconds * 1e3:.2f}", f"{b.gbps:.2f}")
         rows.append((*bound, "", "1.00", "", _lag_triple(b.lag), "", "", ""))
-    return ["", *_table(_WIDE, rows)]
+    limits = [line for w in report.workloads for line in _limit_lines(w)]
+    return ["", *_table(_WIDE, rows), *(["", *limits] if limits else [])]
 
 
 def format_table(report: BenchReport, *, wide: bool = False) -> str:

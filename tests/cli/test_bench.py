@@ -24,6 +24,7 @@ from async_stager._cli.report import (
     WorkloadResult,
     format_table,
     lag_stats,
+    of_limit,
     write_plot,
 )
 from async_stager._cli.workloads import WORKLOADS, count_tensors
@@ -53,6 +54,8 @@ def test_bench_cli_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert rc == 0
     table = capsys.readouterr().out
     assert "| stager" in table and "bound (1 buffer)" in table and "[1]" not in table
+    assert "small20k, stage over the copy limit: async_stager " in table
+    assert "small20k, lag p50/p99/max ms: async_stager " in table
     _check_width(table)
 
     data = json.loads(out_json.read_text())
@@ -95,8 +98,11 @@ def test_bench_json_to_stdout_one_workload(capsys: pytest.CaptureFixture[str]) -
     data = json.loads(capsys.readouterr().out)
     (w,) = data["workloads"]
     assert w["name"] == "small20k" and w["tensors"] == 10
-    assert [s["name"] for s in w["stagers"]] == ["async_stager", "async_stager.DefaultStager"]
+    names = [s["name"] for s in w["stagers"]]
+    assert names == ["async_stager", "async_stager.DefaultStager", "limit (_foreach_copy_)"]
     assert all(s["vs_dcp"] is None and s["of_bound"] > 0 for s in w["stagers"])
+    # The copy limit holds exactly the workload's tensors, in host tensors of its own.
+    assert w["stagers"][-1]["host_bytes"] == w["bytes"]
 
 
 @pytest.mark.timeout(30)
@@ -120,8 +126,9 @@ def test_failing_contender_is_a_result(
     rc = cli.main(["bench", *TINY, "--workloads", "small20k", "--no-all-threads", "--json", "-"])
     assert rc == 0
     (w,) = json.loads(capsys.readouterr().out)["workloads"]
-    ours, seed, dcp = w["stagers"]
+    ours, seed, limit, dcp = w["stagers"]
     assert dcp["name"] == "dcp" and "Too many open files" in dcp["error"]
+    assert limit["name"] == "limit (_foreach_copy_)" and limit["error"] is None
     assert ours["error"] is None and ours["vs_dcp"] is None and seed["error"] is None
     # The table: the failure is a footnote under the tables, marked in dcp's rows.
     assert cli.main(["bench", *TINY, "--workloads", "small20k", "--no-all-threads"]) == 0
@@ -155,7 +162,7 @@ def test_contender_failing_on_its_second_stage_is_a_footnote(
     rc = cli.main(["bench", *TINY, "--workloads", "small20k", "--no-all-threads", "--json", "-"])
     assert rc == 0
     (w,) = json.loads(capsys.readouterr().out)["workloads"]
-    ours, _seed, dcp = w["stagers"]
+    ours, _seed, _limit, dcp = w["stagers"]
     assert "KeyError" in dcp["error"] and "<class 'type'>" in dcp["error"]
     assert ours["error"] is None and ours["seconds"] > 0 and ours["vs_dcp"] is None
 
@@ -423,7 +430,8 @@ def test_cli_progress_on_a_pipe_is_a_line_per_step(capsys: pytest.CaptureFixture
     argv = ["bench", *TINY[:-1], "--workloads", "small20k", "--no-dcp", "--no-all-threads"]
     assert cli.main(argv) == 0
     captured = capsys.readouterr()
-    steps = _bench._steps(_bench.BenchOptions(workloads=("small20k",), runs=1, warmup=0), 2)
+    # Contenders: ours, its DefaultStager and the copy limit.
+    steps = _bench._steps(_bench.BenchOptions(workloads=("small20k",), runs=1, warmup=0), 3)
     lines = captured.err.splitlines()
     assert len(lines) == steps and "\r" not in captured.err
     assert [_count(line) for line in lines] == [f"{i}/{steps}" for i in range(1, steps + 1)]
@@ -453,4 +461,36 @@ def test_run_bench_api_is_quiet_without_stream() -> None:
     report = asyncio.run(_bench.run_bench(opts, None))
     (w,) = report.workloads
     assert w.bytes == 2**18
-    assert report.options["contenders"] == ["async_stager", "async_stager.DefaultStager"]
+    assert report.options["contenders"] == [
+        "async_stager",
+        "async_stager.DefaultStager",
+        "limit (_foreach_copy_)",
+    ]
+
+
+@pytest.mark.timeout(10)
+def test_stage_over_the_copy_limit_is_paired_per_round() -> None:
+    lag = LagStats(0.1, 0.5, 2.0, 100)
+    ours = StagerResult(
+        "async_stager", 0.3, 0.03, (0.03, 0.06, 0.02), 1.0, 12.5, 0.9, 1.0, lag, lag, 2**20, 0
+    )
+    limit = StagerResult(
+        "limit (_foreach_copy_)", 0.1, 0.02, (0.02, 0.02, 0.01), 1.0, None, 0.9, 1.0, lag, lag, 2**20, 0
+    )
+    w = WorkloadResult(
+        "small20k",
+        "d",
+        "cpu",
+        20000,
+        1_280_000,
+        BoundResult(0.001, 1.28, (0.001,), 0.0009, lag),
+        (ours, limit),
+    )
+    # Round ratios 1.5, 3.0, 2.0: their median, not the ratio of the medians.
+    assert of_limit(w) == {"async_stager": 2.0}
+    text = format_table(BenchReport(_report().machine, {"runs": 3, "scale": 1.0}, lag, (w,), 3.0))
+    _check_width(text)
+    assert "small20k, stage over the copy limit: async_stager 2.00x" in text
+    assert "small20k, lag p50/p99/max ms: async_stager 0.10/0.50/2.00" in text
+    assert of_limit(_report().workloads[0]) == {}  # no limit row: no ratios, no lines
+    assert "copy limit" not in format_table(_report())

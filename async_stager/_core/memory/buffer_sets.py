@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import itertools
 import logging
 import operator
 import os
@@ -48,6 +49,9 @@ _use_count = torch._C._storage_Use_Count
 #: Plans kept per buffer set (several state dicts staged in turn, e.g. model and optim).
 MAX_PLANS = 4
 
+
+#: Objects checked per GIL hold by ``BufferSet.held`` (a slice: a fraction of a ms).
+_HELD_SLICE = 4096
 
 class BufferSet:
     """One generation of host buffers (see module doc). Fields are guarded by the
@@ -92,11 +96,21 @@ class BufferSet:
             # Copies that have landed are no longer in flight; a copier may hold the
             # destination tensors until it sees that (the fake one does).
             self.inflight = [c for c in self.inflight if not c.query()]
-        refs = list(map(sys.getrefcount, self._watch_objects))
-        if any(map(operator.gt, refs, self._watch_refs)):
-            return True
-        uses = list(map(_use_count, self._watch_storages))
-        return any(map(operator.gt, uses, self._watch_uses))
+        # Hazard (the GIL): one map over tens of thousands of objects holds the GIL for
+        # milliseconds, and the event loop's timers fire that late; in slices with a
+        # GIL release between them (``time.sleep(0)``), the loop runs in between. The
+        # slices are taken from one iterator (``islice``), never copied into lists: a
+        # copy would hold one more reference to every object and read as "held".
+        for fn, watched, baseline in (
+            (sys.getrefcount, self._watch_objects, self._watch_refs),
+            (_use_count, self._watch_storages, self._watch_uses),
+        ):
+            items, base = iter(watched), iter(baseline)
+            for _ in range(0, len(watched), _HELD_SLICE):
+                if any(map(operator.gt, map(fn, itertools.islice(items, _HELD_SLICE)), base)):
+                    return True
+                time.sleep(0)
+        return False
 
     def watch(self) -> None:
         """Take the baseline ``held`` compares with: the references the stager itself

@@ -73,11 +73,15 @@ class DeviceProgram:
     # The copier's plan for copying into ``direct_dsts`` at once (Copier.prepare), or
     # None: copied in chunks.
     direct_layout: Any = None
+    #: ``direct_reps`` is 0, 1, ..., n-1: with n leaves, the sources are the leaves
+    #: list itself (a state dict of distinct tensors on one device), no gather.
+    direct_in_order: bool = False
 
     def freeze(self) -> None:
         self.direct_dsts = [u.dst for u in self.direct]
         self.direct_reps = [u.rep for u in self.direct]
         self.direct_whole = any(u.whole for u in self.direct)
+        self.direct_in_order = self.direct_reps == list(range(len(self.direct_reps)))
 
 
 @dataclass(eq=False)

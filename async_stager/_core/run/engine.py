@@ -4,12 +4,15 @@ Both public APIs sit on this: the async Stager (``_stager.py``) and the seed's
 DefaultStager (``_default_stager.py``). ``capture`` runs on the caller's thread at the call;
 ``run`` runs on the stager's worker thread; ``settle`` may run anywhere.
 
-Fast path: the state dict is walked once with the host tensors of the plan that
-matches its signature; if every leaf's fingerprint (see ``_layout.FINGERPRINT``)
-equals the plan's, the plan's copy program runs as is. Otherwise the slow path
-validates every leaf, groups leaves by source storage, looks each storage up in the
-storage cache (allocating exact-size blocks for misses), makes a new plan and walks
-again to build the result around it.
+A stage's steps (``Engine._run``): take a free buffer set, build the result, enqueue
+the copies. Fast path (``_reuse``, the common case: one walk): the state dict is
+walked once with the host tensors of the plan that matches its signature; if every
+leaf's fingerprint (see ``_layout.FINGERPRINT``) equals the plan's, or the leaves are
+new tensors of its layout whose predecessors died (``take_over``), the plan's copy
+program runs as is. Otherwise the slow path (``_replan``) validates every leaf,
+groups leaves by source storage, looks each storage up in the storage cache
+(allocating exact-size blocks for misses), makes a new plan and walks again to build
+the result around it. ``_copy`` enqueues either.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from async_stager._core.memory.ledger import NodeLedger
 from async_stager._core.memory.preflight import engine_hook
 from async_stager._core.options import StagerOptions, resolve_options
 from async_stager._core.plan.build import make_plan
-from async_stager._core.plan.layout import signature_of
+from async_stager._core.plan.layout import Plan, signature_of
 from async_stager._core.plan.reuse import plan_holds, take_over
 from async_stager._core.run.enqueue import diagnose_copy_error, enqueue, no_torch_function
 from async_stager._core.run.interp import gc_paused, gil_interval
@@ -72,6 +75,20 @@ _NO_STATE: Any = object()
 
 class _PlanStale(Exception):
     """Internal: the fast path's copy failed; retry on the slow path."""
+
+
+@dataclass(eq=False)
+class _Built:
+    """What a stage's walk built: the result around ``plan``'s host tensors, the
+    leaves it read (what the copies read), whether the plan was reused (``fast``), and
+    the storage cache's hits and misses."""
+
+    result: Any
+    leaves: list[torch.Tensor]
+    plan: Plan
+    fast: bool
+    hits: int
+    misses: int
 
 
 @dataclass(eq=False)
@@ -273,122 +290,39 @@ class Engine:
         *,
         allow_fast: bool,
     ) -> StageRecord:
+        """One attempt at a stage, in its steps: take a buffer set, build the result
+        (``_reuse``: the set's plan for this signature still holds, one walk; else
+        ``_replan``: a new plan, two walks), then enqueue the copies (``_copy``)."""
         t0 = time.perf_counter()
         tick = CancelCheck(cancel, self)
         # Generator states taken at the call (``capture``); none: read as the walk goes.
         gens: GeneratorStates | None = getattr(captures, "generators", None)
         sig = signature_of(sd)
         bufset, held = self.sets.select(sig, lease, tick.check_cancelled)
-        track = functools.partial(self.sets.track, bufset)
         succeeded = False
         try:
             bufset.wait_inflight()
             plan = bufset.plan_for(sig) if allow_fast else None
-            result: Any = None
-            walk: Walk | None = None
-            leaves: list[torch.Tensor] = []
-            fast = False
-            hits = misses = 0
-            if plan is not None:
-                walk = Walk(plan.hosts, validate=False, tick=tick, generators=gens)
-                result = walk.rebuild(sd)
-                leaves = walk.leaves
-                with no_torch_function():
-                    fast = plan_holds(plan, leaves, tick)
-                if not fast:
-                    # New tensors of the plan's layout, their predecessors dead (a full
-                    # state dict rebuilt every checkpoint): they take the memory over.
-                    # gc paused: it makes an object per storage, as make_plan does.
-                    with gc_paused(), no_torch_function():
-                        fast = take_over(plan, leaves, bufset.cache, bufset.pool, tick)
-            if not fast:
-                # Drop what the failed fast attempt built before the set is re-watched.
-                result = walk = None
-                # The cyclic GC paused for the whole slow path, not only make_plan:
-                # the walks and checks make objects per leaf too, and collections
-                # scanning a heap that grows with every plan doubled the first stage
-                # of 20k tensors in a process already holding other plans.
-                with gc_paused():
-                    collect = Walk((), validate=True, tick=tick, generators=gens)
-                    collect.rebuild(sd)
-                    with no_torch_function():
-                        plan, hits, misses = make_plan(
-                            self._copier,
-                            self.options,
-                            bufset,
-                            sig,
-                            collect.leaves,
-                            tick,
-                            prefault=not copy,
-                            preflight=self._preflight(
-                                bufset, reserve=not copy, pinned=not self._skips_pinning(captures)
-                            ),
-                        )
-                    # Remembered and watched before the walk below builds the result: the
-                    # baseline of ``held`` must count the stager's references only.
-                    bufset.remember(plan)
-                    bufset.watch()
-                    walk = Walk(plan.hosts, validate=False, tick=tick, generators=gens)
-                    result = walk.rebuild(sd)
-                    leaves = walk.leaves
-                    # Hazard: the copies read the second walk's leaves into the plan of the
-                    # first. Their memory may differ (an object's __getstate__ may make new
-                    # tensors each call), their layout may not: another thread may have
-                    # changed the state dict between the walks (a (1,)-tensor swapped in
-                    # for a (4,)-tensor would even broadcast silently), and then the stage
-                    # is refused.
-                    with no_torch_function():
-                        holds = plan_holds(plan, leaves, tick, planned=collect.leaves, pool=bufset.pool)
-                    if not holds:
-                        result = walk = None
-                        bufset.forget_plan(sig)
-                        bufset.watch()
-                        raise StagingError(
-                            "the state dict changed while it was being staged: "
-                            "do not mutate it until stage() returns"
-                        )
-            else:
-                assert plan is not None
-                hits = plan.storages
+            built = self._reuse(plan, sd, bufset, tick, gens) if plan is not None else None
+            if built is None:
+                built = self._replan(sd, sig, bufset, tick, gens, captures, copy)
             tick()
-            completions: list[Completion] = []
-            devices: list[torch.device] = []
-            digests = Checksums() if checksums and copy else None
-            if copy:
-                try:
-                    with no_torch_function():
-                        completions, devices = enqueue(
-                            self._copier,
-                            plan,
-                            leaves,
-                            captures,
-                            tick,
-                            self.latest,
-                            track,
-                            digests,
-                            first=misses > 0,
-                        )
-                except RuntimeError as e:
-                    if fast:
-                        result = walk = None
-                        bufset.forget_plan(sig)
-                        bufset.watch()
-                        raise _PlanStale() from None
-                    err = diagnose_copy_error(self._copier, sd, plan, leaves, captures, e, self.latest, track)
-                    raise err from err.__cause__
-            track(completions)
+            completions, devices, digests = self._copy(
+                built, sd, sig, bufset, captures, tick, copy, checksums
+            )
             succeeded = True
+            plan = built.plan
             return StageRecord(
-                result=result,
+                result=built.result,
                 bufset=bufset,
                 completions=completions,
                 lease=held,
-                tensors=len(leaves),
+                tensors=len(built.leaves),
                 storages=plan.storages,
                 nbytes=plan.nbytes,
-                hits=hits,
-                misses=misses,
-                fast_path=fast,
+                hits=built.hits,
+                misses=built.misses,
+                fast_path=built.fast,
                 worker_seconds=time.perf_counter() - t0,
                 devices=devices,
                 checksums=digests,
@@ -399,6 +333,130 @@ class Engine:
             raise
         finally:
             self.sets.done_writing(bufset, succeeded=succeeded)
+
+    def _reuse(
+        self, plan: Plan, sd: Any, bufset: BufferSet, tick: CancelCheck, gens: GeneratorStates | None
+    ) -> _Built | None:
+        """The common case, one walk: the result built around ``plan``'s host tensors,
+        if its leaves still have the plan's fingerprint (``plan_holds``) or are new
+        tensors of its layout whose predecessors died (``take_over``); else None (and
+        nothing built stays alive: the caller then re-watches the set)."""
+        walk = Walk(plan.hosts, validate=False, tick=tick, generators=gens)
+        result = walk.rebuild(sd)
+        leaves = walk.leaves
+        with no_torch_function():
+            if plan_holds(plan, leaves, tick):
+                return _Built(result, leaves, plan, True, plan.storages, 0)
+        # New tensors of the plan's layout, their predecessors dead (a full state dict
+        # rebuilt every checkpoint): they take the memory over. gc paused: it makes an
+        # object per storage, as make_plan does.
+        with gc_paused(), no_torch_function():
+            if take_over(plan, leaves, bufset.cache, bufset.pool, tick):
+                return _Built(result, leaves, plan, True, plan.storages, 0)
+        return None
+
+    def _replan(
+        self,
+        sd: Any,
+        sig: Any,
+        bufset: BufferSet,
+        tick: CancelCheck,
+        gens: GeneratorStates | None,
+        captures: dict[torch.device, Any],
+        copy: bool,
+    ) -> _Built:
+        """The slow path, two walks: the first collects and validates every leaf, a new
+        plan is made from them (storage cache lookups, allocation), the second builds
+        the result around the new plan's host tensors. Raises StagingError if the state
+        dict changed between the walks."""
+        # The cyclic GC paused for the whole slow path, not only make_plan: the walks
+        # and checks make objects per leaf too, and collections scanning a heap that
+        # grows with every plan doubled the first stage of 20k tensors in a process
+        # already holding other plans.
+        with gc_paused():
+            collect = Walk((), validate=True, tick=tick, generators=gens)
+            collect.rebuild(sd)
+            with no_torch_function():
+                plan, hits, misses = make_plan(
+                    self._copier,
+                    self.options,
+                    bufset,
+                    sig,
+                    collect.leaves,
+                    tick,
+                    prefault=not copy,
+                    preflight=self._preflight(
+                        bufset, reserve=not copy, pinned=not self._skips_pinning(captures)
+                    ),
+                )
+            # Remembered and watched before the walk below builds the result: the
+            # baseline of ``held`` must count the stager's references only.
+            bufset.remember(plan)
+            bufset.watch()
+            walk = Walk(plan.hosts, validate=False, tick=tick, generators=gens)
+            result = walk.rebuild(sd)
+            leaves = walk.leaves
+            # Hazard: the copies read the second walk's leaves into the plan of the
+            # first. Their memory may differ (an object's __getstate__ may make new
+            # tensors each call), their layout may not: another thread may have
+            # changed the state dict between the walks (a (1,)-tensor swapped in for a
+            # (4,)-tensor would even broadcast silently), and then the stage is refused.
+            with no_torch_function():
+                holds = plan_holds(plan, leaves, tick, planned=collect.leaves, pool=bufset.pool)
+            if not holds:
+                del result, walk
+                bufset.forget_plan(sig)
+                bufset.watch()
+                raise StagingError(
+                    "the state dict changed while it was being staged: do not mutate it until stage() returns"
+                )
+            return _Built(result, leaves, plan, False, hits, misses)
+
+    def _copy(
+        self,
+        built: _Built,
+        sd: Any,
+        sig: Any,
+        bufset: BufferSet,
+        captures: dict[torch.device, Any],
+        tick: CancelCheck,
+        copy: bool,
+        checksums: bool,
+    ) -> tuple[list[Completion], list[torch.device], Checksums | None]:
+        """Enqueue the copies of ``built`` (none for a reserve: ``copy`` False) and
+        track their completions in ``bufset``. Raises _PlanStale when a reused plan's
+        copy fails (the caller retries on the slow path), else the diagnosed
+        CopyError."""
+        track = functools.partial(self.sets.track, bufset)
+        completions: list[Completion] = []
+        devices: list[torch.device] = []
+        digests = Checksums() if checksums and copy else None
+        plan, leaves = built.plan, built.leaves
+        if copy:
+            try:
+                with no_torch_function():
+                    completions, devices = enqueue(
+                        self._copier,
+                        plan,
+                        leaves,
+                        captures,
+                        tick,
+                        self.latest,
+                        track,
+                        digests,
+                        first=built.misses > 0,
+                    )
+            except RuntimeError as e:
+                if built.fast:
+                    # Nothing built may stay alive when the set is re-watched.
+                    built.result = None
+                    bufset.forget_plan(sig)
+                    bufset.watch()
+                    raise _PlanStale() from None
+                err = diagnose_copy_error(self._copier, sd, plan, leaves, captures, e, self.latest, track)
+                raise err from err.__cause__
+        track(completions)
+        return completions, devices, digests
 
     def _preflight(
         self, bufset: BufferSet, *, reserve: bool, pinned: bool = True

@@ -101,6 +101,10 @@ def enqueue(
                 if prog.direct:
                     if prog.direct_whole:
                         direct = sources(prog.direct, leaves)
+                    elif prog.direct_in_order and len(leaves) == len(prog.direct_reps):
+                        # Every leaf, in order: no gather (a C call over every leaf,
+                        # holding the GIL throughout). Read only, never changed here.
+                        direct = leaves
                     elif len(prog.direct_reps) == 1:
                         direct = [leaves[prog.direct_reps[0]]]
                     else:

@@ -48,6 +48,13 @@ _Parameter = torch.nn.Parameter
 
 #: Leaves between calls of ``tick``.
 _TICK_EVERY = 256
+#: Dicts of at least this many items try the bulk path (``Walk._bulk_items``): below
+#: it, the type checks cost about what the per-item loop does.
+_BULK_MIN = 64
+#: Items per C-level step of the bulk path (a tick between steps).
+_BULK_CHUNK = 2048
+#: The exact types the bulk path takes as values.
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 _strided = torch.strided
@@ -233,6 +240,8 @@ class Walk(ObjectWalk):
         return self._dict_items(d, out)
 
     def _dict_items(self, d: dict[Any, Any], out: dict[Any, Any]) -> Any:
+        if len(d) >= _BULK_MIN and not self.validate and self._bulk_items(d, out):
+            return out
         leaves = self.leaves
         hosts = self.hosts
         nh = self.nhosts
@@ -270,6 +279,53 @@ class Walk(ObjectWalk):
             _raise_if_mutated(e)
             raise
         return out
+
+    def _bulk_items(self, d: dict[Any, Any], out: dict[Any, Any]) -> bool:
+        """The common case at C speed: a dict whose keys are all atomic and whose values
+        are all plain tensors (Tensor or Parameter, no attributes), such as a module's
+        state dict. Fills ``out`` (new and empty: nothing refers to it yet but the memo)
+        and ``leaves`` exactly as the per-item loop would (leaf i is the i-th value;
+        each occurrence its own leaf) and returns True; False (``out`` and ``leaves`` as
+        they were) when the dict is not of that kind: the per-item loop then walks it.
+
+        Not used when validating (the slow path checks each leaf and names its path).
+        Hazard: each C-level step holds the GIL for its whole length (the interpreter
+        switches threads only between bytecodes): every map runs over one chunk of
+        ``_BULK_CHUNK`` items, with a tick between chunks, so the event loop's thread
+        waits at most about one chunk's time for the GIL."""
+        # One C call copies the dict (no Python code runs meanwhile, so no other thread
+        # does): keys and values are read from that copy, pairwise consistent even if
+        # the caller breaks the rule and mutates the state dict during the stage.
+        snap = dict(d)
+        keys = list(snap)
+        vals = list(snap.values())
+        del snap
+        n = len(vals)
+        leaves = self.leaves
+        base = len(leaves)
+        hosts = self.hosts
+        nh = self.nhosts
+        if base < nh < base + n:
+            return False  # hosts end inside this dict (a result only good for leaves)
+        for lo in range(0, n, _BULK_CHUNK):
+            hi = min(n, lo + _BULK_CHUNK)
+            ks = keys[lo:hi]
+            part = vals[lo:hi]
+            if (
+                not ATOMIC.issuperset(map(type, ks))
+                or not _PLAIN.issuperset(map(type, part))
+                or any(map(_ATTRS, part))
+            ):
+                del leaves[base:]
+                out.clear()
+                return False
+            # The per-item loop ticks at every leaf index divisible by _TICK_EVERY;
+            # once per chunk is as often in time (a chunk is C speed).
+            self.tick()
+            i = base + lo
+            leaves.extend(part)
+            out.update(zip(ks, hosts[i : i + hi - lo] if i < nh else part))
+        return True
 
     def _ordered_dict(self, d: collections.OrderedDict[Any, Any]) -> Any:
         memo = self.memo
@@ -392,9 +448,13 @@ _ATTRS = operator.attrgetter("__dict__")
 
 
 def _clear_attrs(hosts: Sequence[torch.Tensor]) -> None:
-    """Every host tensor without attributes (at C speed but for hosts that have some)."""
-    for attrs in filter(None, map(_ATTRS, hosts)):
-        attrs.clear()
+    """Every host tensor without attributes (at C speed but for hosts that have some).
+
+    In chunks: a ``filter`` over hosts that have none runs in one C call, which holds
+    the GIL throughout (tens of thousands of hosts: milliseconds)."""
+    for lo in range(0, len(hosts), _BULK_CHUNK):
+        for attrs in filter(None, map(_ATTRS, hosts[lo : lo + _BULK_CHUNK])):
+            attrs.clear()
 
 
 def _raise_if_mutated(e: RuntimeError) -> None:
