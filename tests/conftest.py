@@ -43,10 +43,40 @@ def anyio_backend(request: pytest.FixtureRequest) -> Any:
     return request.param
 
 
+#: Test modules that start processes of their own (ranks, writers, children killed on
+#: purpose, whole scripts) and use every core while they run. Under pytest-xdist
+#: (``-n 2 --dist loadgroup``, the README's command) they form one group, run one after
+#: another on one worker while the other worker takes the rest: two of them at once
+#: on 2 cores would only slow each other and their timeouts would be at risk.
+PROCESS_MODULES = {
+    "test_checkpointer_crash",
+    "test_checkpointer_model",
+    "test_multirank",
+    "test_multirank_crash",
+    "test_checkpointer_budget",
+    "test_node_budget_procs",
+    "test_dcp_budget_procs",
+    "test_torch_checkpointing",
+    "test_ledger_procs",
+    "test_process_writer",
+    "test_writer_process",
+    "test_fsdp_example",
+    "test_examples",
+    "test_gpu_readiness",
+    "test_lifecycle",
+    "test_cli_check",
+}
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
     skip_stress = pytest.mark.skip(reason="stress run: set ASYNC_STAGER_STRESS=1 (and -m stress)")
+    processes = pytest.mark.xdist_group("processes")
     for item in items:
+        module = getattr(item, "module", None)
+        if module is not None and module.__name__.rsplit(".", 1)[-1] in PROCESS_MODULES:
+            item.add_marker(processes)
         if item.get_closest_marker("cuda") is not None and not HAS_CUDA:
             item.add_marker(skip_cuda)
         if item.get_closest_marker("stress") is not None and not STRESS:
