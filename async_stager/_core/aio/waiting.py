@@ -64,8 +64,8 @@ def current_async_library() -> str | None:
 
 def prepare_backend() -> None:
     """Load anyio's backend for the event loop running in this thread, if one is: anyio
-    imports it at its first use, which would otherwise be the first stage's wait (about
-    20 ms, once per process, on the first checkpoint's critical path). A no-op outside
+    imports it at its first use, which would otherwise be the first stage's wait (once
+    per process, on the first checkpoint's critical path). A no-op outside
     an event loop."""
     if current_async_library() is not None:
         anyio.current_time()  # any call of the backend imports it

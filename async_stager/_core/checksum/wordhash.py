@@ -253,8 +253,8 @@ def digest_tensor(hashes: torch.Tensor) -> list[int]:
 
 #: A CPU tensor of at least this many bytes is hashed on the current CUDA device when
 #: this process already uses CUDA (a restore read back into host memory): the CPU
-#: hashes WSUM64 at about 0.4 GB/s per thread, a GPU at its memory bandwidth plus the
-#: upload.
+#: hashes WSUM64 per thread far slower than a GPU reads its memory, so the upload pays
+#: for itself above this size.
 OFFLOAD_BYTES = 8 << 20
 
 
