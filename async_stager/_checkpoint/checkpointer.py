@@ -30,6 +30,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from async_stager._checkpoint import commit as _commit, restore as _restore
 from async_stager._checkpoint.formats import format_for
+from async_stager._checkpoint.node_budget import CreditLedger, check_largest
 from async_stager._checkpoint.options import CheckpointerOptions, Format, Policy, SaveStats
 from async_stager._checkpoint.progress import SaveProgress, SaveRequest, progress_of
 from async_stager._checkpoint.ranks import Ranks
@@ -111,9 +112,9 @@ class Checkpointer:
     nothing staged), ``"coalesce"`` (save stages and queues the copy; once staged it
     replaces a queued older one, which is dropped; the newest is written next). On
     several ranks only ``"wait"`` is allowed. ``checksums``: every stored byte is covered
-    by ``checksums.json`` (tensors hashed while staging, see ``_integrity``; other
-    stored values and files hashed as written, see ``_stored``); ``checksum_threads``
-    threads hash what staging could not. ``stager``: a Stager to use (else one of its
+    by ``checksums.json`` (the staged host copy's tensors hashed in the write's thread,
+    beside the write, see ``_integrity``; other stored values and files hashed as
+    written, see ``_stored``); ``checksum_threads`` threads hash the staged copy. ``stager``: a Stager to use (else one of its
     own, with enough buffer sets for ``max_in_flight`` and ``policy``, closed on exit).
     ``process_group``: a gloo group for the checkpoint's collectives (default: the
     default group if gloo, else a new gloo group; constructing it is a collective).
@@ -125,6 +126,21 @@ class Checkpointer:
     tensors (``async_stager.dcp.save(..., host_budget_bytes=N)``) instead of a full
     staged copy; ``save`` then returns once the last piece is copied (the sources may
     change after that). At most ``max_in_flight`` such writes at once.
+
+    ``node_budget_bytes=N`` (DCP format, policy ``"wait"`` or ``"skip"``): one host-memory
+    budget of ``N`` bytes that every rank of this machine shares through a node ledger
+    (``node_budget_path``: its directory; ``node_budget_job``: the job's identity, by
+    default torchrun's run id or ``MASTER_ADDR:MASTER_PORT``; every rank gives the same
+    ``N``). The Checkpointer's own Stager reserves each arena from it (cached buffer sets
+    stay counted; closing gives them back). Before each save stages, the node decides:
+    a staged copy whose new bytes the ledger grants within a short bounded wait (leaving
+    the other ranks room to stream), else the save streams through the budgeted
+    pipeline within a share of the node budget (at least the largest tensor, at most
+    what fits). ``SaveStats.admission`` and ``node_wait_seconds`` say which and how long
+    it waited; the log says so at INFO when it waited or streamed. A state whose largest
+    tensor is bigger than ``N`` is refused at ``save()`` (BudgetTooSmallError naming it).
+    With one process it is a per-process budget. Not with ``stager=`` (pass the node
+    budget to that Stager instead).
 
     A folder this process cannot write opens for restore only (``save`` raises
     CheckpointError). Other Checkpointers (other processes) may use the same folder:
@@ -143,6 +159,9 @@ class Checkpointer:
         checksums: bool = True,
         checksum_threads: int | None = None,
         host_budget_bytes: int | None = None,
+        node_budget_bytes: int | None = None,
+        node_budget_path: str | None = None,
+        node_budget_job: str | None = None,
         stager: Stager | None = None,
         process_group: ProcessGroup | None = None,
         on_saved: Callable[[SaveStats], None] | None = None,
@@ -162,8 +181,23 @@ class Checkpointer:
 
         threads = checksum_threads if checksum_threads is not None else max(1, (os.cpu_count() or 2) - 1)
         self.options = CheckpointerOptions(
-            Path(directory), keep, format, max_in_flight, policy, checksums, threads, host_budget_bytes
+            Path(directory),
+            keep,
+            format,
+            max_in_flight,
+            policy,
+            checksums,
+            threads,
+            host_budget_bytes,
+            node_budget_bytes,
+            node_budget_path,
+            node_budget_job,
         )
+        if node_budget_bytes is not None and stager is not None:
+            raise InvalidOptionError(
+                "node_budget_bytes is for the Checkpointer's own Stager; with stager=..., give that "
+                "Stager the node budget (Stager(node_budget_bytes=...)) or leave stager out"
+            )
         self._format = format_for(format)
         self._ranks = Ranks.resolve(process_group)
         if self._ranks.distributed and policy != "wait":
@@ -182,6 +216,7 @@ class Checkpointer:
         self._sets = sets
         self._stager = stager
         self._own_stager = stager is None
+        self._ledger: CreditLedger | None = None
         self._on_saved = on_saved
         self._tg: anyio.abc.TaskGroup | None = None
         self._session: _commit.Session | None = None
@@ -210,6 +245,35 @@ class Checkpointer:
         self._closing = False
         self._leave_at = None  # a deadline missed in an earlier session does not carry over
         root, ranks = self.options.directory, self._ranks
+        opts = self.options
+        if opts.node_budget_bytes is not None and self._ledger is None:
+            # Opened before the ranks meet, so that every rank's slot is in the ledger
+            # by the first save (its admission counts the ranks of the node).
+            budget = opts.node_budget_bytes
+            self._ledger = await run_in_thread(
+                lambda: CreditLedger.open(budget, path=opts.node_budget_path, job=opts.node_budget_job),
+                name="async-stager-open",
+            )
+        try:
+            token = await self._meet(root, ranks)
+        except BaseException:
+            if self._ledger is not None:
+                self._ledger.close()  # nothing was reserved through it yet
+                self._ledger = None
+            raise
+        self._read_only = not token
+        if self._stager is None:
+            self._stager = Stager(max_buffer_sets=self._sets, node_ledger=self._ledger)
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._saves.open(
+            self._tg, Writer(self.options, self._format, ranks, token), self._stager, self._ledger
+        )
+        return self
+
+    async def _meet(self, root: Path, ranks: Ranks) -> str:
+        """The coordinator opens the folder's session; every rank learns its token
+        (empty: read only). Raises the coordinator's CheckpointError on every rank."""
         token = ""
         if ranks.coordinator:
             try:
@@ -225,13 +289,7 @@ class Checkpointer:
         token = await run_in_thread(lambda: ranks.broadcast(token), name="async-stager-open")
         if token.startswith("!"):
             raise CheckpointError(token[1:])
-        self._read_only = not token
-        if self._stager is None:
-            self._stager = Stager(max_buffer_sets=self._sets)
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
-        self._saves.open(self._tg, Writer(self.options, self._format, ranks, token), self._stager)
-        return self
+        return token
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -266,6 +324,12 @@ class Checkpointer:
                 if self._own_stager and self._stager is not None and not abandoned:
                     await self._stager.aclose()
                     self._stager = None
+                if self._ledger is not None and not abandoned:
+                    # After the stager (its arenas' bytes go back as they are unmapped).
+                    # An abandoned write still reads its staged copy: its bytes stay
+                    # counted until the process exits.
+                    self._ledger.close()
+                    self._ledger = None
                 if self._session is not None:
                     session = self._session
                     if not abandoned:
@@ -360,7 +424,10 @@ class Checkpointer:
             return _returns(False)
         sd = resolve(state)
         self._format.check_savable(sd)
-        item = saves.submit(sd, step, t0)
+        largest = 0
+        if opts.node_budget_bytes is not None:
+            largest = check_largest(sd, opts.node_budget_bytes)  # refused at once
+        item = saves.submit(sd, step, t0, largest=largest)
         coro = saves.await_save(item)
         # A coroutine never awaited must not hold a buffer set or a place in the
         # commit order: it is abandoned when it dies, unless its write has started.

@@ -29,6 +29,9 @@ class CheckpointerOptions:
     checksums: bool = True
     checksum_threads: int = 1
     host_budget_bytes: int | None = None
+    node_budget_bytes: int | None = None
+    node_budget_path: str | None = None
+    node_budget_job: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.keep, int) or isinstance(self.keep, bool) or self.keep < 1:
@@ -56,6 +59,28 @@ class CheckpointerOptions:
                     "host_budget_bytes cannot coalesce: a queued save would need a full staged copy; "
                     "use policy 'wait' or 'skip'"
                 )
+        node = self.node_budget_bytes
+        if node is None:
+            if self.node_budget_path is not None or self.node_budget_job is not None:
+                raise InvalidOptionError("node_budget_path and node_budget_job need node_budget_bytes")
+            return
+        if isinstance(node, bool) or not isinstance(node, int) or node < 4096:
+            raise InvalidOptionError(
+                f"node_budget_bytes must be None or an int >= 4096 (bytes), got {node!r}"
+            )
+        if self.format != "dcp":
+            raise InvalidOptionError(
+                "node_budget_bytes needs format='dcp' (a save that does not fit streams through DCP)"
+            )
+        if self.policy == "coalesce":
+            raise InvalidOptionError(
+                "node_budget_bytes cannot coalesce: a save that streams has no staged copy to queue; "
+                "use policy 'wait' or 'skip'"
+            )
+        for name in ("node_budget_path", "node_budget_job"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidOptionError(f"{name} must be None or a non-empty string, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -65,15 +90,22 @@ class SaveStats:
     ``stage_seconds``: from ``save`` starting to stage until the staged copy was ready
     (what ``save`` blocked the caller for, besides a ``wait``-policy wait, which is
     ``queued_seconds``). ``write_seconds``: the background write of this rank's files
-    (DCP or ``torch.save``, fsynced), with the checksum of what staging did not hash
-    running alongside; ``checksum_seconds``: that pass alone (wall time, in its
-    threads; about zero when every chunk was hashed by the copy threads, whose time is
-    in ``stage_seconds``);
+    (DCP or ``torch.save``, fsynced), with the checksum of the staged host copy running
+    alongside; ``checksum_seconds``: that pass alone (wall time, in its threads; none
+    of it in ``stage_seconds``: the stage itself hashes nothing);
     ``commit_seconds``: checksums file, fsyncs, rename, ``latest`` and retention.
     ``bytes``: this rank's staged tensor bytes. ``budget``: with ``host_budget_bytes``,
     the save's ``dcp.BudgetStats`` (peak ring bytes, blocked seconds); there
     ``stage_seconds`` is the time until the last piece was copied (the fence), and
-    ``write_seconds`` the whole pipeline, copies included."""
+    ``write_seconds`` the whole pipeline, copies included.
+
+    With ``node_budget_bytes``: ``admission`` says how the save met the node budget:
+    ``"cached"`` (staged into a buffer set already mapped and counted), ``"staged"``
+    (a staged copy, its new bytes granted by the node ledger), ``"streamed"`` (the
+    staged copy did not fit: streamed through the budgeted pipeline within a share of
+    the node budget, ``budget`` then holds its BudgetStats); None without a node
+    budget. ``node_wait_seconds``: the seconds the save waited in the node's ticket
+    order, for its staged copy's bytes and, streamed, for its ring's share."""
 
     step: int
     path: str
@@ -84,6 +116,14 @@ class SaveStats:
     checksum_seconds: float
     commit_seconds: float
     budget: BudgetStats | None = None
+    admission: str | None = None
+    node_wait_seconds: float = 0.0
+
+    @property
+    def streamed(self) -> bool:
+        """The save went through the budgeted pipeline (``host_budget_bytes``, or the
+        node budget could not hold its staged copy)."""
+        return self.budget is not None
 
     @property
     def bytes_per_second(self) -> float:

@@ -15,6 +15,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,10 +25,11 @@ import anyio.abc
 from async_stager._checkpoint.options import CheckpointerOptions, SaveStats
 from async_stager._checkpoint.ranks import Ranks
 from async_stager._checkpoint.write import GivenUp, Writer
-from async_stager._core.aio.waiting import threadsafe
+from async_stager._core.aio.waiting import threadsafe, wait_future
 from async_stager.errors import CheckpointError, ClosedError
 
 if TYPE_CHECKING:
+    from async_stager._checkpoint.node_budget import CreditLedger
     from async_stager._core.aio.lease import Lease
     from async_stager._core.aio.stager import Stager
     from async_stager._dcp.budget import BudgetStats
@@ -98,6 +100,19 @@ class SaveItem:
     #: The ``finished`` events of the saves called before it, taken when its write
     #: starts (every one of them is writing or ended then).
     earlier: list[threading.Event] = field(default_factory=list)
+    #: Node budget (``node_budget``): its largest tensor item's bytes (checked at
+    #: ``save()``); its admission is being decided (it counts as a buffer set's
+    #: holder meanwhile); how it met the budget (``Admission.path``) and the seconds it
+    #: waited for it; ``stream``: it streams through the budgeted pipeline.
+    largest: int = 0
+    admitting: bool = False
+    admission: str | None = None
+    node_wait: float = 0.0
+    stream: bool = False
+    #: A staged save's write, started in its thread (``Writer.start``), until awaited;
+    #: and the event its thread sets once the staged copy is free.
+    future: Future[Any] | None = None
+    freed: anyio.Event | None = None
 
     def wait_earlier(self) -> None:
         """Block until every earlier save ended (from a write's thread)."""
@@ -171,9 +186,12 @@ class SaveQueue:
         self._tg: anyio.abc.TaskGroup | None = None
         self._writer: Writer | None = None
         self._stager: Stager | None = None
+        self._ledger: CreditLedger | None = None
 
-    def open(self, tg: anyio.abc.TaskGroup, writer: Writer, stager: Stager) -> None:
-        self._tg, self._writer, self._stager = tg, writer, stager
+    def open(
+        self, tg: anyio.abc.TaskGroup, writer: Writer, stager: Stager, ledger: CreditLedger | None = None
+    ) -> None:
+        self._tg, self._writer, self._stager, self._ledger = tg, writer, stager, ledger
         self._changed = anyio.Event()
         self.abandoned = False
 
@@ -211,8 +229,8 @@ class SaveQueue:
 
     # -- accepting -----------------------------------------------------------------------
 
-    def submit(self, sd: dict[str, Any], step: int, called: float) -> SaveItem:
-        item = SaveItem(self.seq, step, anyio.Event(), anyio.Event(), sd=sd, called=called)
+    def submit(self, sd: dict[str, Any], step: int, called: float, *, largest: int = 0) -> SaveItem:
+        item = SaveItem(self.seq, step, anyio.Event(), anyio.Event(), sd=sd, called=called, largest=largest)
         self.seq += 1
         self.items.append(item)
         self.advance()
@@ -226,7 +244,7 @@ class SaveQueue:
     def _holders(self) -> int:
         """Buffer sets held or about to be: saves staging, and staged copies not yet
         released (queued, or being written)."""
-        return sum(1 for i in self.items if i.phase == "staging" or i.lease is not None)
+        return sum(1 for i in self.items if i.phase == "staging" or i.lease is not None or i.admitting)
 
     def advance(self) -> None:
         """Move the saves forward, oldest first: submit stages while buffer sets are
@@ -244,31 +262,39 @@ class SaveQueue:
             for item in self.items:
                 if free <= 0:
                     break
-                if item.phase == "deferred" and item.sd is not None:
+                if item.phase != "deferred" or item.sd is None or item.stream or item.admitting:
+                    continue
+                if self._ledger is not None and item.admission is None:
+                    # The node budget first (a worker thread): staged or streamed.
+                    item.admitting = True
+                    tg.start_soon(self._admit_task, item)
+                else:
                     item.stage = self.stager.lease(item.sd, checksums=self._checksums_while_staging())
                     item.sd = None
                     item.phase = "staging"
                     item.queued = time.monotonic() - item.called
                     tg.start_soon(self._stage_task, item)
-                    free -= 1
+                free -= 1
         for item in self.items:
             if self.writing >= opts.max_in_flight:
                 break
             if item.phase == "queued":
                 self._start_write(tg, item)
-            elif budgeted and item.phase == "deferred":
+            elif (budgeted or item.stream) and item.phase == "deferred":
                 self._start_budgeted(tg, item)
             elif item.phase != "writing":
                 break
         self.notify()
 
     def _checksums_while_staging(self) -> bool:
-        """Hash in the copy threads only where that is free: on an accelerator the hash
-        runs on the device beside the copy engine; with every source in host memory,
-        hashing while copying lengthens the caller's blocked time, so the write's
-        thread hashes the staged copy instead (the same bytes, before they reach the
-        disk)."""
-        return self.options.checksums and self.stager._reads_devices()
+        """Never: the write's thread hashes the staged host copy beside the write (the
+        bytes as staged, before they reach the disk), on every device. On the CPU,
+        hashing in the copy threads lengthened the caller's blocked time; on a GPU the
+        device hash reads the source at another moment than the copy, so a buffer that
+        training writes during an overlapped stage (BatchNorm's running statistics)
+        made restore reject a checkpoint written correctly. ``stager.lease(sd,
+        checksums=True)`` keeps the device hash for callers who want it."""
+        return False
 
     def _start_write(self, tg: anyio.abc.TaskGroup, item: SaveItem) -> None:
         item.phase = "writing"
@@ -276,6 +302,16 @@ class SaveQueue:
         item.wrote = True
         item.earlier = [i.finished for i in self.items if i.seq < item.seq]
         self.writing += 1
+        if item.lease is not None:
+            # A staged save's thread starts here, not in its task: a task runs only at
+            # the loop's next turn. Its thread sets ``freed`` once the staged copy is
+            # written and hashed; a task then gives the copy back. Hazard: a
+            # thread-safe callback runs outside any task, where anyio cannot start
+            # tasks, so the thread only sets an event that a task waits on.
+            freed = anyio.Event()
+            item.freed = freed
+            item.future = self.writer.start(item, item.lease, threadsafe(freed.set))
+            tg.start_soon(self._release_when, item, freed)
         tg.start_soon(self._write_task, item)
         tg.start_soon(self._report, item)
 
@@ -342,6 +378,21 @@ class SaveQueue:
                 item.stage_scope.cancel()
                 self.end(item)
 
+    # -- the node budget ------------------------------------------------------------------
+
+    async def _admit_task(self, item: SaveItem) -> None:
+        """How a save meets the node budget, then on with it (``node_budget.admit_save``)."""
+        from async_stager._checkpoint.node_budget import admit_save
+
+        assert self._ledger is not None
+        await admit_save(self, self._ledger, item)
+
+    async def _yield_idle(self) -> None:
+        from async_stager._checkpoint.node_budget import yield_idle
+
+        if self._ledger is not None:
+            await yield_idle(self.stager, self._ledger)
+
     # -- staging -------------------------------------------------------------------------
 
     async def _stage_task(self, item: SaveItem) -> None:
@@ -356,6 +407,8 @@ class SaveQueue:
         except Exception as exc:  # noqa: BLE001 - the stage failed: raised to the save's caller
             item.error = exc
         del stage
+        if self._ledger is not None:
+            self._ledger.drop_credit()  # what the stage did not draw of its admission
         if lease is not None and (item.cancelled or item.phase == "done"):
             lease.release()
             lease = None
@@ -391,11 +444,14 @@ class SaveQueue:
 
         ranks = self.ranks
         item.queued = time.monotonic() - item.called
+        ledger = self._ledger
+        if ledger is not None and item.admission is None:
+            item.admission = "streamed"
         try:
             item.pipeline = budgeted_save(
                 item.sd or {},
                 stager=self.stager,
-                budget=self.options.host_budget_bytes or 0,
+                budget=self.options.host_budget_bytes or (ledger.budget if ledger is not None else 0),
                 checkpoint_id=str(self.writer.tmp(item)),
                 storage_writer=None,
                 planner=None,
@@ -403,6 +459,7 @@ class SaveQueue:
                 no_dist=not ranks.distributed,
                 on_stats=item.budget.append,
                 digests=item.digests if self.options.checksums else None,
+                ledger=ledger,
             )
         except Exception as exc:  # noqa: BLE001 - refused at its start: raised to the save's caller
             item.error = exc
@@ -430,7 +487,7 @@ class SaveQueue:
             while True:
                 if item.error is not None:
                     raise item.error
-                if opts.host_budget_bytes is not None:
+                if opts.host_budget_bytes is not None or item.stream:
                     if item.read.is_set() and item.phase != "deferred":
                         break
                 elif item.phase == "writing" or (item.phase == "queued" and opts.policy == "coalesce"):
@@ -491,20 +548,14 @@ class SaveQueue:
 
     async def _write(self, writer: Writer, item: SaveItem) -> SaveStats:
         try:
-            if item.lease is None:
+            if item.future is None:
                 return await writer.run_budgeted(item)
-            lease = item.lease
-            # Set by the write's thread once the staged copy is written and hashed: a
-            # task gives it back (and may start the next stage) at the loop's next
-            # turn. Hazard: a thread-safe callback runs outside any task, where anyio
-            # cannot start tasks; so it only sets an event that a task waits on.
-            freed = anyio.Event()
-            assert self._tg is not None
-            self._tg.start_soon(self._release_when, item, freed)
+            fut, item.future = item.future, None
             try:
-                return await writer.run(item, lease, threadsafe(freed.set))
+                return await wait_future(fut)  # cancelled only at a missed exit deadline
             finally:
-                freed.set()  # the write ended (or failed) before it said so
+                if item.freed is not None:
+                    item.freed.set()  # the write ended (or failed) before it said so
         finally:
             if item.pipeline is not None:
                 # Never started (failed or cancelled before): its fence hook must go
@@ -519,6 +570,8 @@ class SaveQueue:
         if item.phase == "writing":
             item.release()  # the staged buffers are free for the next stage
             self.advance()
+            if self._ledger is not None:
+                await self._yield_idle()
 
     def _record_failure(self, item: SaveItem, group: BaseException) -> None:
         exc: BaseException = group

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -86,16 +87,17 @@ class Writer:
 
     # -- a staged save, in its thread ------------------------------------------------
 
-    async def run(
+    def start(
         self, item: SaveItem, lease: Lease[dict[str, Any]], written: Callable[[], None]
-    ) -> SaveStats:
-        """``write_and_commit`` in a daemon thread of its own. Cancellation: only the
-        wait (the Checkpointer cancels it only at a missed shutdown deadline)."""
-        return await run_in_thread(
+    ) -> Future[SaveStats]:
+        """Start ``write_and_commit`` in a daemon thread of its own, now (on the loop,
+        where the write is decided: it must not wait for the loop's next turn, which a
+        training loop that does not yield would never give). Its Future gives the
+        stats or the error."""
+        return start_thread(
             lambda: self.write_and_commit(item, lease, written),
             name=f"async-stager-{self.format.name}-save",
             daemon=True,
-            abandon_on_cancel=True,
         )
 
     def write_and_commit(
@@ -118,7 +120,7 @@ class Writer:
         t0 = time.monotonic()
         if item.cancelled:
             raise GivenUp
-        self.start(item)
+        self.begin(item)
         manifest, entry, checksum_seconds, nbytes = self._write_staged(item, lease)
         written()
         t1 = time.monotonic()
@@ -129,7 +131,7 @@ class Writer:
         self.commit(item, manifest, entry)
         return self.stats(item, nbytes, checksum_seconds, t0, t1)
 
-    def start(self, item: SaveItem) -> None:
+    def begin(self, item: SaveItem) -> None:
         """The coordinator makes the save's folder; the ranks check that they save the
         same step as the same save (a rank with another step would commit metadata
         naming files in another folder: a checkpoint that can never be restored)."""
@@ -204,7 +206,7 @@ class Writer:
         if self.ranks.distributed:
             await self._in_thread(item.wait_earlier, "async-stager-wait")  # one save at a time
         t0 = time.monotonic()
-        await self._in_thread(lambda: self.start(item), "async-stager-start")
+        await self._in_thread(lambda: self.begin(item), "async-stager-start")
         pipeline, item.pipeline = item.pipeline, None
         assert pipeline is not None
         if self.ranks.coordinator and item.sd is not None:
@@ -247,4 +249,6 @@ class Writer:
             checksum_seconds=checksum_seconds,
             commit_seconds=t2 - t1,
             budget=budget,
+            admission=item.admission,
+            node_wait_seconds=item.node_wait + (budget.node_wait_seconds if budget is not None else 0.0),
         )

@@ -67,8 +67,7 @@ import types
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import IO, Any, cast
+from typing import IO, TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -79,10 +78,14 @@ from async_stager._core.checksum.digest import chunk_key, tensor_digest
 from async_stager._core.copy.device import Backend, Completion, Copier
 from async_stager._core.memory.arena import Pinner
 from async_stager._core.memory.ring import ALIGN, Ring, padded
+from async_stager._dcp.budget_share import BudgetStats, reserve_share
 from async_stager._dcp.copies import RingCopies
 from async_stager._dcp.pickling import RingSink, Stopped, checked_pickle_module
 from async_stager._dcp.streaming import Marker, Streamed
 from async_stager.errors import BudgetTooSmallError, StagingError, UnsupportedError
+
+if TYPE_CHECKING:
+    from async_stager._core.memory.ledger import NodeLedger, Reservation
 
 __all__ = ["BudgetStats", "Pipeline", "SaveAborted"]
 
@@ -94,33 +97,6 @@ _CHUNK_MAX = 8 * 1024 * 1024
 #: Ring bytes assumed per bytes item when the caller gave no estimate (``object_hint``):
 #: about what ``torch.save`` of a small value writes.
 _ITEM_BYTES = 2048
-
-
-@dataclass(frozen=True)
-class BudgetStats:
-    """What one budgeted save did (``dcp.save(..., on_budget_stats=...)``).
-
-    Bytes: ``budget_bytes`` (asked), ``arena_bytes`` (allocated: the budget, or less
-    when the state needs less), ``peak_bytes`` (most ring bytes held at once, padding
-    included), ``tensor_bytes`` (tensor items copied), ``object_bytes`` (the serialized
-    non-tensor values, DCP's bytes items, tensors inside them included: streamed
-    through the ring too). ``pieces``: tensor items. Seconds: ``blocked_seconds`` (the
-    copier waiting for ring space: how much longer the sources had to stay unchanged
-    because of the budget), ``writer_wait_seconds`` (the writer waiting for a copy),
-    ``fence_seconds`` (from the call until the last copy was enqueued: when ``fence()``
-    may return), ``total_seconds`` (until the save returned).
-    """
-
-    budget_bytes: int
-    arena_bytes: int
-    peak_bytes: int
-    pieces: int
-    tensor_bytes: int
-    object_bytes: int
-    blocked_seconds: float
-    writer_wait_seconds: float
-    fence_seconds: float
-    total_seconds: float
 
 
 class SaveAborted(StagingError):
@@ -157,7 +133,12 @@ class Pipeline:
     ``object_hint``: the caller's estimate of the bytes items' serialized size (bytes),
     only to size the ring (a short estimate means smaller pieces, not a failure);
     ``object_paths``: per flattened DCP name (``fqn``), the value's path from the root,
-    for errors.
+    for errors. ``ledger``: a node budget (``NodeLedger``) the ring's capacity is
+    reserved from before the ring is allocated (waiting at most ``ledger_wait`` seconds
+    in the node's ticket order) and given back when the ring is freed (``finish``: at
+    the end of this rank's ``write_data``, before DCP's last collectives, so a rank
+    waiting for its share never waits for a rank that waits for it); closed by
+    ``finish`` when ``owns_ledger``.
     """
 
     def __init__(
@@ -172,8 +153,19 @@ class Pipeline:
         digests: dict[str, dict[str, Any]] | None = None,
         object_hint: int | None = None,
         object_paths: dict[str, tuple[Any, ...]] | None = None,
+        ledger: NodeLedger | None = None,
+        ledger_wait: float | None = None,
+        owns_ledger: bool = False,
     ) -> None:
         self.budget = budget
+        self.ledger = ledger
+        self.ledger_wait = ledger_wait
+        self._owns_ledger = owns_ledger
+        self._reservation: Reservation | None = None
+        self._node_wait = 0.0
+        #: The freed ring's figures (``finish`` drops the ring itself: its memory must
+        #: be gone when its node reservation is given back).
+        self._ring_stats: tuple[int, int, float] = (0, 0, 0.0)
         #: The save's coroutine has started (``_budget_save.abandon`` leaves it alone).
         self.started = False
         #: With checksums: each tensor chunk's manifest entry, hashed from its piece as
@@ -240,6 +232,8 @@ class Pipeline:
             hint = self.object_hint if self.object_hint is not None else _ITEM_BYTES * len(self._objects)
             total += padded(hint) + _SMALL
         capacity = min(self.budget, max(total, ALIGN))
+        if self.ledger is not None:
+            capacity = self._reserve_share(max(need, ALIGN), capacity)
         # Two pieces of a bytes item fit the ring at once: its copy overlaps its write.
         self._chunk = min(_CHUNK_MAX, max(ALIGN, capacity // 2 // ALIGN * ALIGN))
         # Pinned (exact size) when CUDA is in use: device copies into it are asynchronous.
@@ -251,6 +245,31 @@ class Pipeline:
             raise
         self._thread = threading.Thread(target=self._copy_all, name="async-stager-dcp-budget", daemon=True)
         self._thread.start()
+
+    def _reserve_share(self, need: int, capacity: int) -> int:
+        """Writer thread, before the ring exists: its bytes from the node ledger
+        (``budget_share.reserve_share``); returns the capacity granted. A failure is
+        the save's (raised as itself); a cancelled save stops the wait."""
+        assert self.ledger is not None
+
+        def stop() -> None:
+            if self._stop:
+                raise SaveAborted("the budgeted save was cancelled while it waited for the node budget")
+
+        try:
+            self._reservation, self._node_wait = reserve_share(
+                self.ledger, need, capacity, timeout=self.ledger_wait, stop=stop
+            )
+        except BaseException as e:
+            self._fail_with(e)
+            raise
+        return self._reservation.nbytes
+
+    def _fail_with(self, error: BaseException) -> BaseException:
+        with self._cond:
+            if self._error is None:
+                self._error = error
+        return error
 
     def take(self, item: WriteItem) -> Any:
         """What the writer writes for ``item``: a bytes item's stand-in (streamed by
@@ -392,11 +411,23 @@ class Pipeline:
             if failed is not None and self._error is None:
                 self._error = failed
         try:
-            if self._ring is not None:
-                self._ring.close()
+            ring = self._ring
+            if ring is not None:
+                self._ring_stats = (ring.capacity, ring.peak, ring.blocked_seconds)
+                ring.close()
         finally:
+            # The ring's memory goes with its last reference (pieces the writer held
+            # were dropped with its files): only then is its share given back, so the
+            # node never holds more than the ledger shows.
+            self._ring = None
+            del ring
             self.copies.close()
             self._settle()
+            reservation, self._reservation = self._reservation, None
+            if reservation is not None:
+                reservation.release()
+            if self._owns_ledger and self.ledger is not None:
+                self.ledger.close()
 
     # -- copier thread -------------------------------------------------------------------
 
@@ -556,18 +587,22 @@ class Pipeline:
 
     def stats(self, total_seconds: float) -> BudgetStats:
         ring = self._ring
+        capacity, peak, blocked = (
+            (ring.capacity, ring.peak, ring.blocked_seconds) if ring is not None else self._ring_stats
+        )
         fence_at = self._fence_at
         return BudgetStats(
             budget_bytes=self.budget,
-            arena_bytes=ring.capacity if ring is not None else 0,
-            peak_bytes=ring.peak if ring is not None else 0,
+            arena_bytes=capacity,
+            peak_bytes=peak,
             pieces=len(self._items),
             tensor_bytes=self._tensor_bytes,
             object_bytes=self._object_bytes,
-            blocked_seconds=ring.blocked_seconds if ring is not None else 0.0,
+            blocked_seconds=blocked,
             writer_wait_seconds=self._writer_wait,
             fence_seconds=(fence_at - self.t0) if fence_at is not None else total_seconds,
             total_seconds=total_seconds,
+            node_wait_seconds=self._node_wait,
         )
 
 

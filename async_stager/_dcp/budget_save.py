@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
     from async_stager._core.aio.stager import Stager
+    from async_stager._core.memory.ledger import NodeLedger
 
 __all__ = ["abandon", "budgeted_save", "largest_tensor", "survey"]
 
@@ -287,21 +288,75 @@ def budgeted_save(
     no_dist: bool,
     on_stats: Callable[[BudgetStats], None] | None,
     digests: dict[str, dict[str, Any]] | None = None,
+    ledger: NodeLedger | None = None,
+    owns_ledger: bool = False,
 ) -> Coroutine[Any, Any, Metadata]:
     """Checks and the snapshot point at the call; the save in the coroutine.
     ``digests`` (the Checkpointer's): filled with each written chunk's manifest entry
     (``_integrity``), hashed from its ring piece as it lands, before it is written.
+    ``ledger``: a node budget the ring's bytes are reserved from (``Pipeline``): the
+    ring is then at most ``min(budget, ledger.budget)`` and at least the largest tensor
+    item, a share waited for at most the stager's ``buffer_wait_timeout`` seconds;
+    ``owns_ledger``: the save closes it when it ends (also when never awaited, or when
+    the call raises).
 
     Raises at the call: InvalidOptionError, UnsupportedError (also when the caller's
     current stream of a device is capturing a CUDA graph), ClosedError, and
     BudgetTooSmallError (``survey``) for a tensor item or a value seen to need more than
     ``budget`` in one piece. The coroutine raises BudgetTooSmallError itself (not DCP's
     CheckpointException around it) for a value found too big when serialized."""
+    try:
+        return _budgeted_save(
+            state_dict,
+            stager=stager,
+            budget=budget,
+            checkpoint_id=checkpoint_id,
+            storage_writer=storage_writer,
+            planner=planner,
+            process_group=process_group,
+            no_dist=no_dist,
+            on_stats=on_stats,
+            digests=digests,
+            ledger=ledger,
+            owns_ledger=owns_ledger,
+        )
+    except BaseException:
+        if owns_ledger and ledger is not None:
+            ledger.close()
+        raise
+
+
+def _budgeted_save(
+    state_dict: dict[str, Any],
+    *,
+    stager: Stager,
+    budget: int,
+    checkpoint_id: str | os.PathLike[str] | None,
+    storage_writer: Any,
+    planner: Any,
+    process_group: Any,
+    no_dist: bool,
+    on_stats: Callable[[BudgetStats], None] | None,
+    digests: dict[str, dict[str, Any]] | None,
+    ledger: NodeLedger | None,
+    owns_ledger: bool,
+) -> Coroutine[Any, Any, Metadata]:
     t0 = time.perf_counter()
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < ALIGN:
         raise InvalidOptionError(
             f"host_budget_bytes must be an int of at least {ALIGN} (bytes), not {budget!r}"
         )
+    if ledger is not None:
+        budget = min(budget, ledger.budget)
+        path, need = largest_tensor(state_dict)
+        if need > ledger.budget:
+            raise BudgetTooSmallError(
+                f"this tensor takes {need} bytes of host memory, more than the whole node budget "
+                f"(node_budget_bytes={ledger.budget}) that the ranks of this machine share; pass "
+                f"node_budget_bytes >= {need} (every rank the same)",
+                path=path,
+                needed_bytes=need,
+            )
     if storage_writer is not None or planner is not None:
         raise UnsupportedError(
             "a budgeted save brings its own planner and FileSystemWriter: pass checkpoint_id "
@@ -344,6 +399,9 @@ def budgeted_save(
         digests=digests,
         object_hint=object_hint,
         object_paths=object_paths,
+        ledger=ledger,
+        ledger_wait=stager.options.buffer_wait_timeout,
+        owns_ledger=owns_ledger,
     )
     remove = stager._add_fence(pipeline.fence)
     coro = _run(

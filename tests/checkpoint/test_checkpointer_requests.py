@@ -143,6 +143,33 @@ async def test_writes_go_on_in_a_loop_that_yields_only_at_fence_and_save(tmp_pat
     assert idle >= 3, f"only {idle} of 4 saves found the previous write done"
 
 
+@pytest.mark.parametrize("fmt", ["dcp", "torch"])
+async def test_a_write_commits_while_the_loop_never_yields(tmp_path: Path, fmt: Any) -> None:
+    """Issue 24: the write, checksum, commit and retention of a save run in a thread of
+    their own. A loop with no await at all between two saves (blocking steps) still
+    finds the previous save committed on disk at the next save, and the write's wall
+    time is a fraction of the loop's time between the saves."""
+    import time
+
+    state = {"w": torch.randn(1 << 16), "step": 0}
+    found: list[int] = []
+    async with Checkpointer(tmp_path, format=fmt, keep=2) as ckpt:
+        for step in (1, 2, 3):
+            state["step"] = step
+            await ckpt.save(state, step=step)
+            t0 = time.monotonic()
+            deadline = t0 + 20.0
+            # The training steps: no await, the loop gets no turn. The committed step
+            # appears on disk anyway (the commit ran in the write's thread).
+            while step not in ckpt.steps() and time.monotonic() < deadline:
+                _busy(0.01)
+            found.append(step if step in ckpt.steps() else -1)
+        await ckpt.wait()
+        stats = ckpt.last
+    assert found == [1, 2, 3], found
+    assert stats is not None and stats.step == 3 and ckpt.steps() == [2, 3]
+
+
 async def test_a_long_save_logs_its_progress_at_a_bounded_rate(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

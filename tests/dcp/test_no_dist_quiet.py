@@ -49,4 +49,5 @@ def test_the_filter_goes_when_the_last_user_leaves_and_others_stay() -> None:
                 warnings.filterwarnings("ignore", message="a filter of the caller's own")
             assert any(f[1] is not None and "torch" in f[1].pattern for f in warnings.filters)
         after = list(warnings.filters)
-        assert after[1:] == before and "caller's own" in after[0][1].pattern  # only ours went
+        own = after[0][1]
+        assert after[1:] == before and own is not None and "caller's own" in own.pattern  # only ours went

@@ -54,6 +54,7 @@ def test_every_example_is_tested() -> None:
         "writer_process.py",
         "budgeted_checkpoint.py",
         "fsdp_training.py",  # under torchrun: tests/docs/test_fsdp_example.py
+        "node_budget.py",  # under torchrun: test_node_budget_example below
     }
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
@@ -80,6 +81,40 @@ def test_budgeted_checkpoint_example(tmp_path: Path) -> None:
     assert restored(6) in out.splitlines(), out
     peak = float(out.split("(peak ")[1].split(" MiB")[0])
     assert peak <= 1.0, out
+
+
+def test_node_budget_example(tmp_path: Path) -> None:
+    """Under torchrun, 2 ranks sharing one node budget smaller than their states: every
+    save says its path, and every rank restores bit-exact."""
+    import socket
+
+    with socket.socket() as sock:  # a free port (torchrun's port 0 hangs the static rendezvous)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-W", "error", "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd += ["--master-port", str(port), str(EXAMPLES / "node_budget.py"), "--out", str(tmp_path)]
+    cmd += ["--node-budget-mib", "8", "--width", "512"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    with subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as p:
+        try:
+            out, err = p.communicate(timeout=50)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)  # torchrun's agent and every rank
+            out, err = p.communicate()
+            raise AssertionError(f"torchrun timed out:\n{out}{err}") from None
+    assert p.returncode == 0, out + err
+    lines = out.splitlines()
+    for rank in (0, 1):
+        assert f"rank {rank}: restored step 6 bit-exact" in lines, out
+        assert any(line.startswith(f"rank {rank}: step 6 ") for line in lines), out
 
 
 def test_writer_process_example(tmp_path: Path) -> None:

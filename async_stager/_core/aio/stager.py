@@ -298,12 +298,6 @@ class Stager:
         released: int = await wait_future(fut)
         return released
 
-    def _reads_devices(self) -> bool:
-        """Whether a stage called now may read from an accelerator (its backend knows a
-        device: on CUDA, one with a context in this process). Without one, every source
-        is in host memory."""
-        return bool(self._engine.backend.known_devices())
-
     def fence(self) -> Coroutine[Any, Any, None]:
         """Make the caller's current CUDA stream wait for the copies of every stage
         submitted so far; await the returned coroutine.

@@ -53,6 +53,7 @@ MAX_PLANS = 4
 #: Objects checked per GIL hold by ``BufferSet.held`` (a slice: a fraction of a ms).
 _HELD_SLICE = 4096
 
+
 class BufferSet:
     """One generation of host buffers (see module doc). Fields are guarded by the
     condition variable of the ``BufferSets`` that holds the set, except ``cache``/``plans``, which only the worker
