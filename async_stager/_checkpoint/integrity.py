@@ -23,11 +23,8 @@ import contextlib
 import ctypes
 import json
 import os
-import threading
-import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
-from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +49,6 @@ __all__ = [
     "MANIFEST",
     "Manifest",
     "PIECE_BYTES",
-    "checksum_in_thread",
     "checksum_state",
     "interrupt_in",
     "load_manifest",
@@ -666,26 +662,3 @@ def verify_dcp(
         fqn = min(by_fqn)
         raise IntegrityError(f"tensor {fqn!r} is missing from the checkpoint", step=step, tensor=fqn)
     return checked
-
-
-def checksum_in_thread(
-    staged: dict[str, Any], threads: int, known: Checksums | None = None
-) -> futures.Future[tuple[dict[str, dict[str, Any]], float, int]]:
-    """Start ``checksum_state`` in a new thread (not a daemon: exiting waits for it);
-    the future gives the table, the seconds it took and the bytes it hashed (what the
-    stage did not). The caller keeps ``staged`` (its lease) until the future is done."""
-    fut: futures.Future[tuple[dict[str, dict[str, Any]], float, int]] = futures.Future()
-
-    def target() -> None:
-        if not fut.set_running_or_notify_cancel():
-            return
-        t0 = time.monotonic()
-        try:
-            table, hashed = checksum_state(staged, threads=threads, known=known)
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-            fut.set_exception(exc)
-        else:
-            fut.set_result((table, time.monotonic() - t0, hashed))
-
-    threading.Thread(target=target, name="async-stager-checksum", daemon=False).start()
-    return fut

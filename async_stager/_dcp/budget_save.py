@@ -25,17 +25,16 @@ from __future__ import annotations
 import copyreg
 import functools
 import os
-import threading
 import time
 import weakref
 from collections.abc import Callable, Coroutine, Iterator, Mapping
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
 import torch
 
+from async_stager._core.aio.threads import start_thread
 from async_stager._core.aio.waiting import wait_future, wait_future_uninterrupted
 from async_stager._core.copy.device import Copier, caller_cuda_device, graph_capture_error
 from async_stager._core.memory.arena import Pinner
@@ -476,11 +475,8 @@ async def _run(
         planner=PipelinePlanner(pipeline),
         process_group=process_group,
     )
-    fut: Future[Metadata] = Future()
 
-    def target() -> None:
-        if not fut.set_running_or_notify_cancel():
-            return
+    def run() -> Metadata:
         result: Any = None
         error: BaseException | None = None
         try:
@@ -501,12 +497,12 @@ async def _run(
             except Exception as e:  # noqa: BLE001 - a failing callback fails the save
                 error = error or e
         if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)
+            raise error
+        metadata: Metadata = result
+        return metadata
 
     try:
-        threading.Thread(target=target, name="async-stager-dcp-save", daemon=False).start()
+        fut = start_thread(run, name="async-stager-dcp-save")
         try:
             return await wait_future(fut)
         except BaseException:
