@@ -419,7 +419,9 @@ class Checkpointer:
         saves.raise_failure()
         opts = self.options
         t0 = time.monotonic()
-        if opts.policy == "skip" and len(saves.items) >= opts.max_in_flight:
+        # In flight: not ended by its write's thread (a write that committed in its
+        # thread is done, even before the loop has seen its end).
+        if opts.policy == "skip" and saves.in_flight() >= opts.max_in_flight:
             saves.dropped.append(step)
             return _returns(False)
         sd = resolve(state)

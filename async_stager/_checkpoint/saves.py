@@ -241,6 +241,10 @@ class SaveQueue:
         if not item.awaited and item.phase in ("deferred", "staging", "queued"):
             self.cancel(item)
 
+    def in_flight(self) -> int:
+        """Saves not yet ended: their write's thread has not finished (or not started)."""
+        return sum(1 for i in self.items if not i.finished.is_set())
+
     def _holders(self) -> int:
         """Buffer sets held or about to be: saves staging, and staged copies not yet
         released (queued, or being written)."""
