@@ -43,14 +43,13 @@ def anyio_backend(request: pytest.FixtureRequest) -> Any:
     return request.param
 
 
-#: Test modules that start processes of their own (ranks, writers, children killed on
-#: purpose, whole scripts) and use every core while they run. Under pytest-xdist
-#: (``-n 2 --dist loadgroup``, the README's command) they form one group, run one after
-#: another on one worker while the other worker takes the rest: two of them at once
-#: on 2 cores would only slow each other and their timeouts would be at risk.
+#: Test modules that run several processes at once (ranks, a writer beside its
+#: trainer) and use every core while they run. Under pytest-xdist (``-n auto --dist
+#: loadgroup``, the README's command) they form one group, run one after another on one
+#: worker while the other workers take the rest: two of them at once on 2 cores would
+#: only slow each other and put their timeouts at risk. Modules that start one child at
+#: a time are not in it.
 PROCESS_MODULES = {
-    "test_checkpointer_crash",
-    "test_checkpointer_model",
     "test_multirank",
     "test_multirank_crash",
     "test_checkpointer_budget",
@@ -61,10 +60,6 @@ PROCESS_MODULES = {
     "test_process_writer",
     "test_writer_process",
     "test_fsdp_example",
-    "test_examples",
-    "test_gpu_readiness",
-    "test_lifecycle",
-    "test_cli_check",
 }
 
 
