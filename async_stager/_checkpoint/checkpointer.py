@@ -479,7 +479,8 @@ class Checkpointer:
         """The saves not yet ended (committed, failed or dropped), oldest call first:
         step, phase, seconds since the call. A snapshot; cheap (no I/O)."""
         now = time.monotonic()
-        return [progress_of(i, now, self._saves.rate) for i in self._saves.items]
+        # A write that ended in its thread has ended, even before the loop saw it.
+        return [progress_of(i, now, self._saves.rate) for i in self._saves.items if not i.finished.is_set()]
 
     def request_save(self) -> SaveRequest:
         """Ask for a save from any task of this event loop (a request handler, a timer):

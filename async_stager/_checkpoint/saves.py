@@ -97,6 +97,11 @@ class SaveItem:
     #: Set once it ended (by its write's thread, or on the loop): a thread event, so a
     #: later save's thread waits for it without the loop (commits in call order).
     finished: threading.Event = field(default_factory=threading.Event)
+    #: Set once its caller can no longer give it up: ``save()`` returned, was
+    #: cancelled, was never awaited when its write started, or the save ended. Its
+    #: write's thread waits for it before it commits, so a save whose caller was
+    #: cancelled while its write had already started is never committed.
+    settled: threading.Event = field(default_factory=threading.Event)
     #: The ``finished`` events of the saves called before it, taken when its write
     #: starts (every one of them is writing or ended then).
     earlier: list[threading.Event] = field(default_factory=list)
@@ -304,6 +309,8 @@ class SaveQueue:
         item.phase = "writing"
         item.phase_detail = "writing"
         item.wrote = True
+        if not item.awaited:
+            item.settled.set()  # nobody waits in save(): nobody can give it up now
         item.earlier = [i.finished for i in self.items if i.seq < item.seq]
         self.writing += 1
         if item.lease is not None:
@@ -346,6 +353,7 @@ class SaveQueue:
             self.writing -= 1
         item.phase = "done"
         item.release()
+        item.settled.set()
         item.finished.set()
         item.read.set()
         item.done.set()
@@ -362,6 +370,7 @@ class SaveQueue:
     def cancel(self, item: SaveItem) -> None:
         """The caller gave the save up before it returned: nothing is saved for it."""
         item.cancelled = True
+        item.settled.set()  # after ``cancelled``: the write's thread reads it next
         if item.phase == "staging":
             item.stage_scope.cancel()  # the stage task ends it
         elif item.phase in ("deferred", "queued"):
@@ -504,11 +513,13 @@ class SaveQueue:
         except BaseException:
             if item.error is None:
                 self.cancel(item)
+            item.settled.set()
             raise
         # No await from the loop's exit to here: a cancellation cannot come between
         # "staged" and "returned", so a queued save replaces older ones only once its
         # caller can no longer give it up.
         item.returned = True
+        item.settled.set()
         self.coalesce()
         return True
 

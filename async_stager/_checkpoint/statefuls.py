@@ -121,11 +121,18 @@ def check_torch_restorable(sd: Any) -> None:
     naming the value's path (``state['cfg']``) and the fix."""
     safe = {g[0] if isinstance(g, tuple) else g for g in torch.serialization.get_safe_globals()}
     stack: list[tuple[Any, str]] = [(v, f"state[{k!r}]") for k, v in sd.items()]
+    # Each container once: one seen twice (shared, or a state that refers to itself)
+    # was checked already; without this a cycle looped for ever, on the event loop.
+    seen: set[int] = set()
     while stack:
         value, where = stack.pop()
         kind = type(value)
         if kind in (torch.Tensor, torch.nn.Parameter) or kind in _WEIGHTS_ONLY_LEAVES or kind in safe:
             continue
+        if kind in (dict, OrderedDict, list, tuple, set):
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
         if kind in (dict, OrderedDict):
             stack.extend((v, f"{where}[{k!r}]") for k, v in value.items())
             stack.extend((k, f"{where} (key {k!r})") for k in value if type(k) not in (str, int))
@@ -150,7 +157,7 @@ def typed_paths(sd: dict[str, Any]) -> dict[str, list[Any]]:
     recorded (JSON keeps them); others come back as DCP gives them."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    _, mapping = flatten_state_dict(sd)
+    flat, mapping = flatten_state_dict(sd)
     by_str: dict[int, dict[str, Any]] = {}
     out: dict[str, list[Any]] = {}
     for fqn, path in mapping.items():
@@ -180,6 +187,15 @@ def typed_paths(sd: dict[str, Any]) -> dict[str, list[Any]]:
             except (KeyError, IndexError, TypeError):
                 break
         if changed:
+            if not isinstance(flat[fqn], torch.Tensor):
+                # DCP loads a pickled value back under the str of each key of its path
+                # (its own load makes {'0': v} beside {0: ...}): restored into the
+                # wrong key, or not at all. Refused, never silently wrong.
+                raise CheckpointError(
+                    "a value that is not a tensor under an int dict key does not restore in the "
+                    'dcp format (DCP gives it back under the key\'s str); use str keys, a tensor, or format="torch"',
+                    path=tuple(typed),
+                )
             out[fqn] = typed
     return out
 

@@ -126,6 +126,9 @@ class Writer:
         t1 = time.monotonic()
         item.phase_detail = "committing"
         item.wait_earlier()
+        # Its caller may still be cancelled inside save() (the loop has not resumed it
+        # since this write started): wait until it returned or gave up.
+        item.settled.wait()
         if item.cancelled:
             raise GivenUp
         self.commit(item, manifest, entry)
