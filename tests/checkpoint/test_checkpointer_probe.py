@@ -45,7 +45,7 @@ async def test_a_save_cancelled_while_its_write_started_is_never_committed(tmp_p
 async def test_skip_counts_only_writes_still_running(tmp_path: Path, fmt: Any) -> None:
     """A loop whose only await is save(), with blocking work between saves long enough
     for each write to end in its thread: "skip" skips nothing."""
-    state = {"t": torch.zeros(1000), "n": 0}
+    state: dict[str, Any] = {"t": torch.zeros(1000), "n": 0}
     results = []
     async with Checkpointer(tmp_path, format=fmt, policy="skip", max_in_flight=1) as ckpt:
         for i in range(4):
