@@ -84,3 +84,16 @@ def assert_no_alias(staged: Any, source: Any) -> None:
     for t in tensors_of(staged):
         if t.numel():
             assert t.untyped_storage().data_ptr() not in src_ptrs
+
+
+def assert_equal(a: Any, b: Any) -> None:
+    """Nested dicts of tensors and plain values are equal: same keys, tensors
+    ``torch.equal``, other values ``==`` (a restored state against what was saved)."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_equal(a[k], b[k])
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    else:
+        assert a == b

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from helpers import assert_equal
 
 from async_stager import BudgetTooSmallError, Checkpointer, IntegrityError, InvalidOptionError, Stager
 
@@ -36,17 +37,6 @@ def zeros_like(sd: Any) -> Any:
     if isinstance(sd, list):
         return [zeros_like(v) for v in sd]
     return torch.zeros_like(sd) if isinstance(sd, torch.Tensor) else sd
-
-
-def assert_equal(a: Any, b: Any) -> None:
-    if isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            assert_equal(a[k], b[k])
-    elif isinstance(a, torch.Tensor):
-        assert torch.equal(a, b)
-    else:
-        assert a == b
 
 
 @pytest.mark.anyio

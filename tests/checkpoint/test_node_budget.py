@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import assert_equal
 
 from async_stager import BudgetTooSmallError, Checkpointer, InvalidOptionError, Stager
 from async_stager._core.memory.ledger import NodeLedger
@@ -36,17 +37,6 @@ def zeros_like(sd: Any) -> Any:
     if isinstance(sd, dict):
         return {k: zeros_like(v) for k, v in sd.items()}
     return torch.zeros_like(sd) if isinstance(sd, torch.Tensor) else sd
-
-
-def assert_equal(a: Any, b: Any) -> None:
-    if isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            assert_equal(a[k], b[k])
-    elif isinstance(a, torch.Tensor):
-        assert torch.equal(a, b)
-    else:
-        assert a == b
 
 
 @pytest.mark.anyio

@@ -15,6 +15,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from helpers import assert_equal
 
 import async_stager.dcp as adcp
 from async_stager import BudgetTooSmallError, InvalidOptionError, Stager
@@ -44,17 +45,6 @@ def load(path: Path, like: dict[str, Any]) -> dict[str, Any]:
         warnings.simplefilter("ignore", UserWarning)  # DCP: "assuming ... a single process"
         dcp.load(out, checkpoint_id=str(path), no_dist=True)
     return out
-
-
-def assert_equal(a: Any, b: Any) -> None:
-    if isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            assert_equal(a[k], b[k])
-    elif isinstance(a, torch.Tensor):
-        assert torch.equal(a, b)
-    else:
-        assert a == b
 
 
 @pytest.mark.anyio
