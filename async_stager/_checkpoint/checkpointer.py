@@ -30,11 +30,12 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from async_stager._checkpoint import commit as _commit, restore as _restore
 from async_stager._checkpoint.formats import format_for
+from async_stager._checkpoint.item import SaveItem
 from async_stager._checkpoint.node_budget import CreditLedger, check_largest
 from async_stager._checkpoint.options import CheckpointerOptions, Format, Policy, SaveStats
 from async_stager._checkpoint.progress import SaveProgress, SaveRequest, progress_of
 from async_stager._checkpoint.ranks import Ranks
-from async_stager._checkpoint.saves import SaveItem, SaveQueue
+from async_stager._checkpoint.saves import SaveQueue
 from async_stager._checkpoint.statefuls import resolve
 from async_stager._checkpoint.write import Writer
 from async_stager._core.aio.stager import Stager

@@ -37,7 +37,6 @@ A budget smaller than the largest single tensor is refused at ``save()``
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
@@ -56,7 +55,6 @@ from async_stager.errors import BudgetTooSmallError, NodeBudgetError
 _log = logging.getLogger("async_stager.checkpoint")
 
 if TYPE_CHECKING:
-    from async_stager._checkpoint.saves import SaveItem, SaveQueue
     from async_stager._core.aio.stager import Stager
 
 __all__ = [
@@ -64,7 +62,6 @@ __all__ = [
     "Admission",
     "CreditLedger",
     "admit",
-    "admit_save",
     "check_largest",
     "ranks_on_node",
     "yield_idle",
@@ -242,24 +239,13 @@ def ranks_on_node(ledger: NodeLedger) -> int:
     return node_ranks(ledger.path)
 
 
-def _reusable(stager: Stager) -> int:
-    """Bytes mapped by the stager's biggest buffer set that a stage could write into
-    now (neither leased nor being written); the stage may reuse them."""
-    best = 0
-    for s in stager._engine.sets.all():
-        if s.leases or s.busy:
-            continue
-        best = max(best, s.pool.host_bytes)
-    return best
-
-
 def admit(ledger: CreditLedger, stager: Stager, sd: dict[str, Any], largest: int) -> Admission:
     """Blocking (a worker thread): choose how a save meets the node budget (module
     doc). ``largest``: its largest tensor item's bytes (``check_largest``). On
     ``"staged"`` the new bytes are this ledger's credit until the stage draws them;
     the caller drops what is left (``drop_credit``) once the stage ended."""
     need = staged_bytes(sd)
-    new = max(0, need - _reusable(stager))
+    new = max(0, need - stager.reusable_bytes)
     if new == 0:
         return Admission("cached" if need else "staged", 0.0, 0, "a cached buffer set holds the staged copy")
     n = ranks_on_node(ledger)
@@ -303,49 +289,6 @@ def admit(ledger: CreditLedger, stager: Stager, sd: dict[str, Any], largest: int
     floor_part.release()
     ledger.add_credit(staged)
     return Admission("staged", waited, new, "granted")
-
-
-async def admit_save(queue: SaveQueue, ledger: CreditLedger, item: SaveItem) -> None:
-    """On the loop: decide how ``item`` meets the node budget (``admit``, in a thread:
-    it may wait up to ``ADMIT_SECONDS`` in the node's ticket order), say so in the log
-    (INFO on ``async_stager.checkpoint`` when it waited or streams), then move it on:
-    it stages (the granted bytes are the ledger's credit for its stage), or it streams
-    (this rank's idle staging memory is given back first, for its share). A failure is
-    raised to the save's caller. Cancellation: deferred until the thread returns (it
-    is bounded); the save then stays in the queue."""
-    sd = item.sd
-    assert sd is not None
-    stager = queue.stager
-    try:
-        adm = await run_in_thread(
-            functools.partial(admit, ledger, stager, sd, item.largest), name="async-stager-admit"
-        )
-    except Exception as exc:  # noqa: BLE001 - raised to the save's caller
-        item.admitting = False
-        item.error = exc
-        queue.end(item)
-        return
-    item.admitting = False
-    item.admission, item.node_wait = adm.path, adm.waited
-    if item.phase == "done" or item.cancelled:
-        ledger.drop_credit()
-        return
-    if adm.path == "streamed" or adm.waited >= 0.01:
-        _log.info(
-            "checkpoint step %d: %s after %.3f s at the node budget (%d bytes): %s",
-            item.step,
-            adm.path,
-            adm.waited,
-            ledger.budget,
-            adm.why,
-        )
-    if adm.path == "streamed":
-        item.stream = True
-        released = await stager.trim()
-        if released:
-            _log.info("checkpoint step %d: gave back %d idle staging bytes to stream", item.step, released)
-    queue.advance()
-    queue.notify()
 
 
 async def yield_idle(stager: Stager, ledger: NodeLedger) -> None:

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 import anyio
 
 if TYPE_CHECKING:
+    from async_stager._checkpoint.item import SaveItem
     from async_stager._checkpoint.options import SaveStats
-    from async_stager._checkpoint.saves import SaveItem
 
 __all__ = ["SaveProgress", "SaveRequest", "describe", "progress_of"]
 

@@ -10,154 +10,33 @@ staged copy is free, so the loop-side state here changes only on the loop.
 
 from __future__ import annotations
 
+import functools
 import logging
-import threading
 import time
-import traceback
-from collections.abc import Callable, Coroutine
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
 
+from async_stager._checkpoint.item import SaveItem, clear_frames
+from async_stager._checkpoint.node_budget import CreditLedger, admit, yield_idle
 from async_stager._checkpoint.options import CheckpointerOptions, SaveStats
 from async_stager._checkpoint.ranks import Ranks
 from async_stager._checkpoint.write import GivenUp, Writer
+from async_stager._core.aio.threads import run_in_thread
 from async_stager._core.aio.waiting import threadsafe, wait_future
 from async_stager.errors import CheckpointError, ClosedError
 
 if TYPE_CHECKING:
-    from async_stager._checkpoint.node_budget import CreditLedger
-    from async_stager._core.aio.lease import Lease
     from async_stager._core.aio.stager import Stager
-    from async_stager._dcp.budget import BudgetStats
 
-__all__ = ["SaveItem", "SaveQueue", "clear_frames"]
+__all__ = ["SaveQueue"]
 
 _log = logging.getLogger("async_stager.checkpoint")
 #: Seconds between the progress records of a save still writing (at most one record
 #: per save per interval: a long save is visible in the logs, a short one is quiet).
 PROGRESS_SECONDS = 10.0
-
-
-@dataclass(eq=False)
-class SaveItem:
-    """One accepted ``save`` call. ``phase``: ``deferred`` (waits for a buffer set, or
-    for a write slot when budgeted), ``staging``, ``queued`` (staged, waits for a write
-    slot), ``writing``, ``done``. ``read`` is set once its sources were read (or it
-    ended without reading them); ``done`` once it is committed, failed or dropped."""
-
-    seq: int
-    step: int
-    read: anyio.Event
-    done: anyio.Event
-    phase: str = "deferred"
-    #: Within ``writing``: ``"writing"`` (its files) or ``"committing"`` (waits for the
-    #: earlier saves, then commits). Set by the write's thread.
-    phase_detail: str = ""
-    #: Its tensor bytes, once known (at its write).
-    bytes: int | None = None
-    #: The resolved state, until its stage is submitted (or its pipeline built).
-    sd: dict[str, Any] | None = None
-    #: The submitted stage (``stager.lease`` coroutine), until it is awaited.
-    stage: Coroutine[Any, Any, Lease[dict[str, Any]]] | None = None
-    lease: Lease[dict[str, Any]] | None = None
-    #: A budgeted save: its ``dcp.save`` pipeline, until the write runs it.
-    pipeline: Coroutine[Any, Any, Any] | None = None
-    digests: dict[str, dict[str, Any]] = field(default_factory=dict)
-    budget: list[BudgetStats] = field(default_factory=list)
-    queued: float = 0.0
-    staged: float = 0.0
-    #: The write's own cancel scope (shielded from outer scopes): cancelled only to
-    #: drop a budgeted save whose caller was cancelled, or at a missed exit deadline.
-    scope: anyio.CancelScope = field(default_factory=lambda: anyio.CancelScope(shield=True))
-    #: The stage task's scope: cancelled when the caller cancels the save while staging.
-    stage_scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
-    committed: bool = False
-    #: When ``save`` was called (monotonic seconds).
-    called: float = 0.0
-    #: The caller awaited the save's coroutine / gave it up / its stage failed.
-    awaited: bool = False
-    cancelled: bool = False
-    #: Dropped by ``"coalesce"``: a newer save replaced it before its write.
-    superseded: bool = False
-    #: Its ``save()`` returned (the caller can no longer give it up): only then does it
-    #: replace older queued saves (``"coalesce"``), so a save cancelled before it
-    #: returned never drops the one it would have replaced.
-    returned: bool = False
-    #: The SaveRequest this save answers (``save_if_requested``), and its outcome.
-    request: Any = None
-    stats: Any = None
-    failure: BaseException | None = None
-    error: BaseException | None = None
-    #: Its write started (a budgeted save's pipeline, or a staged copy's write).
-    wrote: bool = False
-    #: Set once it ended (by its write's thread, or on the loop): a thread event, so a
-    #: later save's thread waits for it without the loop (commits in call order).
-    finished: threading.Event = field(default_factory=threading.Event)
-    #: Set once its caller can no longer give it up: ``save()`` returned, was
-    #: cancelled, was never awaited when its write started, or the save ended. Its
-    #: write's thread waits for it before it commits, so a save whose caller was
-    #: cancelled while its write had already started is never committed.
-    settled: threading.Event = field(default_factory=threading.Event)
-    #: The ``finished`` events of the saves called before it, taken when its write
-    #: starts (every one of them is writing or ended then).
-    earlier: list[threading.Event] = field(default_factory=list)
-    #: Node budget (``node_budget``): its largest tensor item's bytes (checked at
-    #: ``save()``); its admission is being decided (it counts as a buffer set's
-    #: holder meanwhile); how it met the budget (``Admission.path``) and the seconds it
-    #: waited for it; ``stream``: it streams through the budgeted pipeline.
-    largest: int = 0
-    admitting: bool = False
-    admission: str | None = None
-    node_wait: float = 0.0
-    stream: bool = False
-    #: A staged save's write, started in its thread (``Writer.start``), until awaited;
-    #: and the event its thread sets once the staged copy is free.
-    future: Future[Any] | None = None
-    freed: anyio.Event | None = None
-
-    def wait_earlier(self) -> None:
-        """Block until every earlier save ended (from a write's thread)."""
-        for event in self.earlier:
-            event.wait()
-
-    def release(self) -> None:
-        """Give its staged copy back (idempotent)."""
-        lease, self.lease = self.lease, None
-        if lease is not None:
-            lease.release()
-        self.sd = None
-        stage, self.stage = self.stage, None
-        if stage is not None:
-            stage.close()  # never awaited: no warning; the stager abandons its job
-
-
-def clear_frames(exc: BaseException) -> None:
-    """Clear the locals of every frame an error's tracebacks reach: they hold the staged
-    copy (``torch.save``'s and DCP's locals), and a handler or caller keeping the error
-    must not keep the buffer set held. Walks causes, contexts, exception groups and
-    DCP's ``CheckpointException.failures`` (per rank: an error or an (error, stack)
-    pair), each error once."""
-    todo: list[Any] = [exc]
-    seen: set[int] = set()
-    while todo:
-        e = todo.pop()
-        if isinstance(e, tuple):
-            todo.extend(e)
-            continue
-        if not isinstance(e, BaseException) or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if e.__traceback__ is not None:
-            traceback.clear_frames(e.__traceback__)
-        todo.extend((e.__cause__, e.__context__))
-        todo.extend(getattr(e, "exceptions", ()) or ())
-        failures = getattr(e, "failures", None)
-        if isinstance(failures, dict):
-            todo.extend(failures.values())
 
 
 class SaveQueue:
@@ -394,15 +273,52 @@ class SaveQueue:
     # -- the node budget ------------------------------------------------------------------
 
     async def _admit_task(self, item: SaveItem) -> None:
-        """How a save meets the node budget, then on with it (``node_budget.admit_save``)."""
-        from async_stager._checkpoint.node_budget import admit_save
-
+        """On the loop: decide how ``item`` meets the node budget (``admit``, in a thread:
+        it may wait up to ``ADMIT_SECONDS`` in the node's ticket order), say so in the log
+        (INFO on ``async_stager.checkpoint`` when it waited or streams), then move it on:
+        it stages (the granted bytes are the ledger's credit for its stage), or it streams
+        (this rank's idle staging memory is given back first, for its share). A failure is
+        raised to the save's caller. Cancellation: deferred until the thread returns (it
+        is bounded); the save then stays in the queue."""
+        sd = item.sd
+        assert sd is not None
+        stager = self.stager
         assert self._ledger is not None
-        await admit_save(self, self._ledger, item)
+        ledger = self._ledger
+        try:
+            adm = await run_in_thread(
+                functools.partial(admit, ledger, stager, sd, item.largest), name="async-stager-admit"
+            )
+        except Exception as exc:  # noqa: BLE001 - raised to the save's caller
+            item.admitting = False
+            item.error = exc
+            self.end(item)
+            return
+        item.admitting = False
+        item.admission, item.node_wait = adm.path, adm.waited
+        if item.phase == "done" or item.cancelled:
+            ledger.drop_credit()
+            return
+        if adm.path == "streamed" or adm.waited >= 0.01:
+            _log.info(
+                "checkpoint step %d: %s after %.3f s at the node budget (%d bytes): %s",
+                item.step,
+                adm.path,
+                adm.waited,
+                ledger.budget,
+                adm.why,
+            )
+        if adm.path == "streamed":
+            item.stream = True
+            released = await stager.trim()
+            if released:
+                _log.info(
+                    "checkpoint step %d: gave back %d idle staging bytes to stream", item.step, released
+                )
+        self.advance()
+        self.notify()
 
     async def _yield_idle(self) -> None:
-        from async_stager._checkpoint.node_budget import yield_idle
-
         if self._ledger is not None:
             await yield_idle(self.stager, self._ledger)
 

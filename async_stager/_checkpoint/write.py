@@ -38,7 +38,7 @@ from async_stager._core.checksum.digest import Checksums
 from async_stager.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from async_stager._checkpoint.saves import SaveItem
+    from async_stager._checkpoint.item import SaveItem
     from async_stager._core.aio.lease import Lease
 
 __all__ = ["GivenUp", "Writer", "hash_staged"]

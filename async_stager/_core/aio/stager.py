@@ -476,6 +476,13 @@ class Stager:
         return self._engine.host_bytes
 
     @property
+    def reusable_bytes(self) -> int:
+        """Internal (for the node budget's admission): host bytes of the biggest buffer
+        set that is neither leased nor being written, which the next stage may reuse
+        without reserving more. A hint: a concurrent stage may take it."""
+        return self._engine.sets.largest_free_bytes()
+
+    @property
     def buffer_sets(self) -> int:
         """Buffer sets made so far (at most ``options.max_buffer_sets``)."""
         return self._engine.buffer_sets

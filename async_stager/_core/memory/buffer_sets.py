@@ -234,6 +234,12 @@ class BufferSets:
     def __len__(self) -> int:
         return len(self._sets)
 
+    def largest_free_bytes(self) -> int:
+        """Host bytes mapped by the biggest set that is neither leased nor selected by a
+        stage (0 if none): what a stage could write into now without mapping more. Read
+        without the lock: a hint, which a concurrent stage may make stale at once."""
+        return max((s.pool.host_bytes for s in self.all() if not s.leases and not s.busy), default=0)
+
     def select(self, sig: Any, lease: bool, stop: Callable[[], None]) -> tuple[BufferSet, Lease[Any] | None]:
         """A buffer set no result of which is reachable or leased (``BufferSet.held``)
         and that no stage is writing, marked busy; a new one while fewer than
