@@ -10,12 +10,13 @@ from async_stager._checkpoint.checkpointer import (
     CheckpointerOptions as CheckpointerOptions,
     SaveStats,
 )
-from async_stager._checkpoint.progress import SaveProgress as SaveProgress, SaveRequest
+from async_stager._checkpoint.progress import SaveProgress, SaveRequest
 from async_stager._checkpoint.shutdown import Shutdown
 from async_stager._core.aio.lease import Lease
 from async_stager._core.aio.stager import Stager
 from async_stager._core.aio.waiting import Backoff as Backoff
 from async_stager._core.checksum.digest import Checksums
+from async_stager._core.compare import state_differences
 from async_stager._core.options import StagerOptions as StagerOptions
 from async_stager._core.stats import StageStats
 from async_stager._dcp.default_stager import DefaultStager
@@ -59,8 +60,11 @@ __all__ = [
     # The checkpoint manager.
     "Checkpointer",
     "SaveStats",
+    "SaveProgress",
     "SaveRequest",
     "Shutdown",
+    # Checking a restore: two states compared bit for bit.
+    "state_differences",
     # The drop-in for DCP's and torch_checkpointing's staging (also in async_stager.dcp).
     "DefaultStager",
     "CheckpointStager",
@@ -90,7 +94,6 @@ _COMPAT = [
     "InvalidOptionTypeError",
     "NestingError",
     "PinningError",
-    "SaveProgress",
     "SharedArenaRef",
     "SharedHandle",
     "StagerOptions",

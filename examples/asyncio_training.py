@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from async_stager import Lease, Stager
+from async_stager import Lease, Stager, state_differences
 
 
 def make_model(width: int) -> nn.Module:
@@ -50,32 +50,6 @@ def write_atomically(staged: dict[str, Any], path: Path) -> None:
     os.replace(tmp, path)
 
 
-def differences(expected: Any, actual: Any, path: str = "state") -> list[str]:
-    """The paths (``state.optim.state.0.exp_avg``) where ``actual`` differs from
-    ``expected``: dict keys, sequence types and lengths, plain values and their types;
-    tensors by dtype, shape and bytes (bit-exact: -0.0 is not 0.0, a NaN equals itself)."""
-    if isinstance(expected, torch.Tensor):
-        if not isinstance(actual, torch.Tensor) or actual.dtype != expected.dtype:
-            return [path]
-        if actual.shape != expected.shape or not torch.equal(raw(actual), raw(expected)):
-            return [path]
-        return []
-    if isinstance(expected, dict):
-        if not isinstance(actual, dict) or actual.keys() != expected.keys():
-            return [f"{path} (keys)"]
-        return [d for k in expected for d in differences(expected[k], actual[k], f"{path}.{k}")]
-    if isinstance(expected, (list, tuple)):
-        if type(actual) is not type(expected) or len(actual) != len(expected):
-            return [path]
-        return [d for i, pair in enumerate(zip(expected, actual)) for d in differences(*pair, f"{path}[{i}]")]
-    return [] if type(actual) is type(expected) and actual == expected else [path]
-
-
-def raw(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's bytes, as a flat uint8 tensor on the CPU."""
-    return t.detach().cpu().reshape(-1).view(torch.uint8)
-
-
 def optimizer_keys(optimizer: torch.optim.Optimizer) -> str:
     """The names in an optimizer's per-parameter state (AdamW: exp_avg, exp_avg_sq, step)."""
     return ", ".join(sorted({k for s in optimizer.state_dict()["state"].values() for k in s}))
@@ -89,7 +63,7 @@ def verify_last(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, 
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)  # no state yet: load gives it all
     fresh.load_state_dict(back["model"])
     fresh_opt.load_state_dict(back["optim"])
-    bad = differences(state_of(model, optimizer, step), state_of(fresh, fresh_opt, back["step"]))
+    bad = state_differences(state_of(model, optimizer, step), state_of(fresh, fresh_opt, back["step"]))
     if bad:
         raise SystemExit(f"{path} does not restore the trained state: {', '.join(bad[:8])}")
     return (

@@ -24,39 +24,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from async_stager import Checkpointer
+from async_stager import Checkpointer, state_differences
 
 
 def make(width: int, layers: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-
-def differences(expected: Any, actual: Any, path: str = "state") -> list[str]:
-    """The paths (``state.optim.state.0.exp_avg``) where ``actual`` differs from
-    ``expected``: dict keys, sequence types and lengths, plain values and their types;
-    tensors by dtype, shape and bytes (bit-exact: -0.0 is not 0.0, a NaN equals itself)."""
-    if isinstance(expected, torch.Tensor):
-        if not isinstance(actual, torch.Tensor) or actual.dtype != expected.dtype:
-            return [path]
-        if actual.shape != expected.shape or not torch.equal(raw(actual), raw(expected)):
-            return [path]
-        return []
-    if isinstance(expected, dict):
-        if not isinstance(actual, dict) or actual.keys() != expected.keys():
-            return [f"{path} (keys)"]
-        return [d for k in expected for d in differences(expected[k], actual[k], f"{path}.{k}")]
-    if isinstance(expected, (list, tuple)):
-        if type(actual) is not type(expected) or len(actual) != len(expected):
-            return [path]
-        return [d for i, pair in enumerate(zip(expected, actual)) for d in differences(*pair, f"{path}[{i}]")]
-    return [] if type(actual) is type(expected) and actual == expected else [path]
-
-
-def raw(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's bytes, as a flat uint8 tensor on the CPU."""
-    return t.detach().cpu().reshape(-1).view(torch.uint8)
 
 
 def optimizer_keys(optimizer: torch.optim.Optimizer) -> str:
@@ -91,7 +65,7 @@ async def main(args: argparse.Namespace) -> None:
     state: dict[str, Any] = {"model": fresh, "optim": fresh_opt, "step": 0}
     async with Checkpointer(args.out) as ckpt:
         restored = await ckpt.restore(state)
-    bad = differences(whole_state(model, opt, args.steps), whole_state(fresh, fresh_opt, state["step"]))
+    bad = state_differences(whole_state(model, opt, args.steps), whole_state(fresh, fresh_opt, state["step"]))
     if restored != args.steps or bad:
         raise SystemExit(f"restored step {restored} differs from the trained state: {', '.join(bad[:8])}")
     print(

@@ -36,36 +36,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from async_stager import CheckpointStagerConfig, DefaultStager
+from async_stager import CheckpointStagerConfig, DefaultStager, state_differences
 
 # DCP warns on every no_dist save/load that it assumes a single process: we do.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-
-
-def differences(expected: Any, actual: Any, path: str = "state") -> list[str]:
-    """The paths (``state.optim.state.0.exp_avg``) where ``actual`` differs from
-    ``expected``: dict keys, sequence types and lengths, plain values and their types;
-    tensors by dtype, shape and bytes (bit-exact: -0.0 is not 0.0, a NaN equals itself)."""
-    if isinstance(expected, torch.Tensor):
-        if not isinstance(actual, torch.Tensor) or actual.dtype != expected.dtype:
-            return [path]
-        if actual.shape != expected.shape or not torch.equal(raw(actual), raw(expected)):
-            return [path]
-        return []
-    if isinstance(expected, dict):
-        if not isinstance(actual, dict) or actual.keys() != expected.keys():
-            return [f"{path} (keys)"]
-        return [d for k in expected for d in differences(expected[k], actual[k], f"{path}.{k}")]
-    if isinstance(expected, (list, tuple)):
-        if type(actual) is not type(expected) or len(actual) != len(expected):
-            return [path]
-        return [d for i, pair in enumerate(zip(expected, actual)) for d in differences(*pair, f"{path}[{i}]")]
-    return [] if type(actual) is type(expected) and actual == expected else [path]
-
-
-def raw(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's bytes, as a flat uint8 tensor on the CPU."""
-    return t.detach().cpu().reshape(-1).view(torch.uint8)
 
 
 def optimizer_keys(optimizer: torch.optim.Optimizer) -> str:
@@ -93,7 +67,7 @@ def verify_last(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, 
     set_state_dict(fresh, fresh_opt, model_state_dict=target["model"], optim_state_dict=target["optim"])
     expected = {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step}
     restored = {"model": fresh.state_dict(), "optim": fresh_opt.state_dict(), "step": target["step"]}
-    bad = differences(expected, restored)
+    bad = state_differences(expected, restored)
     if bad:
         raise SystemExit(f"{path} does not restore the trained state: {', '.join(bad[:8])}")
     return (

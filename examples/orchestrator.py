@@ -36,33 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from async_stager import Checkpointer, SaveStats, Shutdown
-
-
-def differences(expected: Any, actual: Any, path: str = "state") -> list[str]:
-    """The paths (``state.optim.state.0.exp_avg``) where ``actual`` differs from
-    ``expected``: dict keys, sequence types and lengths, plain values and their types;
-    tensors by dtype, shape and bytes (bit-exact: -0.0 is not 0.0, a NaN equals itself)."""
-    if isinstance(expected, torch.Tensor):
-        if not isinstance(actual, torch.Tensor) or actual.dtype != expected.dtype:
-            return [path]
-        if actual.shape != expected.shape or not torch.equal(raw(actual), raw(expected)):
-            return [path]
-        return []
-    if isinstance(expected, dict):
-        if not isinstance(actual, dict) or actual.keys() != expected.keys():
-            return [f"{path} (keys)"]
-        return [d for k in expected for d in differences(expected[k], actual[k], f"{path}.{k}")]
-    if isinstance(expected, (list, tuple)):
-        if type(actual) is not type(expected) or len(actual) != len(expected):
-            return [path]
-        return [d for i, pair in enumerate(zip(expected, actual)) for d in differences(*pair, f"{path}[{i}]")]
-    return [] if type(actual) is type(expected) and actual == expected else [path]
-
-
-def raw(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's bytes, as a flat uint8 tensor on the CPU."""
-    return t.detach().cpu().reshape(-1).view(torch.uint8)
+from async_stager import Checkpointer, SaveStats, Shutdown, state_differences
 
 
 def optimizer_keys(optimizer: torch.optim.Optimizer) -> str:
@@ -89,7 +63,7 @@ async def verify_restore(out: Path, state: dict[str, Any], width: int) -> str:
     fresh = make(width)
     async with Checkpointer(out, format="torch") as ckpt:
         step = await ckpt.restore(fresh)
-    bad = differences(whole_state(state), whole_state(fresh))
+    bad = state_differences(whole_state(state), whole_state(fresh))
     if step != state["step"] or bad:
         raise SystemExit(f"restored step {step} differs from the trained state: {', '.join(bad[:8])}")
     return (
@@ -121,15 +95,23 @@ async def serve(out: Path, interval: float, width: int, deadline: float) -> int:
                 ckpt.request_save()
 
         timer = asyncio.create_task(every_interval())
-        while not stop.requested:
-            loss = nn.functional.mse_loss(model(x), y)
+
+        def forward_backward() -> None:
             optimizer.zero_grad()
-            loss.backward()
-            # A save in flight has read the parameters; fence() is also this loop's
-            # turn for the timer, the signal and the background writes.
-            await ckpt.fence()
+            nn.functional.mse_loss(model(x), y).backward()
+
+        def update() -> None:
             optimizer.step()
             scheduler.step()
+
+        while not stop.requested:
+            # The step's compute runs in a worker thread: on the loop's thread it would
+            # hold the loop for the whole step, and no request handler, timer or signal
+            # would be served until it ended. The loop keeps only the step boundary.
+            await asyncio.to_thread(forward_backward)
+            # A save in flight has read the parameters before they change.
+            await ckpt.fence()
+            await asyncio.to_thread(update)
             step += 1
             state["step"] = step
             # The step boundary: a requested save is taken here (skipped while the last

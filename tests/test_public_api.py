@@ -59,10 +59,11 @@ EXPORTED_BEFORE = [
 
 
 def test_all_lists_exactly_the_public_names() -> None:
-    """``__all__`` is the advertised surface (about 15 names, in groups); every other
-    public attribute is a kept name (``_COMPAT``) or a public module."""
+    """``__all__`` is the advertised surface (about 20 names, in groups: a new one must
+    earn its place); every other public attribute is a kept name (``_COMPAT``) or a
+    public module."""
     advertised = list(async_stager.__all__)
-    assert len(advertised) == len(set(advertised)) <= 17, advertised
+    assert len(advertised) == len(set(advertised)) <= 22, advertised
     kept = set(async_stager._COMPAT)
     assert not kept & set(advertised)
     public = {

@@ -33,7 +33,7 @@ from async_stager._checkpoint.formats import format_for
 from async_stager._checkpoint.item import SaveItem
 from async_stager._checkpoint.node_budget import CreditLedger, check_largest
 from async_stager._checkpoint.options import CheckpointerOptions, Format, Policy, SaveStats
-from async_stager._checkpoint.progress import SaveProgress, SaveRequest, progress_of
+from async_stager._checkpoint.progress import SaveProgress, SaveRequest, progress_of, status_line
 from async_stager._checkpoint.ranks import Ranks
 from async_stager._checkpoint.saves import SaveQueue
 from async_stager._checkpoint.statefuls import resolve
@@ -483,11 +483,18 @@ class Checkpointer:
         # A write that ended in its thread has ended, even before the loop saw it.
         return [progress_of(i, now, self._saves.rate) for i in self._saves.items if not i.finished.is_set()]
 
+    def status_line(self) -> str:
+        """``in_flight()`` as one line for a person (a log, a status page, a terminal):
+        per save its step, phase, seconds, MiB and time left when known, or ``"no save
+        in flight"``. No I/O."""
+        return status_line(self.in_flight())
+
     def request_save(self) -> SaveRequest:
         """Ask for a save from any task of this event loop (a request handler, a timer):
         the training loop takes it at its next ``save_if_requested`` call, its step
-        boundary. Requests not yet taken are one request. ``await request.wait()`` for
-        its commit. Raises ClosedError if not open."""
+        boundary. Requests not yet taken are one request. ``await request.taken()`` for
+        the step it was taken at, ``await request.wait()`` for its commit. Raises
+        ClosedError if not open."""
         self._check_open()
         if self._request is None:
             self._request = SaveRequest()
@@ -507,7 +514,7 @@ class Checkpointer:
         request, self._request = self._request, None
         if request is None:
             return False
-        request.step = step
+        request._take(step)
         seq = self._saves.seq
         try:
             coro = self.save(state, step=step)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from async_stager.errors import InvalidOptionError
 
@@ -118,6 +118,11 @@ class SaveStats:
     budget: BudgetStats | None = None
     admission: str | None = None
     node_wait_seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (str, int, float, None and dicts of them; ``budget`` as a dict or
+        None), for a JSON reply or a log record."""
+        return asdict(self)
 
     @property
     def streamed(self) -> bool:

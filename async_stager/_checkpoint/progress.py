@@ -10,8 +10,8 @@ never touches the state, and the training loop never tracks who asked.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from async_stager._checkpoint.item import SaveItem
     from async_stager._checkpoint.options import SaveStats
 
-__all__ = ["SaveProgress", "SaveRequest", "describe", "progress_of"]
+__all__ = ["SaveProgress", "SaveRequest", "describe", "progress_of", "status_line"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,26 @@ class SaveProgress:
     staged_seconds: float | None
     bytes: int | None = None
     eta_seconds: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (str, int, float, None), for a JSON reply or a log record."""
+        return asdict(self)
+
+    def status(self) -> str:
+        """This save in a few words: ``step 40: writing 1.2 s, 96.0 MiB, ~3 s left``
+        (the MiB and the time left when known)."""
+        text = f"step {self.step}: {self.phase} {self.seconds:.1f} s"
+        if self.bytes is not None:
+            text += f", {self.bytes / 2**20:.1f} MiB"
+        if self.eta_seconds is not None:
+            text += f", ~{self.eta_seconds:.0f} s left"
+        return text
+
+
+def status_line(saves: list[SaveProgress]) -> str:
+    """One line for the saves in flight, ``"; "``-joined ``SaveProgress.status()``, or
+    ``"no save in flight"``: what ``Checkpointer.status_line()`` and the demo show."""
+    return "; ".join(p.status() for p in saves) if saves else "no save in flight"
 
 
 def progress_of(item: SaveItem, now: float | None = None, rate: float | None = None) -> SaveProgress:
@@ -69,7 +89,9 @@ class SaveRequest:
     """A save asked for with ``Checkpointer.request_save()``; requests made before the
     training loop takes one are the same request (one save answers them all).
 
-    ``step`` is None until the training loop takes it. ``await wait()`` returns the
+    ``step`` is None until the training loop takes it; ``await taken()`` returns it
+    then (None if the request was answered without being taken: the Checkpointer
+    closed first). ``await wait()`` returns the
     commit's ``SaveStats``, or None when no commit answers it (skipped by ``"skip"``,
     replaced by ``"coalesce"``, the Checkpointer closed first); a failed write raises
     its CheckpointError here (and, as always, at the next ``save()``/``wait()``).
@@ -77,6 +99,7 @@ class SaveRequest:
 
     def __init__(self) -> None:
         self.step: int | None = None
+        self._taken = anyio.Event()
         self._done = anyio.Event()
         self._stats: SaveStats | None = None
         self._error: BaseException | None = None
@@ -86,7 +109,20 @@ class SaveRequest:
         """The request is answered (committed, failed or not saved)."""
         return self._done.is_set()
 
+    async def taken(self) -> int | None:
+        """The step the training loop took this request at, once it took it (its save
+        is then being staged or was accepted; ``wait()`` for its commit); None if it
+        was answered without being taken. Cancellation: only the wait."""
+        await self._taken.wait()
+        return self.step
+
+    def _take(self, step: int) -> None:
+        self.step = step
+        self._taken.set()
+
     async def wait(self) -> SaveStats | None:
+        """The commit's SaveStats, or None when no commit answers the request; a failed
+        write's CheckpointError is raised. Cancellation: only the wait."""
         await self._done.wait()
         if self._error is not None:
             raise self._error
@@ -96,4 +132,5 @@ class SaveRequest:
         if self._done.is_set():
             return
         self._stats, self._error = stats, error
+        self._taken.set()
         self._done.set()

@@ -12,27 +12,12 @@ from typing import TYPE_CHECKING, TextIO
 
 import anyio
 
+from async_stager._checkpoint.progress import status_line
+
 if TYPE_CHECKING:
     from async_stager._checkpoint.checkpointer import Checkpointer
-    from async_stager._checkpoint.progress import SaveProgress
 
 __all__ = ["status_line", "watch"]
-
-
-def status_line(saves: list[SaveProgress]) -> str:
-    """One line for the saves in flight (``"no save in flight"`` when none): per save
-    its step, phase, MiB, seconds since the call and the ETA when known."""
-    if not saves:
-        return "no save in flight"
-    parts = []
-    for p in saves:
-        text = f"step {p.step}: {p.phase} {p.seconds:.1f} s"
-        if p.bytes is not None:
-            text += f", {p.bytes / 2**20:.1f} MiB"
-        if p.eta_seconds is not None:
-            text += f", ~{p.eta_seconds:.0f} s left"
-        parts.append(text)
-    return "; ".join(parts)
 
 
 async def watch(ckpt: Checkpointer, out: TextIO, interval: float = 0.25) -> None:

@@ -55,6 +55,7 @@ def test_every_example_is_tested() -> None:
         "budgeted_checkpoint.py",
         "fsdp_training.py",  # under torchrun: tests/docs/test_fsdp_example.py
         "node_budget.py",  # under torchrun: test_node_budget_example below
+        "http_service.py",  # tests/docs/test_service_example.py
     }
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
@@ -151,7 +152,7 @@ def test_example_fails_when_restore_drops_optimizer_state(tmp_path: Path) -> Non
     cmd += ["--steps", "2", "--every", "1", "--width", "64", "--layers", "1", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=45)
     assert proc.returncode != 0, proc.stdout
-    assert "state.optim.state (keys)" in proc.stderr, proc.stderr
+    assert "state.optim.state: keys missing" in proc.stderr, proc.stderr
     assert "bit-exact" not in proc.stdout
 
 
