@@ -1,5 +1,13 @@
 """Fakes of the device seam, shipped for tests without a GPU.
 
+``SimulatedDevice`` and ``SimulatedBackend`` (``async_stager._core.copy.simulated``) run
+the real accelerator copier on the CPU: each stream a queue run by its own thread,
+copies landing after seeded random delays, freed device memory overwritten at once. A
+stager given ``SimulatedBackend(sim)`` stages through exactly the code a GPU runs, below
+the device primitives; use it to test your own ordering (fences, streams, sources
+dropped or written while a stage is in flight). The fakes below re-implement the
+copier instead, to inject failures and count calls.
+
 ``FakeBackend`` treats CPU tensors as if they lived on an accelerator: copies are
 *recorded* when the engine enqueues them and *executed* only when their completion
 event fires, like DMA landing later. So a test that reads a staged result before the
@@ -44,8 +52,16 @@ import torch
 
 from async_stager._core.checksum.digest import Checksums
 from async_stager._core.checksum.wordhash import hash_layout, piece_hashes, raw_bytes
-from async_stager._core.copy.copiers import CpuCopier, ScratchCopier
+from async_stager._core.copy.copiers import CpuCopier, ScratchCopier, bytewise
 from async_stager._core.copy.device import Backend, Completion, Copier
+from async_stager._core.copy.primitives import DevicePrimitives
+from async_stager._core.copy.simulated import (
+    POISON,
+    SimulatedBackend,
+    SimulatedDevice,
+    SimulatedPinner,
+    SimulatedStream,
+)
 from async_stager._core.memory.arena import Pinner
 from async_stager.errors import PinningError
 
@@ -53,13 +69,19 @@ __all__ = [
     "Backend",
     "Completion",
     "Copier",
+    "DevicePrimitives",
     "FakeBackend",
     "FakeCapture",
     "FakeCopier",
     "FakeEvent",
     "FakePinner",
     "FakeStream",
+    "POISON",
     "Pinner",
+    "SimulatedBackend",
+    "SimulatedDevice",
+    "SimulatedPinner",
+    "SimulatedStream",
 ]
 
 
@@ -283,6 +305,8 @@ class FakeCopier(ScratchCopier):
     def copy_now(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
         if not dsts:
             return
+        # As the accelerator copier: bytes, not values.
+        dsts, srcs = bytewise(dsts, srcs)
         fail_at = self._backend.fail_copy_at
         if fail_at is not None:
             self._backend.copies_seen += len(dsts)

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from async_stager._core.copy.copiers import RealBackend, bytewise
+from async_stager._core.copy.copiers import RealBackend
 from async_stager._core.copy.device import Backend, Completion, Copier, order_after
 from async_stager._core.memory.buffer_sets import HOST_WAIT_SECONDS, wait_bounded
 from async_stager.errors import CopyError
@@ -91,13 +91,9 @@ class RingCopies:
         copier = self._copier(device)
         copier.begin(order_after(device, self.captures))
         try:
-            if src.is_conj() or src.is_neg():
-                # The bytes of a view with lazy bits are not its values: an elementwise
-                # copy resolves them.
-                dsts, srcs = [dst], [src]
-            else:
-                dsts, srcs = bytewise([dst], [src])
-            copier.copy(dsts, srcs)
+            # Each copier copies bytes, not values, and resolves lazy conj/neg bits
+            # itself (on the device, for an accelerator: ``AcceleratorCopier``).
+            copier.copy([dst], [src])
             copier.protect([src])
         except Exception as e:
             raise CopyError(f"copying write item {fqn!r} into the budget's ring failed: {e}") from e

@@ -19,8 +19,10 @@ from helpers import assert_same, make_engine, stage_sync
 import async_stager._dcp.save as _dcp_save
 import async_stager.dcp as adcp
 from async_stager import CopyError, Stager, UnsupportedError
-from async_stager._core.copy.copiers import CudaEvent, RealBackend, ScratchCopier
+from async_stager._core.copy.copiers import RealBackend, ScratchCopier
+from async_stager._core.copy.cuda import CudaPrimitives
 from async_stager._core.copy.device import caller_cuda_device, order_after
+from async_stager._core.copy.primitives import DeviceEvent
 from async_stager.testing import FakeBackend, FakeCapture, FakeEvent, FakePinner, FakeStream
 
 pytestmark = pytest.mark.timeout(60)
@@ -219,8 +221,8 @@ _current = [0]
 
 
 class _Device:
-    def __init__(self, index: int) -> None:
-        self.index = index
+    def __init__(self, index: int | torch.device) -> None:
+        self.index = index.index if isinstance(index, torch.device) else index
 
     def __enter__(self) -> None:
         self.prev, _current[0] = _current[0], self.index
@@ -234,16 +236,15 @@ def test_cuda_events_block_and_run_under_their_device(monkeypatch: pytest.Monkey
     monkeypatch.setattr(torch.cuda, "device", _Device)
     _RecordingEvent.calls = []
 
-    class Stream:
-        device_index = 3
-
-    ev = CudaEvent(Stream())  # type: ignore[arg-type]
+    ev = DeviceEvent(CudaPrimitives(torch.device("cuda", 3)), object(), timeout=0.05)
     assert ev.event.kwargs == {"blocking": True}  # type: ignore[attr-defined]  # host waits sleep, they do not spin
-    assert ev.index == 3
     assert ev.query() is False
-    ev.synchronize()
+    # Bounded (review finding 7): a wedged device is an error, not a hang.
+    with pytest.raises(CopyError, match="wedged"):
+        ev.synchronize()
     # From a thread whose current device is 0: each call ran with device 3 current.
-    assert [c for c in _RecordingEvent.calls if c[0] != "record"] == [("query", 3), ("synchronize", 3)]
+    polls = [c for c in _RecordingEvent.calls if c[0] != "record"]
+    assert polls and all(c == ("query", 3) for c in polls)
     assert _current[0] == 0
 
 

@@ -1,0 +1,202 @@
+"""The real accelerator copier (``AcceleratorCopier``) on the simulated device.
+
+``SimulatedDevice`` runs each stream in its own thread, lands copies after seeded random
+delays and overwrites freed device memory at once, so a missing wait or protection is
+wrong bytes here. The first tests check that the simulation does catch each hazard (the
+copier's protection switched off gives wrong bytes); the rest stage through the real
+copier and check the bytes. Seeds are fixed: a failure replays.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from helpers import bits, make_engine
+
+from async_stager import CopyError, Stager
+from async_stager._core.copy.accelerator import AcceleratorCopier
+from async_stager._core.copy.primitives import DeviceEvent
+from async_stager._core.copy.simulated import POISON, SimulatedBackend, SimulatedDevice
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_thread_leak")]
+
+
+@pytest.fixture
+def sim() -> Iterator[SimulatedDevice]:
+    with SimulatedDevice(seed=7, delay=(0.0, 0.004)) as device:
+        yield device
+    assert device.errors == []
+
+
+def odd_state(sim: SimulatedDevice) -> dict[str, torch.Tensor]:
+    """Every dtype kind, NaN payloads, lazy conj/neg views, non-contiguous views and
+    many small storages (gathered through scratch), all on the simulated device."""
+    g = torch.Generator().manual_seed(3)
+    payloads = torch.tensor([0x7FC1, -0x3D, 0x7F81, 0x0001], dtype=torch.int16).view(torch.bfloat16)
+    z = sim.tensor(torch.randn(6, 5, dtype=torch.complex64, generator=g))
+    m = sim.tensor(torch.randn(8, 6, generator=g))
+    sd: dict[str, torch.Tensor] = {
+        "f32": sim.tensor(torch.randn(4096, generator=g)),
+        "bf16": sim.tensor(payloads.repeat(64)),
+        "f16": sim.tensor(torch.randn(300, generator=g).half()),
+        "i8": sim.tensor(torch.randint(-100, 100, (77,), dtype=torch.int8, generator=g)),
+        "conj": z.conj(),
+        "neg": z.conj().imag,
+        "t": m.t(),
+        "step": m[::2, 1::3],
+    }
+    for i in range(40):
+        sd[f"small{i}"] = sim.tensor(torch.full((3,), float(i)))
+    return sd
+
+
+def expected(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: bits(v.clone()) for k, v in sd.items()}
+
+
+def check(staged: dict[str, Any], want: dict[str, torch.Tensor]) -> None:
+    for k, v in want.items():
+        assert torch.equal(bits(staged[k]), v), k
+
+
+def later(seconds: float, fn: Any) -> Any:
+    """Device work that takes ``seconds`` and then runs ``fn()`` (a slow producer)."""
+
+    def run() -> None:
+        time.sleep(seconds)
+        fn()
+
+    return run
+
+
+def poisoned(t: torch.Tensor) -> bool:
+    return bool((bits(t) == POISON).all())
+
+
+# -- the simulation catches the hazards -----------------------------------------------
+
+
+def test_a_copy_not_ordered_after_the_capture_reads_old_values(
+    sim: SimulatedDevice, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_engine(backend=SimulatedBackend(sim))
+    x = sim.tensor(torch.zeros(64))
+    train = sim.stream("train")
+
+    def stage() -> torch.Tensor:
+        with sim.using(train):
+            sim.launch(later(0.05, lambda: x.fill_(7.0)))  # a producer still queued
+            staged = engine.run({"x": x}, engine.capture())
+        for c in staged.completions:
+            c.synchronize()
+        engine.settle(staged)
+        out: torch.Tensor = staged.result["x"].clone()
+        return out
+
+    assert torch.equal(stage(), torch.full((64,), 7.0))  # the copy stream waited
+    sim.synchronize()
+    x.zero_()
+    monkeypatch.setattr(DeviceEvent, "wait", lambda self, stream: None)
+    assert torch.equal(stage(), torch.zeros(64))  # without the wait: the old values
+    engine.close()
+
+
+def test_a_source_freed_without_protection_is_overwritten(
+    sim: SimulatedDevice, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sim.delay = (0.05, 0.05)
+    engine = make_engine(backend=SimulatedBackend(sim))
+
+    def stage() -> torch.Tensor:
+        sd = {"x": sim.tensor(torch.arange(4096, dtype=torch.float32))}
+        staged = engine.run(sd, engine.capture())
+        del sd  # training drops the source while its copy is in flight
+        for c in staged.completions:
+            c.synchronize()
+        engine.settle(staged)
+        out: torch.Tensor = staged.result["x"].clone()
+        return out
+
+    assert torch.equal(stage(), torch.arange(4096, dtype=torch.float32))
+    monkeypatch.setattr(AcceleratorCopier, "protect", lambda self, srcs: None)
+    assert poisoned(stage())  # the allocator handed the memory on: overwritten
+    engine.close()
+
+
+# -- the real copier on it --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_engine_stage_is_bit_exact(seed: int) -> None:
+    with SimulatedDevice(seed=seed, delay=(0.0, 0.003)) as sim:
+        engine = make_engine(backend=SimulatedBackend(sim), small_tensor_bytes=64)
+        for _ in range(2):  # the second one reuses the plan and its scratch
+            sd = odd_state(sim)
+            want = expected(sd)
+            staged = engine.run(sd, engine.capture())
+            del sd  # the sources die while their copies are in flight
+            for c in staged.completions:
+                c.synchronize()
+            engine.settle(staged)
+            check(staged.result, want)
+        engine.close()
+        assert sim.errors == []
+
+
+@pytest.mark.anyio
+async def test_stager_on_the_simulated_device(sim: SimulatedDevice, anyio_backend: Any) -> None:
+    sd = odd_state(sim)
+    want = expected(sd)
+    train = sim.stream("train")
+    async with Stager(backend=SimulatedBackend(sim), small_tensor_bytes=64) as stager:
+        for _ in range(3):
+            with sim.using(train):
+                staged = await stager.stage(sd)
+                await stager.fence()
+                # Training writes the sources after the fence: ordered after the copies.
+                for v in sd.values():
+                    if not (v.is_conj() or v.is_neg()):
+                        sim.launch(later(0.0, functools.partial(v.add_, 1)))
+            check(staged, want)
+            sim.synchronize()
+            want = expected(sd)
+            del staged
+
+
+@pytest.mark.anyio
+async def test_device_hashes_read_the_sources_as_of_the_call(
+    sim: SimulatedDevice, anyio_backend: Any
+) -> None:
+    from async_stager._core.checksum.digest import Checksums
+
+    big = sim.tensor(torch.randn(1 << 18))  # 1 MiB: hashed on the device
+    train = sim.stream("train")
+    async with Stager(backend=SimulatedBackend(sim)) as stager:
+        with sim.using(train):
+            sim.launch(later(0.02, lambda: big.add_(1)))  # queued at the call
+            coro = stager.lease({"big": big}, checksums=True)
+        lease = await coro
+        sim.synchronize()
+        want = bits(big)
+        staged = lease.state_dict["big"]
+        sums = lease.checksums
+        assert sums is not None and sums.algorithm_of(staged) == "wsum64"
+        assert torch.equal(bits(staged), want)
+        assert sums.get(staged) == Checksums.compute(staged, "wsum64")
+        lease.release()
+
+
+def test_close_waits_for_the_streams_bounded(sim: SimulatedDevice) -> None:
+    copier = AcceleratorCopier(sim, non_blocking=True, wait_seconds=0.2)
+    gate = time.monotonic() + 0.6
+    with sim.using(copier.stream):
+        sim.launch(lambda: time.sleep(max(0.0, gate - time.monotonic())))
+    with pytest.raises(CopyError, match="wedged"):
+        copier.close()  # bounded: a wedged stream is an error, not a hang
+    sim.synchronize()
+    copier.close()  # idle now
