@@ -161,7 +161,7 @@ class Checkpointer:
         checksum_threads: int | None = None,
         host_budget_bytes: int | None = None,
         node_budget_bytes: int | None = None,
-        node_budget_path: str | None = None,
+        node_budget_path: str | os.PathLike[str] | None = None,
         node_budget_job: str | None = None,
         stager: Stager | None = None,
         process_group: ProcessGroup | None = None,
@@ -191,7 +191,7 @@ class Checkpointer:
             threads,
             host_budget_bytes,
             node_budget_bytes,
-            node_budget_path,
+            os.fspath(node_budget_path) if isinstance(node_budget_path, os.PathLike) else node_budget_path,
             node_budget_job,
         )
         if node_budget_bytes is not None and stager is not None:

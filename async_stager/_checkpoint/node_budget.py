@@ -104,7 +104,9 @@ class CreditLedger(NodeLedger):
         self.gave_up = False
 
     @classmethod
-    def open(cls, budget_bytes: int, *, path: str | None = None, job: str | None = None) -> CreditLedger:
+    def open(
+        cls, budget_bytes: int, *, path: str | os.PathLike[str] | None = None, job: str | None = None
+    ) -> CreditLedger:
         ledger = super().open(budget_bytes, path=path, job=job)
         assert isinstance(ledger, CreditLedger)
         return ledger

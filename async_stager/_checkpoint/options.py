@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -30,7 +31,7 @@ class CheckpointerOptions:
     checksum_threads: int = 1
     host_budget_bytes: int | None = None
     node_budget_bytes: int | None = None
-    node_budget_path: str | None = None
+    node_budget_path: str | None = None  # a path-like given is kept as its string
     node_budget_job: str | None = None
 
     def __post_init__(self) -> None:
@@ -79,6 +80,9 @@ class CheckpointerOptions:
             )
         for name in ("node_budget_path", "node_budget_job"):
             value = getattr(self, name)
+            if name == "node_budget_path" and isinstance(value, os.PathLike):
+                value = os.fspath(value)  # a Path, as Stager takes it
+                object.__setattr__(self, name, value)
             if value is not None and (not isinstance(value, str) or not value):
                 raise InvalidOptionError(f"{name} must be None or a non-empty string, got {value!r}")
 

@@ -200,7 +200,7 @@ def test_the_files_on_disk(where: str) -> None:
         names = sorted(os.listdir(where))
         assert names[:3] == ["budget", "lock", "peak"] and len(names) == 4
         assert names[3].startswith(f"slot-{os.getpid()}-")
-        assert Path(where, "budget").read_text() == '{"format": 1, "budget_bytes": 1000}'
+        assert Path(where, "budget").read_text() == '{"format": 2, "budget_bytes": 1000}'
         rec = ledger_files.Record.unpack(Path(where, names[3]).read_bytes())
         assert rec is not None and (rec.pid, rec.reserved, rec.ticket) == (os.getpid(), 123, 0)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import logging
+import os
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine
@@ -112,7 +113,7 @@ class Stager:
         copy_threads: int | Literal["auto"] | None = None,
         preflight: bool = _D.preflight,
         node_budget_bytes: int | None = _D.node_budget_bytes,
-        node_budget_path: str | None = _D.node_budget_path,
+        node_budget_path: str | os.PathLike[str] | None = _D.node_budget_path,
         node_budget_job: str | None = _D.node_budget_job,
         node_ledger: NodeLedger | None = None,
         backoff: Backoff | None = None,

@@ -8,8 +8,8 @@ directory of small files on node-local storage, and every update is made under a
 
 Where: ``path`` when given; else ``/dev/shm`` (the temp dir where there is none), in a
 directory named from the job's identity: an explicit ``job=`` string first, then
-``TORCHELASTIC_RUN_ID`` (torchrun's rendezvous id, the same on every node of the job),
-then ``MASTER_ADDR:MASTER_PORT``; with none of these, opening is an error (a guessed
+``TORCHELASTIC_RUN_ID`` (torchrun's rendezvous id, the same on every node of the job;
+``none``, what its static rendezvous gives every job, is no id), then ``MASTER_ADDR:MASTER_PORT``; with none of these, opening is an error (a guessed
 name would silently give each process its own budget). The user id is in the name too,
 so two users' jobs never meet.
 
@@ -18,11 +18,13 @@ Format (``FORMAT``), all under that directory:
 - ``lock``: empty; ``flock(LOCK_EX)`` on it is the node mutex. Every read and write of
   the ledger is made while holding it (after checking that the path still names the
   inode locked: the last process out removes the directory).
-- ``budget``: ``{"format": 1, "budget_bytes": N}``, written once (a temporary file
-  renamed over it: whole or absent). Opening with another budget is an error.
-- ``slot-<pid>-<start>-<n>``: one per open ledger: a 256-byte record (``Record``)
-  holding its own reserved bytes, its ticket (order, bytes, what for) and a CRC. Its
-  owner holds ``flock(LOCK_EX)`` on it for as long as the ledger is open.
+- ``budget``: ``{"format": 2, "budget_bytes": N}``, written once (a temporary file
+  renamed over it: whole or absent). Opening with another budget is an error; every
+  slot records its budget too, so a budget file lost while bytes are held changes
+  nothing (the slots decide, and the file is rewritten).
+- ``slot-<pid>-<start>-<n>``: one per open ledger: a 260-byte record (``Record``)
+  holding its own reserved bytes, its ticket (order, bytes, what for), its budget and a
+  CRC. Its owner holds ``flock(LOCK_EX)`` on it for as long as the ledger is open.
 - ``peak``: the most bytes the ledger ever granted at once (a record with a CRC).
 
 Crash rules. The state is rebuilt from the slot files at every update; no file holds a
@@ -33,7 +35,10 @@ the lock of a dead parent alive). Either way the next update removes it: its byt
 its ticket are reclaimed within one poll (milliseconds), never leaked. A process killed
 in the middle of writing its own slot leaves a record that fails its CRC, but it is dead
 and its slot is ignored anyway; a live process's slot is written only by itself, whole,
-under the node lock, so readers never see it torn. A new slot is written and locked
+under the node lock, so readers never see it torn: a live slot that cannot be read was
+damaged from outside, and counts as holding every byte the others leave (never
+forgotten) until its owner, which checks its own slot at every update, rewrites it. A
+new slot is written and locked
 under a temporary name and then renamed: it is never seen unlocked. The sum of the slots
 is checked against the budget before a slot grows, under the node lock: the ledger never
 shows more than the budget, under any interleaving.
@@ -53,19 +58,28 @@ but its own.
 Thread-safety: a NodeLedger may be used from any thread; one thread of it waits at a
 time (the others wait for their turn behind it, in the same bound). Never call
 ``reserve`` from an event loop thread: it blocks (callers run it in a worker thread).
+A release that comes while this thread holds the node lock (an arena finalizer run by a
+garbage collection) is deferred and applied before the lock is dropped.
+
+Errors of the ledger's files (a full disk above all) are HostAllocationErrors naming
+the directory and the budget, the OSError chained.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import errno
 import fcntl
 import itertools
 import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from async_stager._core.memory.ledger_files import (
     FORMAT,
@@ -73,6 +87,7 @@ from async_stager._core.memory.ledger_files import (
     check_budget,
     default_path,
     job_identity,
+    ledger_io,
     node_lock,
     read_peak,
     scan,
@@ -88,6 +103,9 @@ _POLL_MIN = 0.0005
 _POLL_MAX = 0.02
 
 _instances = itertools.count(1)
+
+#: A slot record's fields with no ticket (``NodeLedger._store``).
+_NO_TICKET: dict[str, Any] = {"ticket": 0, "ticket_bytes": 0, "since": 0.0, "what": ""}
 
 _log = logging.getLogger("async_stager")
 
@@ -111,13 +129,16 @@ class Ticket:
 class LedgerUsage:
     """The ledger as of one read (bytes): ``budget``, ``reserved`` (granted now, every
     live process), ``by_pid`` (pid -> bytes it holds, pids holding nothing left out),
-    ``waiting`` (tickets, oldest first) and ``peak`` (the most granted at once, ever)."""
+    ``waiting`` (tickets, oldest first), ``peak`` (the most granted at once, ever) and
+    ``damaged`` (pids of live processes whose slot could not be read: each is counted
+    as holding every byte the readable slots leave, until its owner rewrites it)."""
 
     budget: int
     reserved: int
     by_pid: Mapping[int, int] = field(default_factory=dict)
     waiting: tuple[Ticket, ...] = ()
     peak: int = 0
+    damaged: tuple[int, ...] = ()
 
     @property
     def free(self) -> int:
@@ -164,7 +185,13 @@ class NodeLedger:
         self._slot = _slot
         self._rec = _record
         self._pid = os.getpid()
-        self._mutex = threading.Lock()  # guards _rec and the node lock within this process
+        # Guards _rec and the node lock within this process. Re-entrant because a GC run
+        # may call an arena's finalizer (Reservation.release) in a thread that holds it:
+        # such a release is deferred (_deferred) instead of taking the node lock twice
+        # (a second flock of this process on the lock file would wait for itself).
+        self._mutex = threading.RLock()
+        self._in_node_lock = False  # this handle's thread is inside the node lock (under _mutex)
+        self._deferred: deque[int] = deque()  # bytes released while _in_node_lock
         self._turn = threading.Lock()  # one waiting thread at a time (see the module doc)
         self._closed = False
         #: Seconds this handle's reservations waited in all, and how many had to wait
@@ -175,7 +202,9 @@ class NodeLedger:
     # -- opening -----------------------------------------------------------------------
 
     @classmethod
-    def open(cls, budget_bytes: int, *, path: str | None = None, job: str | None = None) -> NodeLedger:
+    def open(
+        cls, budget_bytes: int, *, path: str | os.PathLike[str] | None = None, job: str | None = None
+    ) -> NodeLedger:
         """Open (creating it if needed) the ledger of this job on this node with a
         budget of ``budget_bytes`` bytes: at ``path`` (a directory), else the
         ``default_path`` of the job (``job_identity(job)``). Raises InvalidOptionError
@@ -183,6 +212,8 @@ class NodeLedger:
         budget (every rank must give the same one)."""
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1:
             raise InvalidOptionError(f"node_budget_bytes must be an integer >= 1, got {budget_bytes!r}")
+        if isinstance(path, os.PathLike):
+            path = os.fspath(path)
         if path is None:
             ident = job_identity(job)
             if ident is None:
@@ -192,14 +223,19 @@ class NodeLedger:
                     "node_budget_job='<a name every rank of the job gives>' or node_budget_path='<dir>'"
                 )
             path = default_path(ident)
+        with ledger_io(path, budget_bytes, "be opened"):
+            return cls._open(path, budget_bytes)
+
+    @classmethod
+    def _open(cls, path: str, budget_bytes: int) -> NodeLedger:
         os.makedirs(path, mode=0o700, exist_ok=True)
         pid = os.getpid()
-        rec = Record(pid=pid, start=start_time(pid))
+        rec = Record(pid=pid, start=start_time(pid), budget=budget_bytes)
         slot = os.path.join(path, f"slot-{pid}-{rec.start}-{next(_instances)}")
         with node_lock(path):
             # No live slot: whatever the directory holds is a finished job's (the same
             # identity run again): its budget and peak go.
-            check_budget(path, budget_bytes, fresh=not scan(path, ""))
+            check_budget(path, budget_bytes, scan(path, ""))
             # Written and locked under a temporary name, then renamed: a scan never sees
             # the slot unlocked (it would take it for a dead process's).
             tmp = slot + ".new"
@@ -267,11 +303,12 @@ class NodeLedger:
                             return Reservation(self, nbytes, what)
                         waited = True
                         if not self._rec.ticket:
-                            self._rec.ticket = 1 + max((r.ticket for r in others.values()), default=0)
-                            self._rec.ticket_bytes = nbytes
-                            self._rec.since = time.time()
-                            self._rec.what = what
-                            self._write()
+                            self._store(
+                                ticket=1 + max((r.ticket for r in others.values()), default=0),
+                                ticket_bytes=nbytes,
+                                since=time.time(),
+                                what=what,
+                            )
                     if stop is not None:
                         stop()
                     now = time.monotonic()
@@ -298,8 +335,7 @@ class NodeLedger:
             finally:
                 if self._rec.ticket and not self._closed:
                     with self._locked():
-                        self._clear_ticket()
-                        self._write()
+                        self._store(**_NO_TICKET)
         finally:
             self._turn.release()
 
@@ -311,6 +347,13 @@ class NodeLedger:
             for r in recs:
                 if r.reserved:
                     by_pid[r.pid] = by_pid.get(r.pid, 0) + r.reserved
+            damaged = tuple(sorted({r.pid for r in recs if r.damaged}))
+            if damaged:
+                # Their bytes are unknown: they hold all the rest, as far as anyone can tell.
+                rest = max(0, self.budget - sum(by_pid.values()))
+                for pid in damaged:
+                    by_pid[pid] = by_pid.get(pid, 0) + rest
+                    rest = 0
             now = time.time()
             waiting = sorted(
                 (
@@ -321,7 +364,7 @@ class NodeLedger:
                 key=lambda t: t.order,
             )
             return LedgerUsage(
-                self.budget, sum(by_pid.values()), by_pid, tuple(waiting), read_peak(self.path)
+                self.budget, sum(by_pid.values()), by_pid, tuple(waiting), read_peak(self.path), damaged
             )
 
     def close(self) -> None:
@@ -332,13 +375,20 @@ class NodeLedger:
             if self._closed:
                 return
             self._closed = True
+            self._deferred.clear()  # the slot goes with everything it holds
             if os.getpid() != self._pid:  # a forked child: the slot is the parent's
                 os.close(self._slot_fd)
                 return
+            self._in_node_lock = True
             try:
-                with node_lock(self.path, remove_if_last=self._slot), contextlib.suppress(FileNotFoundError):
+                with (
+                    ledger_io(self.path, self.budget, "drop this process's slot"),
+                    node_lock(self.path, remove_if_last=self._slot),
+                    contextlib.suppress(FileNotFoundError),
+                ):
                     os.unlink(self._slot)
             finally:
+                self._in_node_lock = False
                 os.close(self._slot_fd)
 
     def __enter__(self) -> NodeLedger:
@@ -382,47 +432,80 @@ class NodeLedger:
             r.ticket and (not mine or (r.ticket, name) < (mine, self._slot)) for name, r in others.items()
         ):
             return False
+        if any(r.damaged for r in others.values()):
+            return False  # a live process's bytes are unknown: it may hold all the rest
         total = self._rec.reserved + sum(r.reserved for r in others.values())
         if total + nbytes > self.budget:
             return False
-        self._rec.reserved += nbytes
-        self._clear_ticket()
-        self._write()
+        self._store(reserved=self._rec.reserved + nbytes, **_NO_TICKET)
         if total + nbytes > read_peak(self.path):
-            write_peak(self.path, total + nbytes)
+            try:
+                write_peak(self.path, total + nbytes)
+            except OSError as e:
+                # The grant is recorded (the slot); the peak is a statistic: a full disk
+                # leaves it behind rather than failing what was granted.
+                _log.warning("the node ledger's peak at %s was not updated: %s", self.path, e)
         return True
 
     def _give_back(self, nbytes: int) -> None:
-        """A reservation ends (``Reservation.release``)."""
+        """A reservation ends (``Reservation.release``). Called inside this handle's own
+        node-lock section (an arena finalizer in a GC run), it is deferred: the section
+        applies it on its way out."""
         with self._mutex:
             if self._closed or os.getpid() != self._pid:
                 return
-        with self._locked():
-            if not self._closed:
-                self._rec.reserved = max(0, self._rec.reserved - nbytes)
-                self._write()
+            self._deferred.append(nbytes)  # atomic: a finalizer may run between any two steps
+            if self._in_node_lock:
+                return
+            with self._locked():
+                pass  # the section applies what was deferred, this release included
 
-    def _clear_ticket(self) -> None:
-        self._rec.ticket = self._rec.ticket_bytes = 0
-        self._rec.since = 0.0
-        self._rec.what = ""
+    def _apply_deferred(self) -> None:
+        """Under the node lock: apply the releases deferred so far to this slot."""
+        freed = 0
+        while True:
+            try:
+                freed += self._deferred.popleft()
+            except IndexError:
+                break
+        if freed and not self._closed:
+            try:
+                self._store(reserved=max(0, self._rec.reserved - freed))
+            except BaseException:
+                self._deferred.append(freed)  # still held on disk: the next update retries
+                raise
 
-    def _write(self) -> None:
-        # One pwrite of the whole record, under the node lock: readers never see it torn
-        # (a death in the middle leaves a slot that is reclaimed, whatever it holds).
+    def _store(self, **changes: Any) -> None:
+        """Under the node lock: this slot's record with ``changes``, written to its file
+        first and kept only once written (a failed write, a full disk, leaves both as
+        they were). One pwrite of the whole record: readers never see it torn (a death
+        in the middle leaves a slot that is reclaimed, whatever it holds)."""
         if self._closed:
             return
-        os.pwrite(self._slot_fd, self._rec.pack(), 0)
+        rec = dataclasses.replace(self._rec, **changes)
+        data = rec.pack()
+        if os.pwrite(self._slot_fd, data, 0) != len(data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self._slot)  # a short write: no room
+        self._rec = rec
 
     def _timeout(self, nbytes: int, what: str, waited: float, usage: LedgerUsage) -> NodeBudgetError:
         holders = ", ".join(f"pid {p}: {n}" for p, n in sorted(usage.by_pid.items())) or "nobody"
         ahead = [t for t in usage.waiting if t.pid != self._pid]
         queue = "; ".join(f"pid {t.pid} waits for {t.nbytes} ({t.what})" for t in ahead[:8]) or "none"
+        damaged = ""
+        if usage.damaged:
+            damaged = (
+                f" The slot of live pid(s) {', '.join(map(str, usage.damaged))} in {self.path} was "
+                "damaged by something other than its owner (truncated or changed): its bytes are "
+                "unknown, so it counts as holding the rest of the budget until that process next "
+                "updates the ledger (which rewrites it)."
+            )
         return NodeBudgetError(
             f"{what} waited {waited:.1f} s for {nbytes} bytes of the node budget and did not get "
             f"them: {usage.reserved} of {self.budget} bytes are held ({holders}); other waiters: "
-            f"{queue}. Ranks that keep staging memory between checkpoints hold it: trim() or close "
-            "idle stagers, raise node_budget_bytes or buffer_wait_timeout, or stage less at once",
+            f"{queue}.{damaged} Ranks that keep staging memory between checkpoints hold it: trim() "
+            "or close idle stagers, raise node_budget_bytes or buffer_wait_timeout, or stage less "
+            "at once",
             need=nbytes,
             limit=max(0, self.budget - usage.reserved),
             fix="raise node_budget_bytes or the wait's timeout, or trim() idle stagers",
@@ -434,6 +517,63 @@ class NodeLedger:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[dict[str, Record]]:
         """The node lock (and this process's mutex), yielding every other live slot by
-        file name; dead ones are removed on the way."""
-        with self._mutex, node_lock(self.path):
-            yield scan(self.path, self._slot)
+        file name; dead ones are removed on the way. This handle's own slot is checked
+        first and rewritten if something else damaged or removed it. Releases deferred
+        while the lock was held (see ``_give_back``) are applied before it is dropped,
+        and any that come while it is being dropped, in another round."""
+        with self._mutex, ledger_io(self.path, self.budget, "be updated"):
+            # Not re-entered by this thread's own finalizers (they defer), so this is the
+            # outermost section of this thread: nothing else of this process holds the lock.
+            assert not self._in_node_lock, "the node ledger's lock section was re-entered"
+            self._in_node_lock = True
+            try:
+                with node_lock(self.path):
+                    self._heal()
+                    try:
+                        yield scan(self.path, self._slot)
+                    finally:
+                        self._apply_deferred()
+            finally:
+                self._in_node_lock = False
+            # A GC run while the node lock was dropped may have deferred more.
+            while self._deferred and not self._closed:
+                self._in_node_lock = True
+                try:
+                    with node_lock(self.path):
+                        self._apply_deferred()
+                finally:
+                    self._in_node_lock = False
+
+    def _heal(self) -> None:
+        """Under the node lock: this handle's slot holds its record. Only its owner writes
+        a slot, so anything else there (truncated, a byte changed, the file removed or
+        replaced) is damage from outside: rewrite it, and say so."""
+        if self._closed:
+            return
+        try:
+            same = os.stat(self._slot).st_ino == os.fstat(self._slot_fd).st_ino
+        except FileNotFoundError:
+            same = False
+        want = self._rec.pack()
+        if same:
+            if os.pread(self._slot_fd, len(want) + 1, 0) == want:
+                return
+            _log.warning("the node ledger slot %s was damaged by something else: rewritten", self._slot)
+            os.ftruncate(self._slot_fd, 0)
+            os.pwrite(self._slot_fd, want, 0)
+            return
+        # Removed (or replaced): a new file, locked, renamed into place (never seen unlocked).
+        _log.warning("the node ledger slot %s was removed by something else: made again", self._slot)
+        tmp = self._slot + ".new"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.pwrite(fd, want, 0)
+            os.rename(tmp, self._slot)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        old, self._slot_fd = self._slot_fd, fd
+        os.close(old)
