@@ -12,6 +12,10 @@ from typing import Any
 
 __all__ = [
     "AcceleratorRequiredError",
+    "AgentError",
+    "AgentRefusedError",
+    "AgentTimeoutError",
+    "AgentUnavailableError",
     "BudgetTooSmallError",
     "BuffersHeldError",
     "CheckpointError",
@@ -241,3 +245,38 @@ class BudgetTooSmallError(StagingError, ValueError):
     def __init__(self, message: str, *, path: Sequence[Any] | None = None, needed_bytes: int = 0) -> None:
         super().__init__(message, path=path)
         self.needed_bytes = needed_bytes
+
+
+class AgentError(StagingError):
+    """The memory tier's node agent (``python -m async_stager agent``) could not do what
+    was asked; ``socket`` names the agent's socket path. Nothing is lost on the
+    trainer's side: a snapshot the agent did not accept is not restorable from it."""
+
+    def __init__(self, message: str, *, socket: str = "") -> None:
+        super().__init__(message)
+        self.socket = socket
+
+
+class AgentUnavailableError(AgentError):
+    """No agent answers at the socket (none started, it exited or was killed), or the
+    connection to it broke mid-call."""
+
+
+class AgentTimeoutError(AgentError, TimeoutError):
+    """A call to the agent did not complete within its bound (``seconds``); the
+    connection is closed (a late answer is never taken for the next call's)."""
+
+    def __init__(self, message: str, *, socket: str = "", seconds: float = 0.0) -> None:
+        super().__init__(message, socket=socket)
+        self.seconds = seconds
+
+
+class AgentRefusedError(AgentError):
+    """The agent answered but refused: another user's connection, another protocol
+    version, a snapshot over its memory bound, checksums that do not verify, or an
+    unknown snapshot; ``reason`` is its short code (``"peer"``, ``"version"``,
+    ``"memory"``, ``"checksum"``, ``"unknown"``, ``"request"``)."""
+
+    def __init__(self, message: str, *, socket: str = "", reason: str = "") -> None:
+        super().__init__(message, socket=socket)
+        self.reason = reason

@@ -217,6 +217,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_verify_parser(sub)
     add_check_parser(sub)
+    from async_stager._tier.service import add_agent_arguments
+
+    add_agent_arguments(
+        sub.add_parser(
+            "agent",
+            help="the memory tier's node agent: holds each rank's newest snapshots in memory",
+            description="Serve the trainers of one job on this node: hold their memory snapshots "
+            "(received by file descriptor) until the agent exits (docs/concepts.md, the memory tier).",
+        )
+    )
     return parser
 
 
@@ -236,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_verify(ns, sys.stdout)
         if ns.command == "check":
             return run_check(ns, sys.stdout)
+        if ns.command == "agent":
+            from async_stager._tier.service import run as run_agent
+
+            return run_agent(ns)
         if ns.command == "bench-process":
             from . import process as _process
 

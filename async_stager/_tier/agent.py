@@ -1,0 +1,477 @@
+"""The node agent: an asyncio service that holds each rank's newest snapshots in memory.
+
+One agent per node and job (``python -m async_stager agent --job ID``), started before
+the trainers. It listens on ``wire.socket_path(job)`` and serves the connections of
+this user only. A trainer snapshots in two messages:
+
+- ``BEGIN rank step``: the trainer is about to stage ``step``. The agent keeps the
+  rank's newest ``keep - 1`` complete snapshots (the trainer holds their buffers
+  leased, so no stage writes into them) and forgets the rest: their buffers may be
+  written from now on. A snapshot begun is never restorable until it commits.
+- ``COMMIT rank step`` with the arenas' descriptors (SCM_RIGHTS), the structure and
+  every region's digest: the agent takes the descriptors (its own duplicates: the
+  memory lives while it holds them, whatever happens to the trainer), checks the
+  bytes against its memory bound, re-hashes every region through its own mapping and
+  accepts the snapshot as complete only if every digest matches.
+
+``LIST`` says which snapshots are complete; ``FETCH`` hands one back (descriptors,
+structure, digests) to a restarted trainer; ``STATUS`` says what is held. Nothing is
+written to any file system; the agent's exit (or death) closes its descriptors and the
+kernel frees every arena no trainer still maps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.abc
+from anyio.abc import SocketStream
+
+from async_stager._tier import wire
+from async_stager._tier.regions import ALGORITHM, PIECE_BYTES, ArenaMaps, digests_of, regions_of
+from async_stager._tier.wire import Kind, Message
+from async_stager.errors import AgentError, AgentRefusedError, AgentUnavailableError, InvalidOptionError
+
+__all__ = ["Agent", "Held"]
+
+_log = logging.getLogger("async_stager.agent")
+
+
+@dataclass(eq=False)
+class _Arena:
+    """One arena held: the agent's descriptor, its bytes, and the snapshots using it."""
+
+    fd: int
+    nbytes: int
+    key: tuple[int, int]
+    users: int = 0
+
+
+@dataclass(eq=False)
+class Held:
+    """One snapshot of one rank: begun (``complete`` False: never handed out) or
+    committed and verified."""
+
+    rank: int
+    step: int
+    world: int
+    complete: bool = False
+    arenas: list[_Arena] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+    payload: bytes = b""
+    since: float = field(default_factory=time.time)
+    #: The trainer process (its session token) that began it.
+    session: str = ""
+
+    @property
+    def bytes(self) -> int:
+        return sum(a.nbytes for a in self.arenas)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "step": self.step,
+            "world": self.world,
+            "complete": self.complete,
+            "bytes": self.bytes,
+            "tensors": int(self.meta.get("tensors", 0)),
+            "since": self.since,
+        }
+
+
+def _int(body: dict[str, Any], key: str, low: int = 0) -> int:
+    v = body.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise AgentRefusedError(f"{key} must be an int >= {low}, got {v!r}", reason="request")
+    return v
+
+
+class Agent:
+    """The service's state and handlers. ``serve`` listens; ``close`` frees everything.
+
+    ``max_bytes``: the most arena bytes held at once (arenas shared by snapshots count
+    once); ``keep``: complete snapshots kept per rank (>= 1; 2 lets one be written
+    while one is complete). ``peer_uid``: how a connection's uid is read (the kernel's
+    ``SO_PEERCRED``; the seam a test replaces)."""
+
+    def __init__(
+        self,
+        job: str,
+        *,
+        max_bytes: int,
+        keep: int = 2,
+        path: str | None = None,
+        base: str | None = None,
+        peer_uid: Callable[[SocketStream], int] = wire.peer_uid,
+    ) -> None:
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise InvalidOptionError(f"agent keep must be an int >= 1, got {keep!r}")
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+            raise InvalidOptionError(f"agent max_bytes must be an int >= 1 (bytes), got {max_bytes!r}")
+        self.job = job
+        self.max_bytes = max_bytes
+        self.keep = keep
+        self.path = path if path is not None else wire.socket_path(job, base)
+        self._peer_uid = peer_uid
+        self._uid = os.getuid()
+        self._ranks: dict[int, list[Held]] = {}
+        self._arenas: dict[tuple[int, int], _Arena] = {}
+        self._reserved = 0
+        self._maps = ArenaMaps()
+        self._lock = anyio.Lock()
+        self._listener: anyio.abc.SocketListener | None = None
+        self._inode: tuple[int, int] | None = None
+        self.closed = False
+        self.connections = 0
+
+    # -- what is held --------------------------------------------------------------------
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of every arena held now (each once)."""
+        return sum(a.nbytes for a in self._arenas.values())
+
+    def snapshots(self, rank: int | None = None) -> list[Held]:
+        """Every snapshot held (of ``rank``), oldest commit first per rank."""
+        return [h for r, hs in sorted(self._ranks.items()) if rank is None or r == rank for h in hs]
+
+    def _status(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(),
+            "job": self.job,
+            "path": self.path,
+            "max_bytes": self.max_bytes,
+            "held_bytes": self.held_bytes,
+            "keep": self.keep,
+            "arenas": len(self._arenas),
+            "snapshots": [h.info() for h in self.snapshots()],
+        }
+
+    def _forget(self, held: Held) -> None:
+        """Drop a snapshot; an arena no snapshot uses any more is closed and unmapped."""
+        for arena in held.arenas:
+            arena.users -= 1
+            if arena.users == 0:
+                self._arenas.pop(arena.key, None)
+                self._maps.drop(arena.key)
+                wire.close_fds([arena.fd])
+        held.arenas = []
+        held.payload = b""
+
+    def _trim(
+        self, rank: int, keep_complete: int, session: str | None = None, protect: frozenset[int] = frozenset()
+    ) -> list[int]:
+        """Keep the rank's newest ``keep_complete`` complete snapshots; forget the rest
+        and every incomplete one. With ``session`` (a BEGIN): a snapshot that session
+        committed is kept only if its step is in ``protect`` (the trainer holds its
+        buffers leased; any other may be overwritten by the stage that follows).
+        Snapshots of other sessions (a trainer that died) are nobody's to overwrite.
+        Returns the steps forgotten."""
+        held = self._ranks.get(rank, [])
+        complete = [
+            h for h in held if h.complete and (session is None or h.session != session or h.step in protect)
+        ]
+        kept = complete[len(complete) - keep_complete :] if keep_complete > 0 else []
+        gone = [h for h in held if h not in kept]
+        for h in gone:
+            self._forget(h)
+        self._ranks[rank] = kept
+        return [h.step for h in gone]
+
+    # -- serving -------------------------------------------------------------------------
+
+    async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Listen until ``stop()`` (or cancellation), then ``aclose``. ``task_status.started()``
+        once the socket accepts connections. Raises AgentError if another live agent
+        serves the same socket. Cancellation: stops serving and frees everything
+        (shielded); ``stop()`` is the clean way (no accept is left pending)."""
+        await self._bind()
+        listener = self._listener
+        assert listener is not None
+        try:
+            async with anyio.create_task_group() as tg:
+                task_status.started()
+                _log.info(
+                    "agent for job %r listening at %s: at most %d bytes, keeping %d snapshots per rank",
+                    self.job,
+                    self.path,
+                    self.max_bytes,
+                    self.keep,
+                )
+                while True:
+                    try:
+                        stream = await listener.accept()
+                    except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                        break
+                    tg.start_soon(self._connection, stream)
+                tg.cancel_scope.cancel()  # open connections end with the agent
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.aclose()
+
+    async def stop(self) -> None:
+        """Stop accepting; ``serve`` then closes the connections and frees everything."""
+        if self._listener is not None:
+            await self._listener.aclose()
+
+    async def _bind(self) -> None:
+        if os.path.lexists(self.path):
+            try:
+                probe = await anyio.connect_unix(self.path)
+            except OSError:
+                os.unlink(self.path)  # left by an agent that died: nobody listens
+            else:
+                await probe.aclose()
+                raise AgentError(
+                    f"an agent already serves job {self.job!r} at {self.path}; stop it first",
+                    socket=self.path,
+                )
+        old = os.umask(0o177)  # the socket is born 0600: never a moment open to others
+        try:
+            self._listener = await anyio.create_unix_listener(self.path)
+        finally:
+            os.umask(old)
+        st = os.stat(self.path)
+        self._inode = (st.st_dev, st.st_ino)
+
+    async def aclose(self) -> None:
+        """Stop listening, forget every snapshot (closing every descriptor, unmapping
+        every arena) and remove the socket if it is still this agent's. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            await listener.aclose()
+        self.close_memory()
+        if self._inode is not None:
+            try:
+                st = os.stat(self.path)
+                if (st.st_dev, st.st_ino) == self._inode and stat.S_ISSOCK(st.st_mode):
+                    os.unlink(self.path)
+            except OSError:
+                pass
+
+    def close_memory(self) -> None:
+        """Forget every snapshot now (synchronous: also for a signal's exit path)."""
+        for rank in list(self._ranks):
+            for h in self._ranks.pop(rank):
+                self._forget(h)
+        self._maps.close()
+        if self._arenas:  # pragma: no cover - every arena belongs to a snapshot
+            wire.close_fds([a.fd for a in self._arenas.values()])
+            self._arenas.clear()
+
+    async def _connection(self, stream: SocketStream) -> None:
+        self.connections += 1
+        async with stream:
+            try:
+                wire.check_peer(self._peer_uid(stream), self._uid)
+            except AgentRefusedError as exc:
+                _log.warning("%s", exc)
+                await self._answer(stream, _error(exc))
+                return
+            while not self.closed:
+                try:
+                    message = await wire.receive(stream)
+                except AgentRefusedError as exc:
+                    await self._answer(stream, _error(exc))
+                    return
+                except AgentUnavailableError:
+                    return
+                if message is None:
+                    return
+                try:
+                    answer = await self._handle(message)
+                except AgentRefusedError as exc:
+                    answer = _error(exc)
+                except Exception as exc:  # noqa: BLE001 - a bad request must not stop the agent
+                    _log.exception("agent: a %s request failed", message.kind.name)
+                    answer = _error(AgentRefusedError(f"the agent failed: {exc!r}", reason="internal"))
+                finally:
+                    wire.close_fds(message.fds)  # the handler dup'ed what it keeps
+                if not await self._answer(stream, answer):
+                    return
+
+    async def _answer(self, stream: SocketStream, message: Message) -> bool:
+        try:
+            await wire.send(stream, message)
+        except AgentUnavailableError:
+            return False
+        finally:
+            wire.close_fds(message.fds)  # FETCH's duplicates: the peer has its own now
+        return True
+
+    async def _handle(self, m: Message) -> Message:
+        body = m.body
+        if m.kind == Kind.HELLO:
+            job = body.get("job")
+            if job is not None and job != self.job:
+                raise AgentRefusedError(f"this agent serves job {self.job!r}, not {job!r}", reason="job")
+            return Message(Kind.OK, self._status())
+        if m.kind == Kind.STATUS:
+            return Message(Kind.OK, self._status())
+        if m.kind == Kind.LIST:
+            rank = body.get("rank")
+            return Message(Kind.OK, {"snapshots": [h.info() for h in self.snapshots(rank)]})
+        if m.kind == Kind.BEGIN:
+            return await self._begin(body)
+        if m.kind == Kind.COMMIT:
+            return await self._commit(m)
+        if m.kind == Kind.FETCH:
+            return self._fetch(body)
+        raise AgentRefusedError(f"a {m.kind.name} message is not a request", reason="request")
+
+    async def _begin(self, body: dict[str, Any]) -> Message:
+        rank, step, world = _int(body, "rank"), _int(body, "step"), _int(body, "world", 1)
+        session = str(body.get("session", ""))
+        protect = body.get("protect", [])
+        if not isinstance(protect, list) or not all(isinstance(p, int) for p in protect):
+            raise AgentRefusedError(f"protect must be a list of steps, got {protect!r}", reason="request")
+        async with self._lock:
+            dropped = self._trim(rank, self.keep - 1, session, frozenset(protect))
+            self._ranks[rank].append(Held(rank, step, world, session=session))
+        if dropped:
+            _log.debug("rank %d begins step %d: forgot steps %s", rank, step, dropped)
+        return Message(Kind.OK, {"dropped": dropped})
+
+    async def _commit(self, m: Message) -> Message:
+        body = m.body
+        rank, step, world = _int(body, "rank"), _int(body, "step"), _int(body, "world", 1)
+        sizes = body.get("arenas")
+        refs = body.get("refs")
+        digests = body.get("digests")
+        piece = body.get("piece_bytes", PIECE_BYTES)
+        if (
+            not isinstance(sizes, list)
+            or not all(isinstance(n, int) and n > 0 for n in sizes)
+            or len(sizes) != len(m.fds)
+            or not isinstance(refs, list)
+            or not isinstance(digests, list)
+            or body.get("algorithm", ALGORITHM) != ALGORITHM
+            or not isinstance(piece, int)
+            or piece <= 0
+        ):
+            raise AgentRefusedError(
+                f"a malformed COMMIT for rank {rank} step {step}: {len(m.fds)} descriptors for "
+                f"arenas {sizes!r}, algorithm {body.get('algorithm')!r}",
+                reason="request",
+            )
+        regions = regions_of(refs)
+        if len(digests) != len(regions):
+            raise AgentRefusedError(
+                f"rank {rank} step {step}: {len(digests)} digests for {len(regions)} regions",
+                reason="request",
+            )
+        async with self._lock:
+            pending = self._pending(rank, step)
+            if pending.world != world:
+                self._drop_pending(pending)
+                raise AgentRefusedError(
+                    f"rank {rank} step {step} began with world size {pending.world}, commits with {world}",
+                    reason="request",
+                )
+            keys = []
+            for fd, n in zip(m.fds, sizes):
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_size < n:
+                    self._drop_pending(pending)
+                    raise AgentRefusedError(
+                        f"rank {rank} step {step}: a descriptor is not an arena of {n} bytes",
+                        reason="request",
+                    )
+                keys.append((st.st_dev, st.st_ino))
+            new = sum(n for k, n in dict(zip(keys, sizes)).items() if k not in self._arenas)
+            if self.held_bytes + self._reserved + new > self.max_bytes:
+                self._drop_pending(pending)
+                raise AgentRefusedError(
+                    f"rank {rank} step {step} needs {new} more bytes; the agent holds "
+                    f"{self.held_bytes} of at most {self.max_bytes} (--max-bytes)",
+                    reason="memory",
+                )
+            self._reserved += new
+        try:
+            maps = ArenaMaps()
+            try:
+                got = await anyio.to_thread.run_sync(lambda: digests_of(maps, m.fds, sizes, regions, piece))
+            except (ValueError, OSError) as exc:
+                raise AgentRefusedError(f"rank {rank} step {step}: {exc}", reason="request") from exc
+            finally:
+                maps.close()
+            bad = [r for r, want, have in zip(regions, digests, got) if [int(x) for x in want] != have]
+            async with self._lock:
+                if bad or pending.complete or pending not in self._ranks.get(rank, []):
+                    self._drop_pending(pending)
+                    if bad:
+                        raise AgentRefusedError(
+                            f"rank {rank} step {step}: {len(bad)} of {len(regions)} regions do not match "
+                            f"their checksums (first: arena {bad[0][0]}, offset {bad[0][1]}, "
+                            f"{bad[0][2]} bytes): the snapshot changed after it was hashed",
+                            reason="checksum",
+                        )
+                    raise AgentRefusedError(
+                        f"rank {rank} step {step} was superseded while it was verified", reason="request"
+                    )
+                for fd, key, n in zip(m.fds, keys, sizes):
+                    arena = self._arenas.get(key)
+                    if arena is None:
+                        arena = self._arenas[key] = _Arena(os.dup(fd), n, key)
+                    arena.users += 1
+                    pending.arenas.append(arena)
+                pending.meta = {
+                    k: body[k] for k in ("refs", "digests", "tensors", "nbytes", "piece_bytes") if k in body
+                }
+                pending.meta["arenas"] = sizes
+                pending.payload = m.blob
+                pending.complete = True
+                pending.since = time.time()
+                self._trim(rank, self.keep)
+        finally:
+            self._reserved -= new
+        _log.info(
+            "holding rank %d step %d (%d tensors, %d arena bytes); %d of %d bytes held, %s",
+            rank,
+            step,
+            int(body.get("tensors", 0)),
+            pending.bytes,
+            self.held_bytes,
+            self.max_bytes,
+            ", ".join(f"rank {h.rank} step {h.step}" for h in self.snapshots()),
+        )
+        return Message(Kind.OK, {"complete": True, "held_bytes": self.held_bytes})
+
+    def _pending(self, rank: int, step: int) -> Held:
+        for h in self._ranks.get(rank, []):
+            if h.step == step and not h.complete:
+                return h
+        raise AgentRefusedError(
+            f"rank {rank} step {step} was not begun (or was superseded): BEGIN before COMMIT",
+            reason="request",
+        )
+
+    def _drop_pending(self, pending: Held) -> None:
+        held = self._ranks.get(pending.rank, [])
+        if pending in held and not pending.complete:
+            held.remove(pending)
+            self._forget(pending)
+
+    def _fetch(self, body: dict[str, Any]) -> Message:
+        rank, step = _int(body, "rank"), _int(body, "step")
+        for h in reversed(self._ranks.get(rank, [])):
+            if h.step == step and h.complete:
+                meta = dict(h.meta)
+                meta.update(h.info())
+                fds = [os.dup(a.fd) for a in h.arenas]
+                return Message(Kind.OK, meta, h.payload, fds)
+        raise AgentRefusedError(f"no complete snapshot of rank {rank} step {step}", reason="unknown")
+
+
+def _error(exc: AgentRefusedError) -> Message:
+    return Message(Kind.ERROR, {"reason": exc.reason, "message": exc.message})

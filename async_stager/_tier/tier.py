@@ -1,0 +1,337 @@
+"""A trainer's memory tier: snapshots handed to the node agent, restored from it.
+
+``MemoryTier.save(sd, step)`` costs the caller the stage only: a BEGIN to the agent (a
+round trip on a local socket), then the stage into this tier's own Stager, whose
+arenas are memfds (``share_memory=True``; pinned as well where a CUDA device copies
+into them): the memory the copies land in is the memory handed over, by descriptor,
+with no second copy. In the background the staged regions are hashed (a thread) and
+committed; the agent re-hashes them and holds them.
+
+Buffers: the tier's Stager has ``keep`` buffer sets (2: one complete snapshot, one
+being written). The tier holds the newest complete snapshot's lease, so no stage writes
+into it; the BEGIN of the next snapshot tells the agent to forget every older one
+(their buffers may be overwritten from then on). When a save comes while the previous
+one is still being committed (both sets busy), ``policy`` applies: ``"skip"`` returns
+False at once, ``"wait"`` waits for the commit.
+
+Failures never stop training: an agent that is gone or too slow (AgentUnavailableError,
+AgentTimeoutError) turns the tier off with one warning (saves return False; the
+Checkpointer's disk saves go on), and it is tried again ``retry_seconds`` later (a
+restarted agent starts empty and is used again). A snapshot the agent refuses (its
+memory bound, checksums) is logged and not held.
+
+Restore: ``complete_steps`` (what the agent holds for this rank, of this world size)
+and ``load(step)``: the snapshot's descriptors, verified against its digests here
+(every byte read once), attached without a copy. The caller decides the step with the
+other ranks (never a step mixed from memory and disk: ``_checkpoint`` does that).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+import warnings
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import anyio
+import anyio.abc
+
+from async_stager._core.aio.lease import Lease
+from async_stager._core.aio.stager import Stager
+from async_stager._core.aio.threads import run_in_thread
+from async_stager._share.handoff import AttachedStateDict, attach_shared, export_shared
+from async_stager._tier.client import AgentClient, Fetched
+from async_stager._tier.regions import PIECE_BYTES, ArenaMaps, digests_of, regions_of
+from async_stager.errors import (
+    AgentError,
+    AgentRefusedError,
+    AgentTimeoutError,
+    AgentUnavailableError,
+    IntegrityError,
+    InvalidOptionError,
+)
+
+__all__ = ["MemoryStats", "MemoryTier", "TierProgress"]
+
+_log = logging.getLogger("async_stager.checkpoint")
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """The memory tier's counts and its newest snapshot, seconds and bytes.
+
+    ``held``: steps of this rank the agent holds complete (newest last), as the tier
+    last heard. ``saved``: snapshots the agent accepted; ``skipped``: saves dropped by
+    ``"skip"`` (the previous snapshot was still committing) or while the agent was
+    away; ``refused``: snapshots the agent did not accept; ``failures``: times the
+    agent was found gone or too slow. ``last_step``, ``stage_seconds`` (what the newest
+    save blocked its caller for: BEGIN and stage), ``commit_seconds`` (its hashing and
+    the agent's verification, in the background), ``bytes`` (its tensor bytes);
+    ``available``: the tier is on (False after a failure, until its retry)."""
+
+    held: tuple[int, ...] = ()
+    saved: int = 0
+    skipped: int = 0
+    refused: int = 0
+    failures: int = 0
+    last_step: int | None = None
+    stage_seconds: float = 0.0
+    commit_seconds: float = 0.0
+    bytes: int = 0
+    available: bool = True
+
+
+@dataclass(frozen=True)
+class TierProgress:
+    """A memory snapshot in flight: its step, phase (``"memory-staging"`` or
+    ``"memory-committing"``), seconds since its save was called, and the stage's
+    seconds (None while staging)."""
+
+    step: int
+    phase: str
+    seconds: float
+    staged_seconds: float | None
+
+
+class MemoryTier:
+    """One rank's snapshots to the node agent ``client``. ``rank``/``world``: this
+    process's place (a snapshot of one world size never restores in another);
+    ``policy``: ``"wait"`` or ``"skip"`` when both buffer sets are busy; ``stager``:
+    one with ``share_memory=True`` and at least 2 buffer sets (else its own);
+    ``retry_seconds``: how long the tier stays off after the agent failed."""
+
+    def __init__(
+        self,
+        client: AgentClient,
+        *,
+        rank: int = 0,
+        world: int = 1,
+        policy: Literal["wait", "skip"] = "wait",
+        stager: Stager | None = None,
+        retry_seconds: float = 30.0,
+    ) -> None:
+        if policy not in ("wait", "skip"):
+            raise InvalidOptionError(f"the memory tier's policy must be 'wait' or 'skip', got {policy!r}")
+        if stager is not None and (not stager.options.share_memory or stager.options.max_buffer_sets < 2):
+            raise InvalidOptionError(
+                "the memory tier needs a Stager(share_memory=True, max_buffer_sets>=2): its arenas are handed "
+                "to the agent by descriptor, one set complete while the next is written"
+            )
+        self.client = client
+        self.rank = rank
+        self.world = world
+        self.policy = policy
+        self.retry_seconds = retry_seconds
+        self._stager = stager
+        self._own_stager = stager is None
+        self._maps = ArenaMaps()
+        self._held: Lease[Any] | None = None  # the newest complete snapshot's buffers
+        self._held_step: int | None = None
+        #: This process's token: the agent tells our snapshots from a dead trainer's.
+        self.session = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._committing: anyio.Event | None = None
+        self._progress: TierProgress | None = None
+        self._called = 0.0
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._down_until = 0.0
+        self._stats = MemoryStats()
+
+    @property
+    def stats(self) -> MemoryStats:
+        return self._stats
+
+    @property
+    def stager(self) -> Stager:
+        if self._stager is None:
+            self._stager = Stager(share_memory=True, max_buffer_sets=2)
+        return self._stager
+
+    @property
+    def available(self) -> bool:
+        """The tier takes snapshots now (not off after a failure)."""
+        return time.monotonic() >= self._down_until
+
+    def _update(self, **changes: Any) -> None:
+        from dataclasses import replace
+
+        self._stats = replace(self._stats, **changes)
+
+    def open(self, tg: anyio.abc.TaskGroup) -> None:
+        """Commits run as tasks of ``tg`` (the Checkpointer's)."""
+        self._tg = tg
+
+    async def aclose(self) -> None:
+        """Wait for a commit in flight, release the held snapshot (the agent keeps its
+        own descriptors: the memory stays with the agent), close the connection and
+        this tier's Stager. Cancellation: shielded."""
+        with anyio.CancelScope(shield=True):
+            if self._committing is not None:
+                await self._committing.wait()
+            held, self._held, self._held_step = self._held, None, None
+            if held is not None:
+                held.release()
+            self._maps.close()
+            await self.client.aclose()
+            if self._own_stager and self._stager is not None:
+                await self._stager.aclose()
+                self._stager = None
+
+    def in_flight(self) -> list[TierProgress]:
+        return [] if self._progress is None else [self._progress]
+
+    def _fail(self, exc: AgentError, step: int) -> None:
+        """The agent is gone or too slow: off until the retry, one warning."""
+        was = self.available
+        self._down_until = time.monotonic() + self.retry_seconds
+        self._update(failures=self._stats.failures + 1, available=False, held=())
+        held, self._held, self._held_step = self._held, None, None
+        if held is not None:
+            held.release()
+        if was:
+            warnings.warn(
+                f"memory snapshot of step {step} failed ({exc}); memory checkpoints are off for "
+                f"{self.retry_seconds:g} s, saves to disk go on",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        _log.warning("memory tier: step %d: %s; disk only for %g s", step, exc, self.retry_seconds)
+
+    async def save(self, sd: dict[str, Any], step: int) -> bool:
+        """Snapshot ``sd`` (a resolved state dict) as ``step``: returns once staged
+        (True), or False when it was not taken (skipped, or the agent is away). The
+        commit goes on in the background. Cancellation: before the stage completed,
+        nothing is handed to the agent (a begun snapshot is never complete)."""
+        if not self.available:
+            self._update(skipped=self._stats.skipped + 1)
+            return False
+        if not self._stats.available:
+            self._update(available=True)
+        if self._committing is not None:
+            if self.policy == "skip":
+                self._update(skipped=self._stats.skipped + 1)
+                await anyio.lowlevel.checkpoint()
+                return False
+            while self._committing is not None:
+                await self._committing.wait()
+        called = time.monotonic()
+        self._progress = TierProgress(step, "memory-staging", 0.0, None)
+        self._called = called
+        try:
+            try:
+                protect = [] if self._held_step is None else [self._held_step]
+                await self.client.begin(self.rank, step, self.world, session=self.session, protect=protect)
+            except (AgentUnavailableError, AgentTimeoutError) as exc:
+                self._fail(exc, step)
+                return False
+            except AgentRefusedError as exc:
+                _log.warning("memory tier: the agent refused to begin step %d: %s", step, exc)
+                self._update(refused=self._stats.refused + 1)
+                return False
+            lease = await self.stager.lease(sd)
+        except BaseException:
+            self._progress = None
+            raise
+        staged = time.monotonic() - called
+        self._progress = TierProgress(step, "memory-committing", staged, staged)
+        done = self._committing = anyio.Event()
+        assert self._tg is not None, "MemoryTier.open(task_group) first"
+        self._tg.start_soon(self._commit, lease, step, staged, done)
+        return True
+
+    async def _commit(self, lease: Lease[Any], step: int, staged: float, done: anyio.Event) -> None:
+        t0 = time.monotonic()
+        try:
+            with anyio.CancelScope(shield=True):
+                await self._hand_over(lease, step, staged, t0)
+        finally:
+            self._progress = None
+            self._committing = None
+            done.set()
+
+    async def _hand_over(self, lease: Lease[Any], step: int, staged: float, t0: float) -> None:
+        handle = export_shared(lease.state_dict, self.stager)
+        fds = [a.fd for a in handle.arenas]
+        sizes = [a.nbytes for a in handle.arenas]
+        regions = regions_of(handle.refs)
+        maps = self._maps
+        try:
+            digests = await run_in_thread(
+                lambda: digests_of(maps, fds, sizes, regions), name="async-stager-tier-hash"
+            )
+            await self.client.commit(self.rank, step, self.world, handle, digests, PIECE_BYTES)
+        except (AgentUnavailableError, AgentTimeoutError) as exc:
+            lease.release()
+            self._fail(exc, step)
+            return
+        except AgentError as exc:
+            lease.release()
+            self._update(refused=self._stats.refused + 1)
+            _log.warning("memory tier: the agent did not accept step %d: %s", step, exc)
+            return
+        except BaseException:
+            lease.release()
+            raise
+        # The agent holds it: the previous snapshot's buffers are free for the next stage.
+        previous, self._held, self._held_step = self._held, lease, step
+        if previous is not None:
+            previous.release()
+        # Unmap arenas the stager no longer uses (it trims and remaps as sizes change).
+        maps.keep_only({(a.dev, a.ino) for a in handle.arenas})
+        held = (*[s for s in self._stats.held if s != step][-1:], step)
+        self._update(
+            saved=self._stats.saved + 1,
+            last_step=step,
+            stage_seconds=staged,
+            commit_seconds=time.monotonic() - t0,
+            bytes=handle.nbytes,
+            held=held,
+        )
+
+    # -- restoring ---------------------------------------------------------------------
+
+    async def complete_steps(self) -> list[int]:
+        """Steps of this rank the agent holds complete, saved at this world size
+        (newest last); [] if the agent is away (logged)."""
+        try:
+            infos = await self.client.snapshots(self.rank)
+        except AgentError as exc:
+            _log.warning("memory tier: cannot list the agent's snapshots (%s): restoring from disk", exc)
+            return []
+        return [i.step for i in infos if i.complete and i.world == self.world]
+
+    async def load(self, step: int) -> AttachedStateDict:
+        """Snapshot ``step`` of this rank, attached (no copy) after every region was
+        verified against its digest. Raises AgentError (gone, refused) or
+        IntegrityError (a region does not match). Close the result when loaded."""
+        fetched = await self.client.fetch(self.rank, step)
+        try:
+            await run_in_thread(lambda: _verify(fetched), name="async-stager-tier-verify")
+            return attach_shared(fetched.handle)
+        finally:
+            fetched.close()  # the mapping keeps the memory
+
+
+def _verify(f: Fetched) -> None:
+    regions = regions_of(f.handle.refs)
+    if len(regions) != len(f.digests):
+        raise IntegrityError(
+            f"memory snapshot of step {f.step}: {len(f.digests)} digests for {len(regions)} regions",
+            step=f.step,
+        )
+    maps = ArenaMaps()
+    try:
+        got = digests_of(
+            maps, list(f.fds), [a.nbytes for a in f.handle.arenas], regions, f.piece_bytes or PIECE_BYTES
+        )
+    finally:
+        maps.close()
+    for region, want, have in zip(regions, f.digests, got):
+        if list(want) != have:
+            raise IntegrityError(
+                f"memory snapshot of rank {f.rank} step {f.step}: arena {region[0]} bytes "
+                f"[{region[1]}, {region[1] + region[2]}) do not match their checksum",
+                step=f.step,
+            )
