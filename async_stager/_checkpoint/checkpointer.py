@@ -194,6 +194,10 @@ class Checkpointer:
             os.fspath(node_budget_path) if isinstance(node_budget_path, os.PathLike) else node_budget_path,
             node_budget_job,
         )
+        if stager is not None and not isinstance(stager, Stager):
+            raise InvalidOptionTypeError(
+                f"stager must be an async_stager.Stager (or None), got {type(stager).__name__}"
+            )
         if node_budget_bytes is not None and stager is not None:
             raise InvalidOptionError(
                 "node_budget_bytes is for the Checkpointer's own Stager; with stager=..., give that "

@@ -34,7 +34,8 @@ class Shutdown:
             code = await stop.final_checkpoint(ckpt, state, step=step, deadline=25.0)
         sys.exit(code)
 
-    Outside the block the previous handlers are back.
+    Outside the block the previous handlers are back. An exception raised in the block
+    comes out of it as raised (not in an ExceptionGroup), as from a Checkpointer's.
     """
 
     def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
@@ -89,9 +90,14 @@ class Shutdown:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool | None:
         assert self._tg is not None
-        self._tg.cancel_scope.cancel()
+        tg, self._tg = self._tg, None
+        tg.cancel_scope.cancel()
         try:
-            await self._tg.__aexit__(exc_type, exc, tb)
+            # The block's own exception is not handed to the task group: it would come out
+            # wrapped in an ExceptionGroup (``except ValueError`` around the block would
+            # miss it). The listener is cancelled and ends at once; the block's exception
+            # (a cancellation included) then propagates as it was raised.
+            await tg.__aexit__(None, None, None)
         finally:
             self._receiver.__exit__(None, None, None)
             for s, handler in self._previous.items():

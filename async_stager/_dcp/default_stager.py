@@ -10,9 +10,10 @@ A drop-in for torch_checkpointing's stager too: its config defaults, its interfa
 (``get_staged_state_dict`` abstract), its thread and metric-prefix names.
 
 Differences from the seed, on purpose: flags defaulted take what the machine supports
-(so ``DefaultStager()`` works on a CPU-only machine), while asking explicitly for a
-CUDA-only feature there raises AcceleratorRequiredError (an UnsupportedError and an
-AssertionError) at construction; results kept while staging again each get a buffer
+(so ``DefaultStager()`` works on a CPU-only machine); ``use_pinned_memory=True`` where
+nothing can pin warns and stages unpinned (as torch_checkpointing's stager), while
+``use_non_blocking_copy=True`` there raises AcceleratorRequiredError (an
+UnsupportedError and an AssertionError, which theirs asserts) at construction; results kept while staging again each get a buffer
 set of their own, up to ``DEFAULT_MAX_BUFFER_SETS`` (a warning names the memory past
 two), instead of being overwritten; using a closed
 stager raises ClosedError; ``close()`` is idempotent and never raises a stage's error
@@ -39,6 +40,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from types import TracebackType
@@ -185,15 +187,30 @@ class DefaultStager(CheckpointStager):
             None if "use_non_blocking_copy" in machine else getattr(config, "use_non_blocking_copy", None)
         )
         # Passed through as given: resolve_options checks their types.
+        build = functools.partial(
+            build_engine,
+            backend=backend,
+            pinner=pinner,
+            share_memory=getattr(config, "use_shared_memory", True),
+            non_blocking=non_blocking,
+            **engine_options,
+        )
         try:
-            self._engine = build_engine(
-                backend=backend,
-                pinner=pinner,
-                pin_memory=pin,
-                share_memory=getattr(config, "use_shared_memory", True),
-                non_blocking=non_blocking,
-                **engine_options,
-            )
+            try:
+                self._engine = build(pin_memory=pin)
+            except UnsupportedError as e:
+                if not (pin is True and _needs_accelerator(e) and str(e).startswith("pin_memory=")):
+                    raise
+                # As torch_checkpointing's stager (the one this replaces): pinned memory
+                # asked for where nothing can pin is a warning, and staging goes on into
+                # unpinned memory (torchtitan asks for it on CPU-only runs too).
+                warnings.warn(
+                    "Ignoring use_pinned_memory=True for checkpoint staging: pinning host memory "
+                    "needs CUDA, which is not available here; staging into unpinned memory",
+                    UserWarning,
+                    stacklevel=2,
+                )
+                self._engine = build(pin_memory=False)
         except UnsupportedError as e:
             if _needs_accelerator(e):
                 raise AcceleratorRequiredError(str(e)) from None

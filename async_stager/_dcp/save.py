@@ -34,7 +34,7 @@ from async_stager._core.aio.threads import run_in_thread
 from async_stager._core.copy.device import caller_cuda_device
 from async_stager._dcp.blocking import _save_blocking as _save_blocking  # patched by tests
 from async_stager._dcp.budget import BudgetStats
-from async_stager.errors import InvalidOptionError
+from async_stager.errors import InvalidOptionError, InvalidOptionTypeError
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -143,6 +143,18 @@ def save(
     (``node_budget_job``, torchrun's run id, ``MASTER_ADDR:MASTER_PORT``); opened at the
     call and closed when the save ends. Every rank of the node gives the same ``N``.
     """
+    from async_stager._core.aio.stager import Stager as _Stager
+
+    if not isinstance(stager, _Stager):
+        raise InvalidOptionTypeError(
+            f"stager must be an async_stager.Stager, got {type(stager).__name__}"
+            + (
+                " (a DefaultStager is DCP's staging API: give it to torch.distributed.checkpoint"
+                ".async_save(..., async_stager=...), or use async_stager.Stager() here)"
+                if hasattr(stager, "synchronize_staging")
+                else ""
+            )
+        )
     if node_ledger is not None and node_budget_bytes not in (None, node_ledger.budget):
         raise InvalidOptionError(
             f"node_budget_bytes={node_budget_bytes} differs from the budget of the node ledger given "

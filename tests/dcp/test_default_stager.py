@@ -81,11 +81,17 @@ def test_reuse_after_close_needs_a_new_stager() -> None:
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the CPU-only refusal")
-def test_cuda_only_features_are_refused_on_cpu() -> None:
-    with pytest.raises(UnsupportedError, match="pin_memory"):
-        DefaultStager(CheckpointStagerConfig(use_pinned_memory=True))
+def test_non_blocking_copies_are_refused_on_cpu_pinned_memory_warns() -> None:
+    # As torch_checkpointing: non-blocking copies without CUDA assert; pinned memory is
+    # ignored with a warning and staging goes on unpinned.
     with pytest.raises(UnsupportedError, match="non_blocking"):
         DefaultStager(CheckpointStagerConfig(use_non_blocking_copy=True))
+    with pytest.warns(UserWarning, match="Ignoring use_pinned_memory=True"):
+        stager = DefaultStager(CheckpointStagerConfig(use_pinned_memory=True, use_async_staging=False))
+    with stager:
+        sd = sample()
+        assert_same(stager.stage(sd), sd)
+        assert stager.pinned_num_bytes() == 0
     assert issubclass(UnsupportedError, StagingError)
 
 

@@ -11,6 +11,7 @@ import logging
 import sys
 import threading
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, ClassVar
 from unittest import mock
@@ -99,17 +100,35 @@ def test_config_defaults_follow_the_accelerator(can_pin: bool) -> None:
     assert (config.thread_name, config.metric_prefix) == ("ckpt-staging", "train.checkpoint_write")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
-def test_cuda_only_flags_without_cuda_raise_an_assertion_error_too() -> None:
-    # torch_checkpointing asserts; ours is typed and is also an AssertionError.
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+def test_cuda_only_flags_without_cuda_as_torch_checkpointing() -> None:
+    """torch_checkpointing asserts for non-blocking copies without CUDA (ours is typed and
+    also an AssertionError), and ignores use_pinned_memory=True with a warning, staging
+    unpinned (torchtitan asks for it on CPU-only runs): ours does the same."""
     off: dict[str, Any] = {"use_pinned_memory": False, "use_non_blocking_copy": False}
-    for flags in ({"use_pinned_memory": True}, {"use_non_blocking_copy": True}):
+    for flags in (
+        {"use_non_blocking_copy": True},
+        {"use_pinned_memory": True, "use_non_blocking_copy": True},
+    ):
         config = CheckpointStagerConfig(**{**off, **flags})
-        with pytest.raises(AssertionError) as info:
+        with pytest.raises(AssertionError) as info, warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # the pinned flag's, when given
             DefaultStager(config)
         assert isinstance(info.value, AcceleratorRequiredError)
         assert isinstance(info.value, UnsupportedError)
         assert "needs CUDA" in str(info.value)
+    for config in (
+        CheckpointStagerConfig(**{**off, "use_pinned_memory": True}),
+        CheckpointStagerConfig(use_pinned_memory=True),  # torchtitan's: the rest defaulted
+    ):
+        with pytest.warns(UserWarning, match="pinning host memory needs CUDA") as seen:
+            stager = DefaultStager(config)
+        assert seen[0].filename == __file__  # points at the caller's line
+        with stager:
+            sd = sample()
+            staged = stager.stage(sd)
+            assert_same(staged.result(timeout=30) if isinstance(staged, Future) else staged, sd)
+            assert stager.pinned_num_bytes() == 0
 
 
 def test_held_results_grow_buffer_sets_up_to_the_bound(caplog: pytest.LogCaptureFixture) -> None:

@@ -22,10 +22,11 @@ import contextvars
 import functools
 import logging
 import os
+import sys
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any, Generic, Literal, TypeVar
 
 import anyio.lowlevel
@@ -50,6 +51,23 @@ from async_stager._core.stats import StageStats
 from async_stager.errors import ClosedError
 
 __all__ = ["Stager"]
+
+
+def _refuse_sync_dcp(caller: FrameType) -> None:
+    """Refuse a ``stage()`` called by DCP's ``async_save`` (a Stager given as its
+    ``async_stager``): DCP takes the coroutine for a staged dict (it would write a
+    coroutine, fail later with an AttributeError, and warn that the coroutine was never
+    awaited). Only the caller's module name is read; nothing of DCP is imported here."""
+    module = caller.f_globals.get("__name__", "")
+    if isinstance(module, str) and module.startswith("torch.distributed.checkpoint"):
+        raise TypeError(
+            "async_stager.Stager cannot be DCP's async_stager: its stage() returns a coroutine "
+            "for an event loop to await, and torch.distributed.checkpoint.async_save needs a "
+            "staged dict or a Future. Pass async_stager=async_stager.DefaultStager() (DCP's "
+            "staging API on the same engine), or from async code await "
+            "async_stager.dcp.save(state_dict, stager=stager, checkpoint_id=...)"
+        )
+
 
 T = TypeVar("T")
 
@@ -174,7 +192,12 @@ class Stager:
         background with their buffers reserved, and the next stage waits for them.
         The stager stays usable. Raises ClosedError if the stager is closed, and
         StagingError subclasses naming the path for bad input.
+
+        Passed to DCP as ``async_save(..., async_stager=stager)``, it raises TypeError
+        at DCP's call, before anything is staged: DCP needs a staged dict or a Future
+        from ``stage()`` (use ``DefaultStager``), not a coroutine.
         """
+        _refuse_sync_dcp(sys._getframe(1))
         return self._start(sd, lease=False)
 
     def _start(self, sd: Any, *, lease: bool, checksums: bool = False) -> Coroutine[Any, Any, Any]:
