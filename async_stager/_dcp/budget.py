@@ -63,11 +63,10 @@ from __future__ import annotations
 
 import threading
 import time
-import types
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Future
-from typing import IO, TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -75,14 +74,16 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 
 from async_stager._core.aio.waiting import wait_future
 from async_stager._core.checksum.digest import chunk_key, tensor_digest
-from async_stager._core.copy.device import Backend, Completion, Copier
+from async_stager._core.copy.device import Completion
 from async_stager._core.memory.arena import Pinner
+from async_stager._core.memory.buffer_sets import HOST_WAIT_SECONDS
 from async_stager._core.memory.ring import ALIGN, Ring, padded
+from async_stager._core.run.lanes import Lane, Lanes
+from async_stager._dcp.budget_records import Marker, SaveAborted, Streamed, item_nbytes, too_small
 from async_stager._dcp.budget_share import BudgetStats, reserve_share
 from async_stager._dcp.copies import RingCopies
-from async_stager._dcp.pickling import RingSink, Stopped, checked_pickle_module
-from async_stager._dcp.streaming import Marker, Streamed
-from async_stager.errors import BudgetTooSmallError, StagingError, UnsupportedError
+from async_stager._dcp.pickling import ObjectStream, Segment, Stopped
+from async_stager.errors import CopyError, StagingError, UnsupportedError
 
 if TYPE_CHECKING:
     from async_stager._core.memory.ledger import NodeLedger, Reservation
@@ -99,34 +100,18 @@ _CHUNK_MAX = 8 * 1024 * 1024
 _ITEM_BYTES = 2048
 
 
-class SaveAborted(StagingError):
-    """Raised inside DCP's writer when a budgeted save is cancelled: DCP then fails the
-    save (on every rank) before writing the checkpoint's metadata."""
-
-
-def _item_nbytes(item: WriteItem) -> int:
-    assert item.tensor_data is not None
-    n = 1
-    for s in item.tensor_data.chunk.sizes:
-        n *= int(s)
-    return n * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
-
-
-#: What the writer is handed for bytes items, in ring order: (item position, bytes to
-#: write or None, the item ends here, the piece is released after this segment).
-_Segment = tuple[int, "np.ndarray[Any, Any] | None", bool, bool]
-
-
 class Pipeline:
     """One budgeted save's copier thread, ring and bookkeeping.
 
     Threads: ``start``/``take``/``pump``/``finish`` run in DCP's save thread (the
     writer), ``_copy_all`` in the copier thread, ``fence``/``abort`` on the event loop.
-    ``backend``: the device seam (the stager's; None: the real one, non-blocking) that
-    makes the ``Copier`` of a device first seen in the copier thread (on the real one,
-    the CPU's: its ``copy_threads`` are the stager's, one core left to the writer).
-    ``copiers``: the copiers made at the call, on the caller's thread, for the devices
-    in ``captures``; owned by the pipeline from now on (closed by ``finish``).
+    ``lanes``/``lane``: the stager's lanes (``_core.run.lanes``) and the one this save
+    took at the call: its copiers (those of the devices in ``captures`` made on the
+    caller's thread; a device first seen in the copier thread gets one from
+    ``lanes.backend``, on the real one the CPU's, with the stager's ``copy_threads``)
+    and its ring, kept for the next save (given back by ``finish``). ``pinner``: pins
+    the ring (None: pageable). ``generators``: the ``torch.Generator``s inside bytes
+    items, each with its pickle reduction taken at the call (``pickling``).
     ``captures``: per device, its copier's ``capture()`` at the call (the snapshot
     point on the caller's stream); each piece's copy is ordered after it
     (``order_after``: a host copy, and the serialization of bytes items, after all).
@@ -147,9 +132,10 @@ class Pipeline:
         *,
         captures: Mapping[torch.device, Any],
         t0: float,
-        backend: Backend | None = None,
-        copiers: Mapping[torch.device, Copier] | None = None,
+        lanes: Lanes,
+        lane: Lane,
         pinner: Pinner | None = None,
+        generators: dict[int, tuple[Any, Any]] | None = None,
         digests: dict[str, dict[str, Any]] | None = None,
         object_hint: int | None = None,
         object_paths: dict[str, tuple[Any, ...]] | None = None,
@@ -173,7 +159,10 @@ class Pipeline:
         #: its copy is done), before the writer writes it.
         self.digests = digests
         #: The tensor copies, through the device seam (``copies``).
-        self.copies = RingCopies(captures, backend=backend, copiers=copiers)
+        self.copies = RingCopies(captures, backend=lanes.backend, copiers=lane.copiers)
+        self._lanes = lanes
+        self._lane: Lane | None = lane
+        self._generators = generators
         #: Pins the ring (the arenas' path, ``arena.pin``); None: the ring is pageable.
         self.pinner = pinner
         self.t0 = t0
@@ -192,14 +181,9 @@ class Pipeline:
         # Per tensor item position: its piece and the completion of its copy (None:
         # landed, and hashed).
         self._ready: dict[int, tuple[torch.Tensor, Completion | None]] = {}
-        self._segments: deque[_Segment] = deque()
+        self._segments: deque[Segment] = deque()
         # Copier thread: bytes items' small writes gathered across items (at most
         # ``_SMALL`` bytes, outside the ring) into one piece, with their segments.
-        self._batch = bytearray()
-        self._batch_segments: list[tuple[int, int, int, bool]] = []  # (pos, start, end, last)
-        self._open = 0  # the bytes item being serialized
-        self._open_from = 0  # where its bytes not yet in a segment start in _batch
-        self._pickle: types.ModuleType | None = None
         self._next = 0  # position in _items of the next tensor the writer asks for
         self._next_object = 0  # position in _objects of the next bytes item asked for
         self._streaming: int | None = None  # a bytes item handed out, not yet written
@@ -224,10 +208,10 @@ class Pipeline:
         order."""
         self._objects = [it for it in plan.items if it.type == WriteItemType.BYTE_IO]
         self._items = [it for it in plan.items if it.type != WriteItemType.BYTE_IO]
-        need = max((padded(max(_item_nbytes(it), 1)) for it in self._items), default=0)
+        need = max((padded(max(item_nbytes(it), 1)) for it in self._items), default=0)
         if need > self.budget:
-            raise _too_small(self._items, self.budget)
-        total = sum(padded(max(_item_nbytes(it), 1)) for it in self._items)
+            raise too_small(self._items, self.budget)
+        total = sum(padded(max(item_nbytes(it), 1)) for it in self._items)
         if self._objects:
             hint = self.object_hint if self.object_hint is not None else _ITEM_BYTES * len(self._objects)
             total += padded(hint) + _SMALL
@@ -239,7 +223,9 @@ class Pipeline:
         # Pinned (exact size) when CUDA is in use: device copies into it are asynchronous.
         # A failed registration (PinningError) fails the save as itself.
         try:
-            self._ring = Ring(capacity, pinner=self.pinner)
+            assert self._lane is not None
+            # The lane's ring again when it fits (no allocation, no registration).
+            self._ring = self._lane.ring_for(capacity, self.budget, self.pinner)
         except StagingError as e:
             self._error = e
             raise
@@ -396,32 +382,49 @@ class Pipeline:
         }
 
     def finish(self) -> None:
-        """The writer is done (or failed): stop the copier, wait for it, free the ring."""
+        """The writer is done (or failed): stop the copier, wait for it (bounded), make
+        sure no copy may still land in the ring, and give the lane back (its ring kept
+        for the next save, unless a node budget reserved it). Idempotent."""
         self.abort()
-        if self._thread is not None:
-            self._thread.join()
+        thread = self._thread
+        joined = True
+        if thread is not None:
+            thread.join(HOST_WAIT_SECONDS)
+            joined = not thread.is_alive()
         with self._cond:
             self._segments.clear()
             self._ready.clear()
-        # No copy may still land in memory about to be unregistered (and reused): every
+        # No copy may still land in memory about to be reused or unregistered: every
         # copy the writer did not take, and the latest of each device, are waited for
         # (bounded); a failing one stops neither the others nor the ring's release.
-        failed = self.copies.settle()
+        failed, over = self.copies.settle()
+        if not joined:
+            failed = failed or CopyError(
+                f"the budgeted save's copier thread did not stop within {HOST_WAIT_SECONDS:.0f} s"
+            )
         with self._cond:
             if failed is not None and self._error is None:
                 self._error = failed
+        ring = self._ring
+        if ring is not None:
+            self._ring_stats = (ring.capacity, ring.peak, ring.blocked_seconds)
+        # The pipeline lets go of the ring; with a node budget the lane drops it (its
+        # memory goes with its last reference: pieces the writer held were dropped with
+        # its files), and only then is the share given back, so the node never holds
+        # more than the ledger shows. A lane whose copies may still land is kept,
+        # unused (``Lanes.give_back``).
+        self._ring = None
+        del ring
+        lane, self._lane = self._lane, None
         try:
-            ring = self._ring
-            if ring is not None:
-                self._ring_stats = (ring.capacity, ring.peak, ring.blocked_seconds)
-                ring.close()
+            if lane is not None:
+                error = self._lanes.give_back(
+                    lane, settled=over and joined, keep_ring=self._reservation is None
+                )
+                with self._cond:
+                    if error is not None and self._error is None:
+                        self._error = error
         finally:
-            # The ring's memory goes with its last reference (pieces the writer held
-            # were dropped with its files): only then is its share given back, so the
-            # node never holds more than the ledger shows.
-            self._ring = None
-            del ring
-            self.copies.close()
             self._settle()
             reservation, self._reservation = self._reservation, None
             if reservation is not None:
@@ -437,12 +440,10 @@ class Pipeline:
         try:
             with torch.no_grad():
                 if self._objects:
-                    # A value may hold CPU tensors the caller's stream is still writing
-                    # (torch.save reads them on the host): wait for every capture.
-                    self.copies.wait_captures()
-                for at, item in enumerate(self._objects):
-                    self._serialize(at, item)
-                self._flush()
+                    # Values are read as of the call: after every capture, a device
+                    # tensor inside one on the copy stream (``RingCopies.serializing``).
+                    with self.copies.serializing():
+                        self._serialize_objects()
                 for pos, item in enumerate(self._items):
                     src = self.source(item).detach()
                     nbytes = src.numel() * src.element_size()
@@ -469,72 +470,28 @@ class Pipeline:
         finally:
             self._settle()
 
-    def _serialize(self, at: int, item: WriteItem) -> None:
-        """``torch.save`` of a bytes item's value, as DCP's planner does, into the ring
-        (``_object_write``). Raises Stopped if the save was aborted meanwhile."""
+    def _serialize_objects(self) -> None:
+        """``torch.save`` of each bytes item's value, as DCP's planner does, into the
+        ring (``pickling.ObjectStream``). Raises Stopped if the save was aborted."""
         assert self.lookup is not None
-        if self._pickle is None:
-            self._pickle = checked_pickle_module(self.budget, self._open_path)
-        value = self.lookup(item)
-        self._open = at
-        self._open_from = len(self._batch)
-        sink = RingSink(self._object_write, self._batch, min(_SMALL, self._chunk))
-        try:
-            torch.save(value, cast("IO[bytes]", sink), pickle_module=self._pickle)
-        except BaseException as e:
-            failure = sink.failure
-            if failure is not None and failure is not e:
-                # torch.save raised again on its way out (the zip's end): the first
-                # error is the one that says what happened.
-                raise failure from None
-            raise
-        del value
-        self._batch_segments.append((at, self._open_from, len(self._batch), True))
-        self._open_from = len(self._batch)
+        stream = ObjectStream(
+            self.budget,
+            chunk=self._chunk,
+            small=_SMALL,
+            piece=self._piece,
+            hand=self._hand,
+            where=self._path_of,
+            generators=self._generators,
+        )
+        for at, item in enumerate(self._objects):
+            value = self.lookup(item)
+            stream.serialize(at, value)
+            del value
+        stream.flush()
 
-    def _open_path(self) -> tuple[Any, ...]:
-        fqn = self._objects[self._open].index.fqn
+    def _path_of(self, at: int) -> tuple[Any, ...]:
+        fqn = self._objects[at].index.fqn
         return self.object_paths.get(fqn, (fqn,))
-
-    def _object_write(self, view: memoryview) -> None:
-        """Bytes of the open bytes item: small writes are gathered (across items) into
-        the batch, larger ones cut into pieces of at most ``_chunk`` bytes, each
-        copied into the ring and handed to the writer at once."""
-        n = view.nbytes
-        limit = min(_SMALL, self._chunk)
-        if len(self._batch) + n > limit:
-            self._flush()
-        if n <= limit:
-            self._batch += view
-            return
-        for a in range(0, n, self._chunk):
-            part = view[a : a + self._chunk]
-            piece = self._piece(part.nbytes)
-            np.copyto(piece, np.frombuffer(part, dtype=np.uint8))
-            self._hand([(self._open, piece, False, True)])
-
-    def _flush(self) -> None:
-        """The batch into one piece of the ring, handed to the writer as its items'
-        segments (the piece is released after the last one)."""
-        if len(self._batch) > self._open_from:
-            self._batch_segments.append((self._open, self._open_from, len(self._batch), False))
-        if not self._batch_segments:
-            return
-        piece = self._piece(len(self._batch)) if self._batch else None
-        if piece is not None:
-            with memoryview(self._batch) as mv:
-                np.copyto(piece, np.frombuffer(mv, dtype=np.uint8))
-        segments: list[_Segment] = [
-            (pos, piece[a:b] if piece is not None else None, last, False)
-            for pos, a, b, last in self._batch_segments
-        ]
-        if piece is not None:
-            pos, data, last, _ = segments[-1]
-            segments[-1] = (pos, data, last, True)
-        self._batch.clear()
-        self._batch_segments.clear()
-        self._open_from = 0
-        self._hand(segments)
 
     def _piece(self, n: int) -> np.ndarray[Any, Any]:
         ring = self._ring
@@ -546,7 +503,7 @@ class Pipeline:
         piece: np.ndarray[Any, Any] = ring.view(start, n, torch.uint8, (n,)).numpy()
         return piece
 
-    def _hand(self, segments: list[_Segment]) -> None:
+    def _hand(self, segments: list[Segment]) -> None:
         with self._cond:
             self._segments.extend(segments)
             self._cond.notify_all()
@@ -604,13 +561,3 @@ class Pipeline:
             total_seconds=total_seconds,
             node_wait_seconds=self._node_wait,
         )
-
-
-def _too_small(items: Sequence[WriteItem], budget: int) -> BudgetTooSmallError:
-    item = max(items, key=_item_nbytes)
-    need = padded(_item_nbytes(item))
-    return BudgetTooSmallError(
-        f"write item {item.index.fqn!r} takes {need} bytes of host memory, more than "
-        f"host_budget_bytes={budget}; pass host_budget_bytes >= {need}",
-        needed_bytes=need,
-    )

@@ -2,9 +2,13 @@
 
 The pipeline itself is ``budget`` (ring, copier thread), ``copies`` (its copies
 through the device seam), ``pickling`` (bytes items into the ring) and ``streaming``
-(DCP's planner, writer and file system). The device seam is the stager's: its engine's
-``Backend`` (a ``FakeBackend`` in CPU tests) makes the copiers and answers the device
-questions at the call, and the engine's pinner pins the ring.
+(DCP's planner, writer and file system). The device seam is the stager's, through its
+internal interface ``Stager.lanes`` (``_core.run.lanes``): its ``Backend`` (a
+``SimulatedBackend`` or ``FakeBackend`` in CPU tests) answers the device questions at
+the call, a lane's copiers (their streams kept from one save to the next) copy, the
+lane's ring (kept too, unless a node budget reserved it) holds the pieces, pinned with
+the stager's pinner; ``Stager.add_fence_hook`` makes the stager's ``fence()`` wait for
+the save.
 
 What the budget bounds: the ring, ``N`` bytes of host memory at most, through which
 every byte DCP writes passes in pieces: tensor items (a tensor, a DTensor's local
@@ -36,7 +40,7 @@ import torch
 
 from async_stager._core.aio.threads import start_thread
 from async_stager._core.aio.waiting import wait_future, wait_future_uninterrupted
-from async_stager._core.copy.device import Copier, caller_cuda_device, graph_capture_error
+from async_stager._core.copy.device import caller_cuda_device, graph_capture_error
 from async_stager._core.memory.arena import Pinner
 from async_stager._core.memory.ring import ALIGN, padded
 from async_stager._dcp.budget import BudgetStats, Pipeline
@@ -160,6 +164,8 @@ class _Survey:
         self.nodes = _SURVEY_NODES
         self.ring_bytes = 0  # estimated bytes streamed through the ring, all values
         self.refusal: BudgetTooSmallError | None = None
+        #: Generators met, by id: (the generator, its pickle reduction now).
+        self.generators: dict[int, tuple[Any, Any]] = {}
 
     def value(self, path: tuple[Any, ...], value: Any) -> None:
         seen: set[int] = set()
@@ -190,6 +196,12 @@ class _Survey:
                         needed_bytes=n,
                     )
                 self.ring_bytes += n
+                continue
+            if isinstance(v, torch.Generator):
+                # Its state as of the call: training advances it right after (a
+                # dropout), and torch.save would read it when serialized.
+                if id(v) not in self.generators:
+                    self.generators[id(v)] = (v, v.__reduce__())
                 continue
             if isinstance(v, float):
                 pickled += 9
@@ -249,12 +261,15 @@ class _Survey:
                     continue
 
 
-def survey(state_dict: Any, budget: int) -> tuple[int, dict[str, tuple[Any, ...]]]:
+def survey(
+    state_dict: Any, budget: int
+) -> tuple[int, dict[str, tuple[Any, ...]], dict[int, tuple[Any, Any]]]:
     """Check ``state_dict`` against ``budget`` at the call, before anything is staged:
     BudgetTooSmallError naming the first tensor item bigger than the budget, else the
     first non-tensor value (or device tensor inside one) that ``torch.save`` would hold
     whole beyond it. Returns the estimated ring bytes of the non-tensor values (to size
-    the ring) and each one's path by DCP name (for errors found when serialized)."""
+    the ring), each one's path by DCP name (for errors found when serialized), and the
+    ``torch.Generator``s inside them with their state taken now (by id)."""
     path, need = largest_tensor(state_dict)
     if need > budget:
         raise BudgetTooSmallError(
@@ -272,7 +287,7 @@ def survey(state_dict: Any, budget: int) -> tuple[int, dict[str, tuple[Any, ...]
         look.value(where, value)
     if look.refusal is not None:
         raise look.refusal
-    return look.ring_bytes, paths
+    return look.ring_bytes, paths, look.generators
 
 
 def budgeted_save(
@@ -365,10 +380,10 @@ def _budgeted_save(
         raise InvalidOptionError("a budgeted save needs checkpoint_id (the checkpoint's folder)")
     if stager.closed:
         raise ClosedError("the stager is closed")
-    object_hint, object_paths = survey(state_dict, budget)
+    object_hint, object_paths, generators = survey(state_dict, budget)
     # The stager's device seam (``Stager(backend=...)``): what its stages copy with.
-    engine = stager._engine
-    backend = engine.backend
+    lanes = stager.lanes
+    backend = lanes.backend
     devices = list(dict.fromkeys(backend.known_devices()))
     # Checked before anything is made or recorded on a device (as stage() does): an
     # event recorded on a capturing stream belongs to the graph, so the copies could
@@ -377,32 +392,31 @@ def _budgeted_save(
         if backend.capturing(d):
             raise graph_capture_error("dcp.save(host_budget_bytes=...)", d)
     # The snapshot point: a capture on the caller's current stream of every device a
-    # source may live on, by the save's own copier there (made on this thread: its copy
-    # stream is not the caller's). The stager's copiers belong to its worker.
-    copiers: dict[torch.device, Copier] = {}
+    # source may live on, by the copier there of the lane this save takes (made on this
+    # thread the first time: its copy stream is not the caller's; kept for the next
+    # save). The stager's own copiers belong to its worker.
+    lane = lanes.take(devices)
     try:
-        for d in devices:
-            copiers[d] = backend.copier(d)
-        captures = {d: c.capture() for d, c in copiers.items()}
+        captures = {d: lane.copiers[d].capture() for d in devices}
+        pipeline = Pipeline(
+            budget,
+            captures=captures,
+            t0=t0,
+            lanes=lanes,
+            lane=lane,
+            pinner=_ring_pinner(lanes.pinner, bool(captures)),
+            generators=generators,
+            digests=digests,
+            object_hint=object_hint,
+            object_paths=object_paths,
+            ledger=ledger,
+            ledger_wait=stager.options.buffer_wait_timeout,
+            owns_ledger=owns_ledger,
+        )
     except BaseException:
-        for c in copiers.values():
-            c.close()
+        lanes.give_back(lane, settled=True)
         raise
-    pipeline = Pipeline(
-        budget,
-        captures=captures,
-        t0=t0,
-        backend=backend,
-        copiers=copiers,
-        pinner=_ring_pinner(engine._pinner, bool(captures)),
-        digests=digests,
-        object_hint=object_hint,
-        object_paths=object_paths,
-        ledger=ledger,
-        ledger_wait=stager.options.buffer_wait_timeout,
-        owns_ledger=owns_ledger,
-    )
-    remove = stager._add_fence(pipeline.fence)
+    remove = stager.add_fence_hook(pipeline.fence)
     coro = _run(
         pipeline,
         remove,

@@ -14,15 +14,17 @@ CUDA ordering and a ``FakeBackend`` drives it on the CPU:
   (``record_stream``);
 - host waits are bounded (``HOST_WAIT_SECONDS``) and see an abort.
 
-Owner: the pipeline of one save (``budget.Pipeline``); the copiers are its own (not the
-stager's: those belong to the stager's worker), closed by ``close``.
+Owner: the pipeline of one save (``budget.Pipeline``); the copiers are its lane's
+(``_core.run.lanes``: kept from one budgeted save to the next, so no stream is drawn per
+save; not the stager's own, which belong to its worker), closed by the lane.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -43,7 +45,7 @@ class RingCopies:
     copiers that made them (the caller's thread). ``backend``: makes the copier of a
     device first seen in the copier thread (on the real backend, the CPU's; None: the
     real one, non-blocking). Threads: ``copy`` in the copier thread, ``landed`` and
-    ``settle``/``close`` in the writer's, ``fence_points`` in the caller's,
+    ``settle`` in the writer's, ``fence_points`` in the caller's,
     ``apply_fence`` on the event loop; the dicts are read there as snapshots."""
 
     def __init__(
@@ -51,11 +53,12 @@ class RingCopies:
         captures: Mapping[torch.device, Any],
         *,
         backend: Backend | None = None,
-        copiers: Mapping[torch.device, Copier] | None = None,
+        copiers: dict[torch.device, Copier] | None = None,
     ) -> None:
         self.captures = dict(captures)
         self._backend = backend
-        self._copiers: dict[torch.device, Copier] = dict(copiers or {})
+        # The lane's (shared: a copier made here stays the lane's for the next save).
+        self._copiers: dict[torch.device, Copier] = copiers if copiers is not None else {}
         # Copies not yet seen to land (by ``landed``), in enqueue order, keyed by
         # ``id``: what a fence orders after (each of them: a fake device's completions
         # are independent, and on CUDA more waits on one stream cost microseconds) and
@@ -64,11 +67,32 @@ class RingCopies:
         self._pending: dict[int, tuple[torch.device, Completion]] = {}
         self._lock = threading.Lock()
 
-    def wait_captures(self) -> None:
-        """Block until every capture has fired (the host is about to read CPU tensors
-        the caller's streams may still be writing: a bytes item's value)."""
+    @contextlib.contextmanager
+    def serializing(self) -> Iterator[None]:
+        """Copier thread, around the serialization of bytes items: first a host wait
+        (bounded) for every capture, since ``torch.save`` reads CPU tensors inside the
+        values on the host and the caller's streams may still be writing them; then,
+        for each accelerator, its copy stream current and ordered after its capture
+        (``Copier.begin``): a device tensor inside a value, which ``torch.save`` copies
+        to the host itself, is read as of the call on the copy stream, never on the
+        default stream. Each such stage's completion is waited for by ``settle``."""
         for cap in list(self.captures.values()):
             cap.synchronize()
+        begun: list[tuple[torch.device, Copier]] = []
+        try:
+            # Only the captured devices: accelerators (the CPU is one on a simulated
+            # or fake device).
+            for device in list(self.captures):
+                copier = self._copier(device)
+                copier.begin(order_after(device, self.captures))
+                begun.append((device, copier))
+            yield
+        finally:
+            for device, copier in reversed(begun):
+                done = copier.end()
+                if done is not None:
+                    with self._lock:
+                        self._pending[id(done)] = (device, done)
 
     def _copier(self, device: torch.device) -> Copier:
         copier = self._copiers.get(device)
@@ -135,20 +159,27 @@ class RingCopies:
             self._pending.pop(id(done), None)
         return True
 
-    def settle(self) -> BaseException | None:
-        """Wait (bounded) for every copy not seen to land (the writer never took it, or
-        stopped waiting): no copy may still land in ring memory about to be
-        unregistered and reused. Every one is waited for even when one fails; returns
-        the first failure (None: all landed). After the copier thread has ended."""
+    def settle(self, timeout: float | None = None) -> tuple[BaseException | None, bool]:
+        """Wait (bounded: ``timeout`` seconds each, default ``HOST_WAIT_SECONDS``) for every copy not seen to land (the
+        writer never took it, or stopped waiting): no copy may still land in ring
+        memory about to be reused or unregistered. Every one is waited for even when
+        one fails. Returns the first failure (None: all landed) and whether every copy
+        is known to be over (False after a wait timed out: a copy may still land, and
+        the ring must then be neither reused nor freed). After the copier thread."""
+        bound = HOST_WAIT_SECONDS if timeout is None else timeout
         with self._lock:
             pending, self._pending = list(self._pending.values()), {}
         first: BaseException | None = None
+        over = True
         for _, done in pending:
             try:
-                wait_bounded(done, "a copy into the budget's ring", HOST_WAIT_SECONDS)
-            except Exception as e:  # noqa: BLE001 - returned: the others are waited for too
+                wait_bounded(done, "a copy into the budget's ring", bound)
+            except CopyError as e:
                 first = first or e
-        return first
+                over = over and not _still_running(done)
+            except Exception as e:  # noqa: BLE001 - returned: the others are waited for too
+                first = first or e  # the device reported the copy's failure: it is over
+        return first, over
 
     def fence_points(self) -> dict[torch.device, Any]:
         """Caller's thread, at a ``fence()`` call: each copier's ``fence_point`` (the
@@ -168,9 +199,11 @@ class RingCopies:
             if copier is not None:
                 copier.fence(done, points.get(device))
 
-    def close(self) -> None:
-        """Close every copier (their streams are synchronized; nothing held)."""
-        copiers = list(self._copiers.values())
-        self._copiers.clear()
-        for copier in copiers:
-            copier.close()
+
+def _still_running(done: Completion) -> bool:
+    """After a wait for ``done`` gave up: True when it has not completed (a copy may
+    still land); False when it completed or reported its failure."""
+    try:
+        return not done.query()
+    except Exception:  # noqa: BLE001 - the device reported the copy's failure: it is over
+        return False

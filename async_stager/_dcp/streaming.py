@@ -16,7 +16,6 @@ UnsupportedError before any metadata is written; it never writes a wrong item.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -26,57 +25,19 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 
-from async_stager.errors import UnsupportedError
+from async_stager._dcp.budget_records import Marker, PipelineSide, Streamed
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.storage import WriteResult
     from torch.futures import Future as TorchFuture
 
-    from async_stager._dcp.budget import Pipeline
-
-__all__ = ["Marker", "PipelinePlanner", "PipelineWriter", "Streamed"]
-
-
-class Marker(bytearray):
-    """The (empty) buffer a ``Streamed`` stand-in hands the writer: the writer's stream
-    recognizes it (``memoryview.obj``) and writes the bytes item's pieces instead."""
-
-    def __init__(self, pos: int) -> None:
-        super().__init__()
-        self.pos = pos
-
-
-class Streamed(io.BytesIO):
-    """What ``resolve_data`` returns for a bytes item: a stand-in whose ``getbuffer()``
-    is the marker that ``_StreamingStream.write`` turns into the item's streamed
-    pieces. Its own content is empty; reading it is refused rather than wrong."""
-
-    def __init__(self, marker: Marker, fqn: str) -> None:
-        super().__init__()
-        self._marker = marker
-        self._fqn = fqn
-
-    def getbuffer(self) -> memoryview:
-        return memoryview(self._marker)
-
-    def _refuse(self) -> UnsupportedError:
-        return UnsupportedError(
-            f"the storage writer read the bytes item {self._fqn!r} instead of writing "
-            "data.getbuffer() to its stream; a budgeted save streams it and needs "
-            "FileSystemWriter(thread_count=1, per_thread_copy_ahead=0)"
-        )
-
-    def getvalue(self) -> bytes:
-        raise self._refuse()
-
-    def read(self, size: int | None = -1, /) -> bytes:
-        raise self._refuse()
+__all__ = ["Marker", "PipelinePlanner", "PipelineWriter", "Streamed"]  # the stand-ins: budget_records
 
 
 class PipelinePlanner(DefaultSavePlanner):
     """DCP's default save planner whose ``resolve_data`` hands out staged pieces."""
 
-    def __init__(self, pipeline: Pipeline) -> None:
+    def __init__(self, pipeline: PipelineSide) -> None:
         super().__init__()
         self._pipeline = pipeline
         pipeline.source = self._source
@@ -96,7 +57,7 @@ class _StreamingStream:
     """A file the writer opened (through ``_StreamingFileSystem``): writes pass through,
     except a bytes item's marker buffer, which becomes that item's pieces."""
 
-    def __init__(self, raw: Any, pipeline: Pipeline) -> None:
+    def __init__(self, raw: Any, pipeline: PipelineSide) -> None:
         self._raw = raw
         self._pipeline = pipeline
 
@@ -113,7 +74,7 @@ class _StreamingStream:
 class _StreamingFileSystem(FileSystem):
     """DCP's local file system whose write streams are ``_StreamingStream``s."""
 
-    def __init__(self, pipeline: Pipeline) -> None:
+    def __init__(self, pipeline: PipelineSide) -> None:
         super().__init__()
         self._pipeline = pipeline
 
@@ -128,7 +89,7 @@ class PipelineWriter(FileSystemWriter):
     ``Pipeline`` stages in), starting and finishing the pipeline around the write; its
     file system's write streams write bytes items as they are streamed."""
 
-    def __init__(self, path: Any, pipeline: Pipeline, **kwargs: Any) -> None:
+    def __init__(self, path: Any, pipeline: PipelineSide, **kwargs: Any) -> None:
         super().__init__(path, thread_count=1, per_thread_copy_ahead=0, **kwargs)
         self._pipeline = pipeline
         self.fs = _StreamingFileSystem(pipeline)

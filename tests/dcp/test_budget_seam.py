@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import anyio
 import pytest
@@ -25,7 +25,16 @@ from helpers import bits
 import async_stager._core.copy.copiers as copiers_mod
 import async_stager.dcp as adcp
 from async_stager import CopyError, Stager, UnsupportedError
-from async_stager.testing import FakeBackend, FakeCapture, FakeCopier, FakePinner
+from async_stager._core.copy.accelerator import AcceleratorCopier
+from async_stager.testing import (
+    FakeBackend,
+    FakeCapture,
+    FakeCopier,
+    FakePinner,
+    SimulatedBackend,
+    SimulatedDevice,
+    SimulatedPinner,
+)
 
 pytestmark = [
     pytest.mark.anyio,
@@ -119,7 +128,9 @@ async def test_each_copy_waits_for_the_capture_on_the_callers_stream(tmp_path: P
     assert backend.captures == 1  # one capture, at the call, on the caller's stream
     (cap,) = {id(c): c for c in backend.begun}.values()
     assert isinstance(cap, FakeCapture) and cap.stream is stream and cap.position == 1
-    assert len(backend.events) == 3 and backend.protected == [1, 1, 1]  # each piece its stage
+    # Each piece its stage, and one around the bytes items' serialization (their
+    # values read after the capture, on the copy stream).
+    assert len(backend.events) == 4 and backend.protected == [1, 1, 1]
     assert stream.finished == 1  # the work after the call never ran for the save
     got = load(tmp_path, sd)
     for k, v in want.items():
@@ -173,16 +184,19 @@ async def test_a_failed_copy_is_the_saves_error_and_releases_the_ring(tmp_path: 
             )
         assert "injected" in str(err.value.__cause__)
         assert not (tmp_path / "c" / ".metadata").exists()
-        # The ring was pinned once, by the stager's pinner, and released after every
-        # copy had landed.
-        assert pinner.total_registrations == 1 and pinner.registered == {}
-        assert pinner.unregistered_with_all_landed == [True]
+        # The ring was pinned once, by the stager's pinner, every copy had landed when
+        # the save returned, and the ring is kept for the next save (its lane's).
+        assert pinner.total_registrations == 1 and len(pinner.registered) == 1
+        assert all(e.fired for e in backend.events)
         with anyio.fail_after(5):
             await stager.fence()
         backend.fail_copy_of = backend.fail_completion_of = None
         await adcp.save(
             sd, stager=stager, checkpoint_id=tmp_path / "d", no_dist=True, host_budget_bytes=2 * PIECE
         )
+        assert pinner.total_registrations == 1  # the same ring again: not pinned anew
+    # Closing the stager unpins it, every copy landed.
+    assert pinner.registered == {} and pinner.unregistered_with_all_landed == [True]
     got = load(tmp_path / "d", sd)
     for k, v in sd.items():
         assert torch.equal(got[k], v), k
@@ -220,7 +234,9 @@ async def test_a_cancelled_save_holds_nothing(tmp_path: Path) -> None:
                     landing.set()
             assert scope.cancelled_caught
             assert not (tmp_path / "c" / ".metadata").exists()
-            assert pinner.registered == {} and pinner.unregistered_with_all_landed == [True]
+            # Every copy it enqueued landed before the cancelled save returned; its ring
+            # is kept for the next save.
+            assert all(e.fired for e in backend.events) and len(pinner.registered) == 1
             assert len(backend.events) < 8  # the copies stopped
             with anyio.fail_after(5):
                 await stager.fence()  # the cancelled save no longer holds the fence
@@ -232,7 +248,8 @@ async def test_a_cancelled_save_holds_nothing(tmp_path: Path) -> None:
         landing.set()
         stop.set()
         driver.join()
-    assert pinner.registered == {} and pinner.total_registrations == 2
+    assert pinner.registered == {} and pinner.total_registrations == 1
+    assert pinner.unregistered_with_all_landed == [True]
     got = load(tmp_path / "d", sd)
     for k, v in sd.items():
         assert torch.equal(got[k], v), k
@@ -330,6 +347,141 @@ async def test_the_real_backends_capture_check_comes_before_any_copier(
         with anyio.fail_after(5):
             await stager.fence()  # nothing registered a fence hook
     assert not (tmp_path / ".metadata").exists()
+
+
+# -- the real accelerator copier on the simulated device ----------------------------------
+
+
+def _odd_device_state(sim: SimulatedDevice) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(5)
+    z = sim.tensor(torch.randn(64, 33, dtype=torch.complex64, generator=g))
+    m = sim.tensor(torch.randn(96, 40, generator=g))
+    payloads = torch.tensor([0x7FC1, -0x003D, 0x7F81, 0x0001], dtype=torch.int16).view(torch.bfloat16)
+    return {
+        "f32": sim.tensor(torch.randn(16 * KIB, generator=g)),
+        "bf16": sim.tensor(payloads.repeat(2048)),
+        "f16": sim.tensor(torch.randn(999, generator=g).half()),
+        "conj": z.conj(),  # lazy conj bit
+        "neg": z.conj().imag,  # lazy neg bit
+        "t": m.t(),  # non-contiguous
+        "step": m[::3, 1::2],
+        "count": 3,
+    }
+
+
+async def _budgeted(sim: SimulatedDevice, sd: dict[str, Any], path: Path, **kw: Any) -> None:
+    async with Stager(backend=SimulatedBackend(sim), **kw) as stager:
+        await adcp.save(sd, stager=stager, checkpoint_id=path, no_dist=True, host_budget_bytes=2 * PIECE)
+
+
+async def test_simulated_device_budgeted_save_is_bit_exact_with_lazy_bits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Review finding 2: a conj or neg view through the ring. Bytes of a view with lazy
+    # bits are not its values, and ATen resolves the bits of an async device-to-host
+    # copy on the host right after enqueueing it, racing the copy: the copier resolves
+    # them on the device first.
+    with SimulatedDevice(seed=11, delay=(0.001, 0.004)) as sim:
+        sd = _odd_device_state(sim)
+        want = {k: bits(v.clone()) for k, v in sd.items() if isinstance(v, torch.Tensor)}
+        await _budgeted(sim, sd, tmp_path / "a")
+        got = load(tmp_path / "a", sd)
+        for k, v in want.items():
+            assert torch.equal(bits(got[k]), v), k
+        # Without the resolution on the device, the simulated device shows the race.
+        monkeypatch.setattr(AcceleratorCopier, "_resolved", lambda self, srcs: srcs)
+        await _budgeted(sim, sd, tmp_path / "b")
+        got = load(tmp_path / "b", sd)
+        assert not torch.equal(bits(got["conj"]), want["conj"])
+        assert sim.errors == []
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # about the device, not the loop
+async def test_simulated_device_budgeted_saves_reuse_streams_and_ring(tmp_path: Path) -> None:
+    # Review findings 4 and 5: a budgeted save drew a new copy stream (from a pool of
+    # 32 that training and NCCL share) and allocated and pinned a new ring every time.
+    with SimulatedDevice(seed=2) as sim:
+        backend = SimulatedBackend(sim, pin=True)
+        sd = _odd_device_state(sim)
+        async with Stager(backend=backend) as stager:
+            for i in range(4):
+                await adcp.save(
+                    sd,
+                    stager=stager,
+                    checkpoint_id=tmp_path / str(i),
+                    no_dist=True,
+                    host_budget_bytes=2 * PIECE,
+                )
+            assert stager.lanes.made == 1
+            pinner = sim.pinner()
+            assert isinstance(pinner, SimulatedPinner) and len(pinner.registered) == 1
+        assert sim.streams_made == 1 and len(backend.made) == 1
+        assert pinner.total_registrations == 1 and pinner.registered == {}
+        got = load(tmp_path / "3", sd)
+        assert torch.equal(bits(got["conj"]), bits(sd["conj"]))
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # about the device, not the loop
+async def test_a_ring_a_copy_may_still_land_in_is_never_reused_nor_freed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Review finding 7: after a host wait gave up, the ring was freed (and unpinned)
+    # while a copy could still land in it.
+    import async_stager._core.run.lanes as lanes_mod
+    import async_stager._dcp.copies as copies_mod
+
+    monkeypatch.setattr(copies_mod, "HOST_WAIT_SECONDS", 0.05)
+    monkeypatch.setattr(lanes_mod, "_QUARANTINE", [])
+    with SimulatedDevice(seed=3, delay=(0.4, 0.4)) as sim:
+        backend = SimulatedBackend(sim, pin=True)
+        pinner = sim.pinner()
+        assert isinstance(pinner, SimulatedPinner)
+        async with Stager(backend=backend) as stager:
+            with pytest.raises(CopyError, match="wedged"):
+                await adcp.save(
+                    tensors(2),
+                    stager=stager,
+                    checkpoint_id=tmp_path,
+                    no_dist=True,
+                    host_budget_bytes=2 * PIECE,
+                )
+        # Closed, but the ring is still registered and referenced: a copy may land.
+        assert len(pinner.registered) == 1 and len(lanes_mod._QUARANTINE) == 1
+        sim.synchronize()  # the copies land, into memory that is still there
+    assert not (tmp_path / ".metadata").exists()
+
+
+class _Probe:
+    """A pickled value that records the simulated device's current stream when read."""
+
+    sim: ClassVar[SimulatedDevice | None] = None
+    seen: ClassVar[list[Any]] = []
+
+    def __reduce__(self) -> Any:
+        assert _Probe.sim is not None
+        _Probe.seen.append(_Probe.sim.current_stream())
+        return (_Probe, ())
+
+
+async def test_values_are_read_as_of_the_call_on_the_copy_stream(tmp_path: Path) -> None:
+    # Review finding 8: the copier thread read generators late (after training advanced
+    # them) and serialized values with the default stream current.
+    with SimulatedDevice(seed=4) as sim:
+        _Probe.sim, _Probe.seen = sim, []
+        gen = torch.Generator().manual_seed(123)
+        at_call = gen.get_state()
+        sd: dict[str, Any] = {"w": sim.tensor(torch.randn(100)), "rng": gen, "probe": _Probe()}
+        backend = SimulatedBackend(sim)
+        async with Stager(backend=backend) as stager:
+            coro = adcp.save(
+                sd, stager=stager, checkpoint_id=tmp_path, no_dist=True, host_budget_bytes=2 * PIECE
+            )
+            torch.randn(1000, generator=gen)  # training draws right after the call
+            await coro
+        out: dict[str, Any] = {"w": torch.zeros(100), "rng": torch.Generator(), "probe": None}
+        dcp.load(out, checkpoint_id=str(tmp_path), no_dist=True)
+        assert torch.equal(out["rng"].get_state(), at_call)
+        assert _Probe.seen and _Probe.seen[0] is backend.made[0].stream  # not the default stream
 
 
 # -- the real path ---------------------------------------------------------------------

@@ -73,11 +73,18 @@ def test_one_pinning_path_wraps_any_failure() -> None:
 def test_budget_pipeline_fails_with_the_ring_pinning_error() -> None:
     from torch.distributed.checkpoint.planner import SavePlan
 
-    pipeline = Pipeline(1 << 16, captures={}, t0=0.0, pinner=FakePinner(fail=True))
+    from async_stager._core.run.lanes import Lanes
+    from async_stager.testing import FakeBackend
+
+    lanes = Lanes(FakeBackend(), None)
+    pipeline = Pipeline(
+        1 << 16, captures={}, t0=0.0, lanes=lanes, lane=lanes.take([]), pinner=FakePinner(fail=True)
+    )
     with pytest.raises(PinningError):
         pipeline.start(SavePlan([]))
     assert isinstance(pipeline.error, PinningError)  # raised by the save as itself
     pipeline.finish()
+    assert lanes.close() is None
 
 
 # -- restore's verification hashes on the rank's device --------------------------------

@@ -46,6 +46,7 @@ from async_stager._core.memory.ledger import NodeLedger
 from async_stager._core.options import AUTO, StagerOptions
 from async_stager._core.run.engine import StageRecord, build_engine
 from async_stager._core.run.jobs import StageJob, drop, job_done, log_stage_end, logged_run
+from async_stager._core.run.lanes import Lanes
 from async_stager._core.run.worker import Worker, WorkerForked, WorkerStopped
 from async_stager._core.stats import StageStats
 from async_stager.errors import ClosedError
@@ -367,11 +368,11 @@ class Stager:
 
         return fenced()
 
-    def _add_fence(self, hook: Callable[[], Callable[[], Awaitable[None]]]) -> Callable[[], None]:
-        """Make ``fence()`` also wait for work outside the stager's own stages (a
-        budgeted ``dcp.save``): ``hook`` is called at each ``fence()`` call (caller's
-        thread: it reads its ordering points then) and returns the wait that the fence
-        awaits. Returns the function that removes the hook (idempotent)."""
+    def add_fence_hook(self, hook: Callable[[], Callable[[], Awaitable[None]]]) -> Callable[[], None]:
+        """Internal (for a budgeted ``dcp.save``): make ``fence()`` also wait for work
+        outside the stager's own stages. ``hook`` is called at each ``fence()`` call
+        (caller's thread: it reads its ordering points then) and returns the wait that
+        the fence awaits. Returns the function that removes the hook (idempotent)."""
         self._fence_hooks.append(hook)
 
         def remove() -> None:
@@ -379,6 +380,15 @@ class Stager:
                 self._fence_hooks.remove(hook)
 
         return remove
+
+    @property
+    def lanes(self) -> Lanes:
+        """Internal (for a budgeted ``dcp.save``): the stager's device seam for work
+        outside its own stages: ``lanes.backend`` (answers the device questions at a
+        call, makes copiers), ``lanes.pinner`` (pins as the stager's arenas do, None
+        when it does not pin), and copiers and a ring kept from one save to the next
+        (``take``/``give_back``; see ``_core.run.lanes``)."""
+        return self._engine.lanes
 
     # -- internals --------------------------------------------------------------------
 

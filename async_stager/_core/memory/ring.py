@@ -124,6 +124,18 @@ class Ring:
             self.used = 0
             self._cond.notify_all()
 
+    def reset(self) -> None:
+        """Empty the ring for another save: every piece released, figures from zero
+        (the memory and its registration are kept)."""
+        with self._cond:
+            self._live.clear()
+            self._tail = 0
+            self.used = 0
+            self.peak = 0
+            self.blocked_seconds = 0.0
+            self._closed = False
+            self._cond.notify_all()
+
     def wake(self) -> None:
         """Wake a waiting ``alloc`` so it re-checks its ``stop``."""
         with self._cond:

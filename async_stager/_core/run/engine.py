@@ -42,6 +42,7 @@ from async_stager._core.plan.layout import Plan, signature_of
 from async_stager._core.plan.reuse import plan_holds, take_over
 from async_stager._core.run.enqueue import diagnose_copy_error, enqueue, no_torch_function
 from async_stager._core.run.interp import gc_paused, gil_interval
+from async_stager._core.run.lanes import Lanes
 from async_stager._core.walk.objects import GeneratorStates, generator_states
 from async_stager._core.walk.tree import Interrupt, Walk
 from async_stager.errors import ClosedError, InvalidOptionError, StagingError
@@ -179,6 +180,8 @@ class Engine:
         self.latest: dict[torch.device, Completion] = {}
         #: Measured bytes/second of device-to-host copies, per device (for polling).
         self.bandwidth: dict[torch.device, float] = {}
+        #: Copiers and rings of budgeted saves through this stager, kept between saves.
+        self.lanes = Lanes(backend, pinner)
 
     # -- caller thread ----------------------------------------------------------------
 
@@ -543,14 +546,17 @@ class Engine:
     def trim(self) -> int:
         """Return host memory no result uses (worker thread, between stages): see
         ``BufferSets.trim``. Returns the bytes released; held sets are left as they
-        are."""
-        return self.sets.trim()
+        are; idle budget lanes drop their rings and streams too."""
+        return self.sets.trim() + self.lanes.trim()
 
     def close(self) -> None:
         """Wait for copies in flight, release every arena and stream; idempotent."""
         with self._device_context({}):
             errors = self.sets.close()
         self.latest.clear()
+        lanes_error = self.lanes.close()
+        if lanes_error is not None:
+            errors.append(lanes_error)
         for c in list(self._copiers.values()):
             try:
                 c.close()
