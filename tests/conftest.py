@@ -43,12 +43,14 @@ def anyio_backend(request: pytest.FixtureRequest) -> Any:
     return request.param
 
 
-#: Test modules that run several processes at once (ranks, a writer beside its
-#: trainer) and use every core while they run. Under pytest-xdist (``-n auto --dist
-#: loadgroup``, the README's command) they form one group, run one after another on one
-#: worker while the other workers take the rest: two of them at once on 2 cores would
-#: only slow each other and put their timeouts at risk. Modules that start one child at
-#: a time are not in it.
+#: Test modules that start processes (ranks, a writer beside its trainer, a child
+#: Python, torchrun) or otherwise run for seconds per test. Under pytest-xdist (``-n
+#: auto --dist loadgroup``, the README's command) they are collected first, so the
+#: workers start on the long tests and end on the short ones, and the last worker
+#: does not run a long test alone while the others idle. They are not serialized:
+#: each test has its own ports (a free one per run) and folders (``tmp_path``), so two
+#: of them run side by side on two workers; their timeouts are hang guards sized for
+#: that (see CONTRIBUTING.md, "Tests").
 PROCESS_MODULES = {
     "test_multirank",
     "test_multirank_crash",
@@ -60,22 +62,94 @@ PROCESS_MODULES = {
     "test_process_writer",
     "test_writer_process",
     "test_fsdp_example",
+    "test_gpu_readiness",
+    "test_examples",
+    "test_lifecycle",
+    "test_checkpointer_crash",
+    "test_checkpointer_model",
+    "test_bench",
+    "test_reliability_leaks",
+    "test_cli_check",
 }
+
+#: Modules whose tests share one module-scoped child process or run (spawning a writer
+#: costs seconds; the bench CLI tests share one bench run): each is its own xdist
+#: group, so its tests run on one worker and the shared fixture is made once.
+SHARED_FIXTURE_MODULES = {
+    "test_process_writer",
+    "test_writer_process",
+    "test_bench",
+}
+
+
+def _module(item: pytest.Item) -> str:
+    module = getattr(item, "module", None)
+    return "" if module is None else str(module.__name__).rsplit(".", 1)[-1]
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
     skip_stress = pytest.mark.skip(reason="stress run: set ASYNC_STAGER_STRESS=1 (and -m stress)")
-    processes = pytest.mark.xdist_group("processes")
     for item in items:
-        module = getattr(item, "module", None)
-        if module is not None and module.__name__.rsplit(".", 1)[-1] in PROCESS_MODULES:
-            item.add_marker(processes)
+        module = _module(item)
+        if module in SHARED_FIXTURE_MODULES:
+            item.add_marker(pytest.mark.xdist_group(module))
         if item.get_closest_marker("cuda") is not None and not HAS_CUDA:
             item.add_marker(skip_cuda)
         if item.get_closest_marker("stress") is not None and not STRESS:
             item.add_marker(skip_stress)
+    # Long first (a stable sort: each module keeps its order). Every worker collects
+    # the same order, as pytest-xdist requires.
+    items.sort(key=lambda item: _module(item) not in PROCESS_MODULES)
+
+
+# -- hang guards: how close each test came to its timeout ------------------------------
+
+#: A test that used more than this share of its timeout is listed at the end of the
+#: run: its timeout is too tight to be a hang guard on a loaded machine (raise it; see
+#: CONTRIBUTING.md). Listed only, never failed: the run's load decides the durations.
+MARGIN = 0.2
+_used: dict[str, tuple[float, float]] = {}
+
+
+def _timeout(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        return float(marker.args[0])
+    if marker is not None and "timeout" in marker.kwargs:
+        return float(marker.kwargs["timeout"])
+    return float(item.config.getini("timeout") or 0)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    if call.when == "setup":  # travels with the reports to pytest-xdist's controller
+        report.user_properties.append(("timeout_s", _timeout(item)))
+    return report
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    timeout = dict(report.user_properties).get("timeout_s")
+    used, limit = _used.get(report.nodeid, (0.0, 0.0))
+    if isinstance(timeout, (int, float)) and timeout > 0:
+        limit = float(timeout)
+    _used[report.nodeid] = (used + report.duration, limit)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    tight = sorted(
+        ((used / limit, used, limit, nodeid) for nodeid, (used, limit) in _used.items() if limit > 0),
+        reverse=True,
+    )
+    tight = [row for row in tight if row[0] > MARGIN]
+    if tight:
+        terminalreporter.section(
+            f"tests that used over {MARGIN:.0%} of their timeout (hang guards too tight?)"
+        )
+        for share, used, limit, nodeid in tight:
+            terminalreporter.line(f"{share:5.0%} {used:7.1f} s of {limit:5.0f} s  {nodeid}")
 
 
 @pytest.fixture

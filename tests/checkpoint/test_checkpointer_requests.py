@@ -179,12 +179,15 @@ async def test_a_long_save_logs_its_progress_at_a_bounded_rate(
 
     from async_stager._checkpoint import formats as write_mod, saves as module
 
-    monkeypatch.setattr(module, "PROGRESS_SECONDS", 0.05)
+    # A short save is one that ends within PROGRESS_SECONDS: an hour, so that a loaded
+    # machine cannot make it long (0.05 s was a speed check: it failed under load).
+    monkeypatch.setattr(module, "PROGRESS_SECONDS", 3600.0)
     caplog.set_level("INFO", logger="async_stager.checkpoint")
     async with Checkpointer(tmp_path, format="torch") as ckpt:
         await ckpt.save({"w": torch.ones(4)}, step=1)
         await ckpt.wait()
         assert not [r for r in caplog.records if "checkpoint step 1:" in r.getMessage()]
+        monkeypatch.setattr(module, "PROGRESS_SECONDS", 0.05)
         real = getattr(write_mod, "torch_write")  # noqa: B009 - patched where the writer calls it
 
         def slow_write(staged: Any, path: Any) -> Any:  # a slow disk

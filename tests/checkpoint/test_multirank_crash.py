@@ -119,10 +119,12 @@ def chain(tmp_path: Path, points: list[tuple[str, int, int]]) -> None:
     assert restored and restored[-1] >= 5
 
 
+@pytest.mark.timeout(600)  # a hang guard over five jobs of up to 120 s each
 def test_one_rank_killed_in_each_phase_short(tmp_path: Path) -> None:
     chain(tmp_path, SHORT)
 
 
 @pytest.mark.stress
+@pytest.mark.timeout(1800)  # fifteen jobs
 def test_one_rank_killed_at_thirteen_points(tmp_path: Path) -> None:
     chain(tmp_path, LONG)

@@ -39,7 +39,7 @@ def torchrun(nproc: int, out: Path, *args: str, killed: bool = False) -> str:
         start_new_session=True,
     ) as p:
         try:
-            stdout, stderr = p.communicate(timeout=140)
+            stdout, stderr = p.communicate(timeout=240)
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             stdout, stderr = p.communicate()
@@ -62,7 +62,7 @@ def resumed_step(out: str) -> int | None:
     return None if m.group(1) == "None" else int(m.group(1))
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(600)  # hang guards: two torchruns, each up to 240 s
 def test_fsdp_kill_then_resume_at_one_rank(tmp_path: Path) -> None:
     first = torchrun(2, tmp_path, "--steps", "6", "--kill-at", "6", killed=True)
     saved = digests(first, "at save")
@@ -76,7 +76,7 @@ def test_fsdp_kill_then_resume_at_one_rank(tmp_path: Path) -> None:
 
 
 @pytest.mark.stress
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1200)
 def test_fsdp_resume_same_world_trains_on_bit_exact_then_four_ranks(tmp_path: Path) -> None:
     reference = digests(torchrun(2, tmp_path / "ref", "--steps", "10"), "at save")
     first = torchrun(2, tmp_path / "run", "--steps", "10", "--kill-at", "6", killed=True)
@@ -92,7 +92,7 @@ def test_fsdp_resume_same_world_trains_on_bit_exact_then_four_ranks(tmp_path: Pa
 
 
 @pytest.mark.stress
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_fsdp_rank_one_killed_then_resume(tmp_path: Path) -> None:
     first = torchrun(2, tmp_path, "--steps", "6", "--kill-at", "4", "--kill-rank", "1", killed=True)
     saved = digests(first, "at save")

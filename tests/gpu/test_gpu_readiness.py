@@ -19,7 +19,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
-pytestmark = pytest.mark.timeout(150)
+# A hang guard, not a speed check: the dry run starts several Python processes and took
+# 105 s beside a loaded suite on 2 cores (49 s quiet).
+pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash")
@@ -37,7 +39,7 @@ def test_gpu_check_dry_run(tmp_path: Path) -> None:
         "GPU_CHECK_BLOCK": "trio uvloop pytest_asyncio hypothesis matplotlib",
     }
     proc = subprocess.run(
-        ["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=140, check=False
+        ["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=540, check=False
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
