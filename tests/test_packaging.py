@@ -4,7 +4,7 @@ The supported torch versions have one source, ``torch>=X`` in ``pyproject.toml``
 dependencies; every page that states a minimum (README, CONTRIBUTING, docs/) must say
 the same ``X``. ``py.typed`` ships (the package is typed for its users' mypy): it is on
 disk and in the package data. That the built wheel holds it, and that the wheel works
-outside the source tree, is checked by ``.ci/run`` (``scripts/wheel_check.sh``).
+outside the source tree, is checked by ``.ci/run``.
 """
 
 from __future__ import annotations
