@@ -28,7 +28,7 @@ import anyio.abc
 import anyio.lowlevel
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from async_stager._checkpoint import commit as _commit, restore as _restore
+from async_stager._checkpoint import commit as _commit, restore as _restore, tiered as _tiered
 from async_stager._checkpoint.formats import format_for
 from async_stager._checkpoint.item import SaveItem
 from async_stager._checkpoint.node_budget import CreditLedger, check_largest
@@ -44,6 +44,9 @@ from async_stager.errors import CheckpointError, ClosedError, InvalidOptionError
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+
+    from async_stager._tier.client import AgentClient
+    from async_stager._tier.tier import MemoryStats
 
 __all__ = ["Checkpointer", "CheckpointerOptions", "SaveStats"]
 
@@ -167,6 +170,10 @@ class Checkpointer:
         process_group: ProcessGroup | None = None,
         on_saved: Callable[[SaveStats], None] | None = None,
         checksum: bool | None = None,
+        agent: str | AgentClient | None = None,
+        memory_every: int = 1,
+        persist_every: int = 1,
+        agent_timeout: float = 5.0,
     ) -> None:
         import torch.distributed.checkpoint  # noqa: F401 - imported here, not first in two threads at once
 
@@ -219,6 +226,15 @@ class Checkpointer:
                 f"(Stager(max_buffer_sets={sets}))"
             )
         self._sets = sets
+        # The memory tier (agent=...): its own Stager and the schedule (``tiered``).
+        self._tier, self._schedule = _tiered.make_tier(
+            agent,
+            memory_every=memory_every,
+            persist_every=persist_every,
+            policy=policy,
+            ranks=self._ranks,
+            agent_timeout=agent_timeout,
+        )
         self._stager = stager
         self._own_stager = stager is None
         self._ledger: CreditLedger | None = None
@@ -237,8 +253,17 @@ class Checkpointer:
 
     @property
     def dropped(self) -> list[int]:
-        """Steps not written: skipped (``"skip"``) or superseded (``"coalesce"``)."""
+        """Steps not written: skipped (``"skip"``) or superseded (``"coalesce"``); with
+        an agent, also memory snapshots skipped (``"skip"``) or not taken while the
+        agent was away."""
+        if self._tier is not None:
+            return self._saves.dropped + self._tier.dropped
         return self._saves.dropped
+
+    @property
+    def memory(self) -> MemoryStats | None:
+        """The memory tier's counts and newest snapshot (None without ``agent=``)."""
+        return None if self._tier is None else self._tier.stats
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -274,6 +299,8 @@ class Checkpointer:
         self._saves.open(
             self._tg, Writer(self.options, self._format, ranks, token), self._stager, self._ledger
         )
+        if self._tier is not None:
+            self._tier.open(self._tg)
         return self
 
     async def _meet(self, root: Path, ranks: Ranks) -> str:
@@ -321,6 +348,8 @@ class Checkpointer:
                 s.close()
             await tg.__aexit__(None, None, None)  # nothing left in flight: returns at once
             self._tg = None
+            if self._tier is not None:
+                await self._tier.aclose()  # the agent keeps what it holds
             self._saves.close()
             abandoned = self._saves.abandoned
             with anyio.CancelScope(shield=True):
@@ -424,22 +453,32 @@ class Checkpointer:
         saves.raise_failure()
         opts = self.options
         t0 = time.monotonic()
+        to_memory = False
+        if self._tier is not None:  # the memory tier: this step to memory, to disk, both
+            to_memory, to_disk = self._schedule.route(step)
+            if not to_disk:
+                return self._tier.save(resolve(state), step) if to_memory else _returns(False)
         # In flight: not ended by its write's thread (a write that committed in its
         # thread is done, even before the loop has seen its end).
         if opts.policy == "skip" and saves.in_flight() >= opts.max_in_flight:
             saves.dropped.append(step)
+            if to_memory and self._tier is not None:
+                return _tiered.both(self._tier.save(resolve(state), step), _returns(False))
             return _returns(False)
         sd = resolve(state)
         self._format.check_savable(sd)
         largest = 0
         if opts.node_budget_bytes is not None:
             largest = check_largest(sd, opts.node_budget_bytes)  # refused at once
+        # Both tiers: the memory snapshot's stage is submitted first (its snapshot
+        # point), the disk save's right after, from the same resolved state.
+        memory = self._tier.save(sd, step) if to_memory and self._tier is not None else None
         item = saves.submit(sd, step, t0, largest=largest)
         coro = saves.await_save(item)
         # A coroutine never awaited must not hold a buffer set or a place in the
         # commit order: it is abandoned when it dies, unless its write has started.
         weakref.finalize(coro, self._forget, weakref.ref(item))
-        return coro
+        return coro if memory is None else _tiered.both(memory, coro)
 
     def _forget(self, ref: weakref.ref[SaveItem]) -> None:
         item = ref()
@@ -485,7 +524,9 @@ class Checkpointer:
         step, phase, seconds since the call. A snapshot; cheap (no I/O)."""
         now = time.monotonic()
         # A write that ended in its thread has ended, even before the loop saw it.
-        return [progress_of(i, now, self._saves.rate) for i in self._saves.items if not i.finished.is_set()]
+        return [
+            progress_of(i, now, self._saves.rate) for i in self._saves.items if not i.finished.is_set()
+        ] + _tiered.progress(self._tier)
 
     def status_line(self) -> str:
         """``in_flight()`` as one line for a person (a log, a status page, a terminal):
@@ -583,6 +624,10 @@ class Checkpointer:
         Cancellation: deferred until the thread reading the current candidate returns;
         ``state`` may then be partly loaded."""
         self._check_open()
+        if self._tier is not None:
+            got = await _tiered.restore(self._tier, self._ranks, self.options.directory, state, step)
+            if got is not None:
+                return got
         return await _restore.restore(
             self.options, self._format, self._ranks, state, step=step, fallback=fallback
         )

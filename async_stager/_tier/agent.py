@@ -4,15 +4,20 @@ One agent per node and job (``python -m async_stager agent --job ID``), started 
 the trainers. It listens on ``wire.socket_path(job)`` and serves the connections of
 this user only. A trainer snapshots in two messages:
 
-- ``BEGIN rank step``: the trainer is about to stage ``step``. The agent keeps the
-  rank's newest ``keep - 1`` complete snapshots (the trainer holds their buffers
-  leased, so no stage writes into them) and forgets the rest: their buffers may be
-  written from now on. A snapshot begun is never restorable until it commits.
+- ``BEGIN rank step session protect``: trainer ``session`` (a token per process)
+  stages ``step``. The agent forgets that session's complete snapshots except the
+  steps in ``protect`` (whose buffers the trainer holds leased: no stage writes into
+  them), keeps the rank's newest ``keep - 1`` complete ones, and records ``step`` as
+  begun: never handed out until it commits.
 - ``COMMIT rank step`` with the arenas' descriptors (SCM_RIGHTS), the structure and
   every region's digest: the agent takes the descriptors (its own duplicates: the
   memory lives while it holds them, whatever happens to the trainer), checks the
   bytes against its memory bound, re-hashes every region through its own mapping and
-  accepts the snapshot as complete only if every digest matches.
+  accepts the snapshot as complete only if every digest matches. Of the committing
+  session's snapshots it then keeps only this one (the trainer releases the buffers of
+  its older ones once the commit is answered), and the rank's newest ``keep`` overall
+  (a dead trainer's snapshots belong to no session that writes: they stay until
+  newer ones push them out).
 
 ``LIST`` says which snapshots are complete; ``FETCH`` hands one back (descriptors,
 structure, digests) to a restarted trainer; ``STATUS`` says what is held. Nothing is
@@ -432,7 +437,9 @@ class Agent:
                 pending.payload = m.blob
                 pending.complete = True
                 pending.since = time.time()
-                self._trim(rank, self.keep)
+                # The committing trainer releases its older snapshots' buffers now: of its
+                # own, only this one is safe from its next stage.
+                self._trim(rank, self.keep, pending.session, frozenset([step]))
         finally:
             self._reserved -= new
         _log.info(

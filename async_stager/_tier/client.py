@@ -234,10 +234,13 @@ class AgentClient:
         handle: SharedHandle,
         digests: list[list[int]],
         piece_bytes: int,
+        *,
+        session: str = "",
     ) -> None:
         """Hand snapshot ``step`` over: the arenas' descriptors (``handle.arenas``, this
         process's own), the structure and each region's digest. Returns once the agent
-        verified and holds it; AgentRefusedError if it did not accept it."""
+        verified and holds it (and forgot ``session``'s older snapshots: their buffers
+        are the caller's again); AgentRefusedError if it did not accept it."""
         sizes = [a.nbytes for a in handle.arenas]
         body = {
             "rank": rank,
@@ -249,6 +252,7 @@ class AgentClient:
             "piece_bytes": piece_bytes,
             "tensors": handle.tensors,
             "nbytes": handle.nbytes,
+            "session": session,
         }
         fds = [a.fd for a in handle.arenas]
         msg = Message(Kind.COMMIT, body, handle.payload, fds)

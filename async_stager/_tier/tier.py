@@ -1,18 +1,21 @@
 """A trainer's memory tier: snapshots handed to the node agent, restored from it.
 
-``MemoryTier.save(sd, step)`` costs the caller the stage only: a BEGIN to the agent (a
-round trip on a local socket), then the stage into this tier's own Stager, whose
-arenas are memfds (``share_memory=True``; pinned as well where a CUDA device copies
-into them): the memory the copies land in is the memory handed over, by descriptor,
-with no second copy. In the background the staged regions are hashed (a thread) and
-committed; the agent re-hashes them and holds them.
+``MemoryTier.save(sd, step)`` costs the caller the stage only: the stage into this
+tier's own Stager, whose arenas are memfds (``share_memory=True``; pinned as well where
+a CUDA device copies into them): the memory the copies land in is the memory handed
+over, by descriptor, with no second copy. In the background: BEGIN (the agent lists
+the step as being written), the staged regions hashed (a thread), COMMIT; the agent
+re-hashes them and holds them.
 
-Buffers: the tier's Stager has ``keep`` buffer sets (2: one complete snapshot, one
-being written). The tier holds the newest complete snapshot's lease, so no stage writes
-into it; the BEGIN of the next snapshot tells the agent to forget every older one
-(their buffers may be overwritten from then on). When a save comes while the previous
-one is still being committed (both sets busy), ``policy`` applies: ``"skip"`` returns
-False at once, ``"wait"`` waits for the commit.
+Buffers: the tier's Stager has 2 buffer sets: one complete snapshot, one being
+written. The tier holds the newest complete snapshot's lease, so no stage writes into
+it; the agent, at each COMMIT, forgets the committing trainer's older snapshots, whose
+buffers the tier releases once the COMMIT is answered. So the agent never holds as
+complete a snapshot whose buffers a stage may be writing. (After a failure, where
+what the agent holds is unknown, the next save BEGINs, and the agent forgets, before
+the stage writes.) When a save comes while the previous one is still being staged or
+committed (both sets busy), ``policy`` applies: ``"skip"`` returns False at once,
+``"wait"`` waits for the commit.
 
 Failures never stop training: an agent that is gone or too slow (AgentUnavailableError,
 AgentTimeoutError) turns the tier off with one warning (saves return False; the
@@ -33,6 +36,8 @@ import os
 import time
 import uuid
 import warnings
+import weakref
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -47,7 +52,6 @@ from async_stager._tier.client import AgentClient, Fetched
 from async_stager._tier.regions import PIECE_BYTES, ArenaMaps, digests_of, regions_of
 from async_stager.errors import (
     AgentError,
-    AgentRefusedError,
     AgentTimeoutError,
     AgentUnavailableError,
     IntegrityError,
@@ -63,8 +67,7 @@ _log = logging.getLogger("async_stager.checkpoint")
 class MemoryStats:
     """The memory tier's counts and its newest snapshot, seconds and bytes.
 
-    ``held``: steps of this rank the agent holds complete (newest last), as the tier
-    last heard. ``saved``: snapshots the agent accepted; ``skipped``: saves dropped by
+    ``saved``: snapshots the agent accepted; ``skipped``: saves dropped by
     ``"skip"`` (the previous snapshot was still committing) or while the agent was
     away; ``refused``: snapshots the agent did not accept; ``failures``: times the
     agent was found gone or too slow. ``last_step``, ``stage_seconds`` (what the newest
@@ -72,7 +75,6 @@ class MemoryStats:
     the agent's verification, in the background), ``bytes`` (its tensor bytes);
     ``available``: the tier is on (False after a failure, until its retry)."""
 
-    held: tuple[int, ...] = ()
     saved: int = 0
     skipped: int = 0
     refused: int = 0
@@ -132,9 +134,13 @@ class MemoryTier:
         self._held_step: int | None = None
         #: This process's token: the agent tells our snapshots from a dead trainer's.
         self.session = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self._committing: anyio.Event | None = None
-        self._progress: TierProgress | None = None
-        self._called = 0.0
+        #: Set while a snapshot is being staged or committed (the busy slot).
+        self._busy: anyio.Event | None = None
+        #: After a failure or refusal: BEGIN before the next stage writes.
+        self._dirty = False
+        self._progress: tuple[int, str, float, float | None] | None = None
+        #: Steps not taken: skipped by the policy or while the agent was away.
+        self.dropped: list[int] = []
         self._tg: anyio.abc.TaskGroup | None = None
         self._down_until = 0.0
         self._stats = MemoryStats()
@@ -152,7 +158,10 @@ class MemoryTier:
     @property
     def available(self) -> bool:
         """The tier takes snapshots now (not off after a failure)."""
-        return time.monotonic() >= self._down_until
+        on = time.monotonic() >= self._down_until
+        if on and not self._stats.available:
+            self._update(available=True)
+        return on
 
     def _update(self, **changes: Any) -> None:
         from dataclasses import replace
@@ -168,8 +177,8 @@ class MemoryTier:
         own descriptors: the memory stays with the agent), close the connection and
         this tier's Stager. Cancellation: shielded."""
         with anyio.CancelScope(shield=True):
-            if self._committing is not None:
-                await self._committing.wait()
+            while self._busy is not None:
+                await self._busy.wait()
             held, self._held, self._held_step = self._held, None, None
             if held is not None:
                 held.release()
@@ -180,13 +189,24 @@ class MemoryTier:
                 self._stager = None
 
     def in_flight(self) -> list[TierProgress]:
-        return [] if self._progress is None else [self._progress]
+        """The snapshot being staged or committed, if any (a snapshot; no I/O)."""
+        if self._progress is None:
+            return []
+        step, phase, called, staged = self._progress
+        return [TierProgress(step, phase, time.monotonic() - called, staged)]
+
+    @property
+    def busy(self) -> bool:
+        """A snapshot is being staged or committed (its slot and the held one are both
+        in use: a save now meets the policy)."""
+        return self._busy is not None
 
     def _fail(self, exc: AgentError, step: int) -> None:
         """The agent is gone or too slow: off until the retry, one warning."""
         was = self.available
         self._down_until = time.monotonic() + self.retry_seconds
-        self._update(failures=self._stats.failures + 1, available=False, held=())
+        self._update(failures=self._stats.failures + 1, available=False)
+        self._dirty = True
         held, self._held, self._held_step = self._held, None, None
         if held is not None:
             held.release()
@@ -199,57 +219,114 @@ class MemoryTier:
             )
         _log.warning("memory tier: step %d: %s; disk only for %g s", step, exc, self.retry_seconds)
 
-    async def save(self, sd: dict[str, Any], step: int) -> bool:
-        """Snapshot ``sd`` (a resolved state dict) as ``step``: returns once staged
-        (True), or False when it was not taken (skipped, or the agent is away). The
-        commit goes on in the background. Cancellation: before the stage completed,
-        nothing is handed to the agent (a begun snapshot is never complete)."""
+    def save(self, sd: dict[str, Any], step: int) -> Coroutine[Any, Any, bool]:
+        """Snapshot ``sd`` (a resolved state dict) as ``step``; await the returned
+        coroutine: True once staged, False when not taken (``"skip"`` while the
+        previous snapshot is still being committed, or the agent is away). The
+        snapshot point is this call, except that a ``"wait"`` save behind a busy slot
+        stages once the slot frees. The commit goes on in the background.
+
+        Cancellation (or a coroutine never awaited): nothing is handed to the agent;
+        a snapshot never committed is never complete there."""
         if not self.available:
-            self._update(skipped=self._stats.skipped + 1)
-            return False
-        if not self._stats.available:
-            self._update(available=True)
-        if self._committing is not None:
-            if self.policy == "skip":
-                self._update(skipped=self._stats.skipped + 1)
-                await anyio.lowlevel.checkpoint()
-                return False
-            while self._committing is not None:
-                await self._committing.wait()
+            return self._skip(step)
+        if self._busy is not None and self.policy == "skip":
+            return self._skip(step)
         called = time.monotonic()
-        self._progress = TierProgress(step, "memory-staging", 0.0, None)
-        self._called = called
+        stage: Coroutine[Any, Any, Lease[Any]] | None = None
+        busy = None
+        if self._busy is None and not self._dirty:
+            busy = self._busy = anyio.Event()
+            stage = self.stager.lease(sd)  # submitted now: the snapshot point
+            sd = {}
+        started = [False]
+        coro = self._finish(stage, sd, step, called, started)
+        if busy is not None:
+            # Never awaited: the slot must not stay busy for ever.
+            weakref.finalize(coro, self._abandon, busy, started)
+        return coro
+
+    def _abandon(self, busy: anyio.Event, started: list[bool]) -> None:
+        if not started[0] and self._busy is busy:
+            self._busy = None
+            busy.set()
+
+    async def _skip(self, step: int) -> bool:
+        self._update(skipped=self._stats.skipped + 1)
+        self.dropped.append(step)
+        await anyio.lowlevel.checkpoint()
+        return False
+
+    async def _finish(
+        self,
+        stage: Coroutine[Any, Any, Lease[Any]] | None,
+        sd: dict[str, Any],
+        step: int,
+        called: float,
+        started: list[bool],
+    ) -> bool:
+        started[0] = True
+        # This call's slot: set at the call when staged there, else once it is free.
+        busy = self._busy if stage is not None else None
         try:
-            try:
-                protect = [] if self._held_step is None else [self._held_step]
-                await self.client.begin(self.rank, step, self.world, session=self.session, protect=protect)
-            except (AgentUnavailableError, AgentTimeoutError) as exc:
-                self._fail(exc, step)
-                return False
-            except AgentRefusedError as exc:
-                _log.warning("memory tier: the agent refused to begin step %d: %s", step, exc)
-                self._update(refused=self._stats.refused + 1)
-                return False
-            lease = await self.stager.lease(sd)
+            if stage is None:
+                while self._busy is not None:
+                    await self._busy.wait()
+                busy = self._busy = anyio.Event()
+                if self._dirty and not await self._begin(step):
+                    raise _NotTaken
+                self._dirty = False
+                stage = self.stager.lease(sd)
+                del sd
+            self._progress = (step, "memory-staging", called, None)
+            lease = await stage
+        except _NotTaken:
+            self._end(busy)
+            return False
         except BaseException:
-            self._progress = None
+            if stage is not None:
+                stage.close()
+            self._end(busy)
             raise
         staged = time.monotonic() - called
-        self._progress = TierProgress(step, "memory-committing", staged, staged)
-        done = self._committing = anyio.Event()
+        self._progress = (step, "memory-committing", called, staged)
         assert self._tg is not None, "MemoryTier.open(task_group) first"
-        self._tg.start_soon(self._commit, lease, step, staged, done)
+        self._tg.start_soon(self._commit, lease, step, staged, busy)
         return True
 
-    async def _commit(self, lease: Lease[Any], step: int, staged: float, done: anyio.Event) -> None:
+    def _end(self, busy: anyio.Event | None) -> None:
+        self._progress = None
+        if self._busy is busy:
+            self._busy = None
+        if busy is not None:
+            busy.set()
+
+    async def _begin(self, step: int) -> bool:
+        """BEGIN ``step``: the agent forgets this session's snapshots but the one whose
+        buffers are held. False (handled) when the agent is away or refused."""
+        protect = [] if self._held_step is None else [self._held_step]
+        try:
+            await self.client.begin(self.rank, step, self.world, session=self.session, protect=protect)
+        except (AgentUnavailableError, AgentTimeoutError) as exc:
+            self._fail(exc, step)
+            return False
+        except AgentError as exc:
+            _log.warning("memory tier: the agent refused to begin step %d: %s", step, exc)
+            self._update(refused=self._stats.refused + 1)
+            self._dirty = True
+            return False
+        return True
+
+    async def _commit(self, lease: Lease[Any], step: int, staged: float, busy: anyio.Event | None) -> None:
         t0 = time.monotonic()
         try:
             with anyio.CancelScope(shield=True):
-                await self._hand_over(lease, step, staged, t0)
+                if await self._begin(step):
+                    await self._hand_over(lease, step, staged, t0)
+                else:
+                    lease.release()
         finally:
-            self._progress = None
-            self._committing = None
-            done.set()
+            self._end(busy)
 
     async def _hand_over(self, lease: Lease[Any], step: int, staged: float, t0: float) -> None:
         handle = export_shared(lease.state_dict, self.stager)
@@ -261,33 +338,34 @@ class MemoryTier:
             digests = await run_in_thread(
                 lambda: digests_of(maps, fds, sizes, regions), name="async-stager-tier-hash"
             )
-            await self.client.commit(self.rank, step, self.world, handle, digests, PIECE_BYTES)
+            await self.client.commit(
+                self.rank, step, self.world, handle, digests, PIECE_BYTES, session=self.session
+            )
         except (AgentUnavailableError, AgentTimeoutError) as exc:
             lease.release()
             self._fail(exc, step)
             return
         except AgentError as exc:
             lease.release()
+            self._dirty = True  # the agent's view of our snapshots is unknown: BEGIN first
             self._update(refused=self._stats.refused + 1)
             _log.warning("memory tier: the agent did not accept step %d: %s", step, exc)
             return
         except BaseException:
             lease.release()
             raise
-        # The agent holds it: the previous snapshot's buffers are free for the next stage.
+        # The agent holds it, and forgot our older ones: their buffers are free.
         previous, self._held, self._held_step = self._held, lease, step
         if previous is not None:
             previous.release()
         # Unmap arenas the stager no longer uses (it trims and remaps as sizes change).
         maps.keep_only({(a.dev, a.ino) for a in handle.arenas})
-        held = (*[s for s in self._stats.held if s != step][-1:], step)
         self._update(
             saved=self._stats.saved + 1,
             last_step=step,
             stage_seconds=staged,
             commit_seconds=time.monotonic() - t0,
             bytes=handle.nbytes,
-            held=held,
         )
 
     # -- restoring ---------------------------------------------------------------------
@@ -312,6 +390,10 @@ class MemoryTier:
             return attach_shared(fetched.handle)
         finally:
             fetched.close()  # the mapping keeps the memory
+
+
+class _NotTaken(Exception):
+    """The agent did not take the snapshot's BEGIN (handled: the save returns False)."""
 
 
 def _verify(f: Fetched) -> None:

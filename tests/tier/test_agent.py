@@ -12,6 +12,7 @@ import gc
 import os
 import stat
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -75,6 +76,7 @@ class Served:
         return lease
 
 
+@asynccontextmanager
 async def _served(base: str, **kw: Any) -> AsyncIterator[Served]:
     agent = Agent("job-a", max_bytes=kw.pop("max_bytes", 256 << 20), base=base, **kw)
     async with anyio.create_task_group() as tg:
@@ -94,7 +96,7 @@ async def _served(base: str, **kw: Any) -> AsyncIterator[Served]:
 @pytest.fixture
 async def served() -> AsyncIterator[Served]:
     with short_base() as base:
-        async for s in _served(base):
+        async with _served(base) as s:
             yield s
 
 
@@ -166,11 +168,12 @@ async def test_snapshot_refused_first_before_the_checksum(served: Served) -> Non
 
 async def test_keeps_the_newest_per_rank_and_drops_unprotected() -> None:
     with short_base() as base:
-        async for s in _served(base, keep=2):
+        async with _served(base, keep=2) as s:
             for i in (1, 2, 3):
                 (await s.snapshot(state(i), i)).release()
-            # keep=2: the newest complete one and the one being written.
-            assert [i.step for i in await s.client.snapshots(0)] == [2, 3]
+            # A commit makes the agent forget the committing session's older snapshots
+            # (the trainer releases their buffers once it is answered).
+            assert [i.step for i in await s.client.snapshots(0)] == [3]
             # A BEGIN protecting nothing forgets this session's complete ones.
             (await s.snapshot(state(4), 4, protect=False)).release()
             assert [i.step for i in await s.client.snapshots(0)] == [4]
@@ -186,7 +189,7 @@ async def test_keeps_the_newest_per_rank_and_drops_unprotected() -> None:
 
 async def test_memory_bound_refuses() -> None:
     with short_base() as base:
-        async for s in _served(base, max_bytes=4096):
+        async with _served(base, max_bytes=4096) as s:
             with pytest.raises(AgentRefusedError) as err:
                 await s.snapshot(state(1), 1)
             assert err.value.reason == "memory" and "--max-bytes" in str(err.value)
@@ -253,7 +256,7 @@ def test_peer_decision_and_real_credentials() -> None:
 
 async def test_socket_and_directory_modes() -> None:
     with short_base() as base:
-        async for s in _served(base):
+        async with _served(base) as s:
             st = os.stat(s.agent.path)
             assert stat.S_ISSOCK(st.st_mode) and st.st_mode & 0o777 == 0o600
             assert os.stat(os.path.dirname(s.agent.path)).st_mode & 0o777 == 0o700

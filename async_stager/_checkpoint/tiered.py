@@ -1,0 +1,160 @@
+"""The Checkpointer's memory tier (``agent=``): which saves go where, restore from memory.
+
+With ``Checkpointer(dir, agent=JOB, memory_every=M, persist_every=P)`` a save of a
+step that is a multiple of ``M`` is a memory snapshot handed to the node agent
+(``_tier.MemoryTier``: it costs the caller the stage only), a multiple of ``P`` is
+also written to the folder as without an agent, and any other step is not saved.
+Without an agent every save goes to the folder, as always.
+
+Restore takes the newest step that every rank holds complete in memory, at this world
+size, unless the folder's newest commit is a later step; every rank loads it from its
+agent and verifies every byte; if any rank cannot (agent gone, a checksum, a state that
+does not match), every rank restores from the folder instead. Never a step assembled
+from memory on some ranks and disk on others.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from async_stager._checkpoint import commit as _commit
+from async_stager._checkpoint.progress import SaveProgress
+from async_stager._checkpoint.ranks import Ranks
+from async_stager._checkpoint.statefuls import apply_loaded, check_matches, resolve
+from async_stager._core.aio.threads import run_in_thread
+from async_stager.errors import AgentError, CheckpointError, InvalidOptionError
+
+if TYPE_CHECKING:
+    from async_stager._share.handoff import AttachedStateDict
+    from async_stager._tier.client import AgentClient
+    from async_stager._tier.tier import MemoryTier
+
+__all__ = ["TierSchedule", "both", "make_tier", "progress", "restore"]
+
+_log = logging.getLogger("async_stager.checkpoint")
+
+
+@dataclass(frozen=True)
+class TierSchedule:
+    """Steps that are memory snapshots (multiples of ``memory_every``) and steps also
+    written to the folder (multiples of ``persist_every``)."""
+
+    memory_every: int = 1
+    persist_every: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("memory_every", "persist_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidOptionError(f"{name} must be an int >= 1 (steps), got {v!r}")
+
+    def route(self, step: int) -> tuple[bool, bool]:
+        """(to memory, to the folder) for ``step``."""
+        return step % self.memory_every == 0, step % self.persist_every == 0
+
+
+def make_tier(
+    agent: str | AgentClient | None,
+    *,
+    memory_every: int,
+    persist_every: int,
+    policy: str,
+    ranks: Ranks,
+    agent_timeout: float,
+) -> tuple[MemoryTier | None, TierSchedule]:
+    """The memory tier for ``agent`` (a job id, or a client), or None without one
+    (then ``memory_every`` and ``persist_every`` must be left at 1)."""
+    schedule = TierSchedule(memory_every, persist_every)
+    if agent is None:
+        if schedule != TierSchedule():
+            raise InvalidOptionError(
+                "memory_every and persist_every need agent=JOB (the memory tier's node agent: "
+                "`python -m async_stager agent --job JOB`)"
+            )
+        return None, schedule
+    from async_stager._tier.client import AgentClient
+    from async_stager._tier.tier import MemoryTier
+
+    if policy not in ("wait", "skip"):
+        raise InvalidOptionError(
+            f"a Checkpointer with an agent takes policy 'wait' or 'skip', got {policy!r}"
+        )
+    client = AgentClient(agent, timeout=agent_timeout) if isinstance(agent, str) else agent
+    if not isinstance(client, AgentClient):
+        raise InvalidOptionError(
+            f"agent must be a job id (str) or an AgentClient, got {type(agent).__name__}"
+        )
+    tier = MemoryTier(
+        client, rank=ranks.rank, world=ranks.world, policy="wait" if policy == "wait" else "skip"
+    )
+    return tier, schedule
+
+
+async def both(memory: Coroutine[Any, Any, bool], disk: Coroutine[Any, Any, bool]) -> bool:
+    """A step saved to memory and to the folder: the memory snapshot's stage, then the
+    disk save's (each submitted at the call). Returns the disk save's answer.
+    Cancellation: as for each; a failed memory stage abandons the disk save too."""
+    try:
+        await memory
+    except BaseException:
+        disk.close()
+        raise
+    return await disk
+
+
+def progress(tier: MemoryTier | None) -> list[SaveProgress]:
+    """The memory snapshot in flight as SaveProgress (phase ``memory-staging`` or
+    ``memory-committing``)."""
+    if tier is None:
+        return []
+    return [SaveProgress(p.step, p.phase, p.seconds, p.staged_seconds) for p in tier.in_flight()]
+
+
+async def restore(
+    tier: MemoryTier, ranks: Ranks, root: Path, state: dict[str, Any], step: int | None
+) -> int | None:
+    """Restore from the agents if every rank can (see the module doc); the step, or
+    None (then restore from the folder). Every rank calls it. Cancellation: deferred
+    while a collective runs; ``state`` is changed only once every rank verified."""
+    mine = await tier.complete_steps()
+    disk = await run_in_thread(lambda: _commit.committed_steps(root), name="async-stager-restore")
+    gathered: list[Any] = await run_in_thread(
+        lambda: ranks.all_gather((mine, disk)), name="async-stager-restore"
+    )
+    common = set(gathered[0][0])
+    for held, _ in gathered[1:]:
+        common &= set(held)
+    if step is not None:
+        common &= {step}
+    newest_disk = gathered[0][1][-1] if gathered[0][1] else None
+    chosen: int | None = int(max(common)) if common else None
+    if chosen is not None and step is None and newest_disk is not None and newest_disk > chosen:
+        chosen = None  # the folder holds a later step
+    if chosen is None:
+        return None  # the same on every rank: they all saw the same lists
+    attached: AttachedStateDict | None = None
+    ok = False
+    if chosen is not None:
+        try:
+            attached = await tier.load(chosen)
+            check_matches(resolve(state), attached.state_dict, chosen)
+            ok = True
+        except (AgentError, CheckpointError) as exc:  # IntegrityError is a CheckpointError
+            _log.warning("memory snapshot of step %d cannot be restored here: %s", chosen, exc)
+    oks: list[Any] = await run_in_thread(lambda: ranks.all_gather(ok), name="async-stager-restore")
+    if not all(oks):
+        if attached is not None:
+            attached.close()
+        _log.warning("step %d is not restorable from memory on every rank: restoring from the folder", chosen)
+        return None
+    assert attached is not None
+    try:
+        apply_loaded(state, attached.state_dict, chosen)
+    finally:
+        attached.close()
+    _log.info("restored step %d from the memory tier", chosen)
+    return chosen

@@ -1,0 +1,201 @@
+"""The Checkpointer with a memory tier (``agent=``): routing, restore choice, faults.
+
+An in-process agent on the test's event loop; a real folder for the disk tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from helpers import assert_same
+
+from async_stager import Checkpointer
+from async_stager._tier.agent import Agent
+from async_stager._tier.client import AgentClient
+from async_stager._tier.tier import MemoryTier
+from async_stager.errors import InvalidOptionError
+from tests.tier.helpers_tier import short_base
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
+
+
+def state_of(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    model = torch.nn.Linear(32, 16)
+    with torch.no_grad():
+        model.weight.copy_(torch.randn(16, 32, generator=g))
+        model.bias.copy_(torch.randn(16, generator=g))
+    return {"model": model, "extra": {"t": torch.randn(100, generator=g), "n": step}}
+
+
+def values(state: dict[str, Any]) -> dict[str, Any]:
+    return {"model": dict(state["model"].state_dict()), "extra": state["extra"]}
+
+
+def blank() -> dict[str, Any]:
+    return {"model": torch.nn.Linear(32, 16), "extra": {"t": torch.zeros(100), "n": -1}}
+
+
+@asynccontextmanager
+async def agent_on_loop(base: str, job: str = "ck") -> AsyncIterator[Agent]:
+    agent = Agent(job, max_bytes=1 << 28, base=base)
+    async with anyio.create_task_group() as tg:
+        await tg.start(agent.serve)
+        try:
+            yield agent
+        finally:
+            await agent.stop()
+
+
+async def settle(ckpt: Checkpointer) -> None:
+    """Until no memory snapshot is in flight and every disk save committed."""
+    await ckpt.wait()
+    while ckpt.in_flight():
+        await anyio.sleep(0.01)
+
+
+async def test_routing_and_restore_from_memory(tmp_path: Path) -> None:
+    with short_base() as base:
+        async with agent_on_loop(base):
+            client = AgentClient("ck", base=base)
+            async with Checkpointer(tmp_path, agent=client, memory_every=1, persist_every=3) as ckpt:
+                for step in range(1, 8):
+                    assert await ckpt.save(state_of(step), step=step)
+                    await settle(ckpt)
+                assert ckpt.steps() == [3, 6]
+                stats = ckpt.memory
+                assert stats is not None and stats.saved == 7 and stats.last_step == 7 and stats.bytes > 0
+            # A new Checkpointer (a restarted trainer) restores step 7 from memory, bit-exact.
+            async with Checkpointer(tmp_path, agent=AgentClient("ck", base=base), persist_every=3) as ckpt:
+                state = blank()
+                assert await ckpt.restore(state) == 7
+                assert_same(values(state), values(state_of(7)))
+                # Step 6 is not in memory any more: from the folder.
+                state = blank()
+                assert await ckpt.restore(state, step=6) == 6
+                assert_same(values(state), values(state_of(6)))
+
+
+async def test_disk_newer_than_memory_and_other_world(tmp_path: Path) -> None:
+    with short_base() as base:
+        async with agent_on_loop(base), anyio.create_task_group() as tg:
+            # A snapshot of another world size (rank 0 of 2) never restores here.
+            other = MemoryTier(AgentClient("ck", base=base), world=2)
+            other.open(tg)
+            assert await other.save(dict(values(state_of(50))), 50)
+            while other.in_flight():
+                await anyio.sleep(0.01)
+            assert other.stats.saved == 1
+            await other.aclose()
+            async with Checkpointer(
+                tmp_path, agent=AgentClient("ck", base=base), memory_every=1, persist_every=2
+            ) as ckpt:
+                assert await ckpt.save(state_of(1), step=1)
+                await settle(ckpt)
+                assert await ckpt.save(state_of(2), step=2)
+                await settle(ckpt)
+                state = blank()
+                assert await ckpt.restore(state) == 2  # in memory and on disk
+                assert_same(values(state), values(state_of(2)))
+            # The agent's snapshots of step 2 and 50: the folder's step 4 is newer.
+            async with Checkpointer(tmp_path) as ckpt:
+                assert await ckpt.save(state_of(4), step=4)
+            async with Checkpointer(tmp_path, agent=AgentClient("ck", base=base), persist_every=2) as ckpt:
+                state = blank()
+                assert await ckpt.restore(state) == 4
+                assert_same(values(state), values(state_of(4)))
+
+
+async def test_damaged_memory_restores_from_disk(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with short_base() as base:
+        async with agent_on_loop(base):
+            async with Checkpointer(tmp_path, agent=AgentClient("ck", base=base), persist_every=2) as ckpt:
+                for step in (1, 2, 3):
+                    assert await ckpt.save(state_of(step), step=step)
+                    await settle(ckpt)
+            # Flip a byte of step 3 in the agent's memory (what a stray write would do).
+            async with AgentClient("ck", base=base) as c:
+                fetched = await c.fetch(0, 3)
+                try:
+                    fd = fetched.fds[0]
+                    mm = mmap.mmap(fd, fetched.handle.arenas[0].nbytes, flags=mmap.MAP_SHARED)
+                    ref = next(r for r in fetched.handle.refs if r[0] == "t")
+                    mm[ref[2]] ^= 0xFF
+                    mm.close()
+                finally:
+                    fetched.close()
+            caplog.set_level(logging.WARNING, "async_stager.checkpoint")
+            async with Checkpointer(tmp_path, agent=AgentClient("ck", base=base), persist_every=2) as ckpt:
+                state = blank()
+                assert await ckpt.restore(state) == 2  # never the damaged step 3
+                assert_same(values(state), values(state_of(2)))
+            assert "do not match their checksum" in caplog.text
+
+
+async def test_no_agent_running_falls_back_to_disk(tmp_path: Path) -> None:
+    with short_base() as base:
+        async with Checkpointer(
+            tmp_path, agent=AgentClient("nobody", base=base, timeout=2), memory_every=1, persist_every=2
+        ) as ckpt:
+            with pytest.warns(RuntimeWarning, match="memory checkpoints are off"):
+                assert await ckpt.save(state_of(1), step=1)  # staged; its commit finds no agent
+                await settle(ckpt)
+            assert not await ckpt.save(state_of(3), step=3)  # memory only, and the tier is off
+            assert await ckpt.save(state_of(4), step=4)  # disk goes on
+            await settle(ckpt)
+            assert ckpt.steps() == [4]
+            stats = ckpt.memory
+            assert stats is not None and stats.failures == 1 and stats.saved == 0 and not stats.available
+            assert 3 in ckpt.dropped
+            state = blank()
+            assert await ckpt.restore(state) == 4
+            assert_same(values(state), values(state_of(4)))
+
+
+async def test_skip_policy_when_both_slots_are_busy(tmp_path: Path) -> None:
+    with short_base() as base:
+        async with agent_on_loop(base):
+            async with Checkpointer(
+                tmp_path, agent=AgentClient("ck", base=base), policy="skip", persist_every=100
+            ) as ckpt:
+                assert await ckpt.save(state_of(1), step=1)
+                phases = [p.phase for p in ckpt.in_flight()]
+                assert phases == ["memory-committing"]
+                # Its commit is in flight: the next snapshot is skipped, and says so.
+                assert not await ckpt.save(state_of(2), step=2)
+                assert ckpt.dropped == [2]
+                await settle(ckpt)
+                assert await ckpt.save(state_of(3), step=3)
+                await settle(ckpt)
+                stats = ckpt.memory
+                assert stats is not None and stats.saved == 2 and stats.skipped == 1
+            async with Checkpointer(
+                tmp_path, agent=AgentClient("ck", base=base), policy="wait", persist_every=100
+            ) as ckpt:
+                assert await ckpt.save(state_of(4), step=4)
+                assert await ckpt.save(state_of(5), step=5)  # waits for step 4's commit
+                await settle(ckpt)
+                stats = ckpt.memory
+                assert stats is not None and stats.saved == 2 and stats.skipped == 0
+                state = blank()
+                assert await ckpt.restore(state) == 5
+                assert_same(values(state), values(state_of(5)))
+
+
+def test_options() -> None:
+    with pytest.raises(InvalidOptionError, match="need agent"):
+        Checkpointer("/tmp/unused-dev38", persist_every=5)
+    with pytest.raises(InvalidOptionError, match="memory_every"):
+        Checkpointer("/tmp/unused-dev38", agent="j", memory_every=0)
+    with pytest.raises(InvalidOptionError, match="policy"):
+        Checkpointer("/tmp/unused-dev38", agent="j", policy="coalesce")
+    assert not os.path.exists("/tmp/unused-dev38")
