@@ -40,6 +40,7 @@ from async_stager._checkpoint.statefuls import resolve
 from async_stager._checkpoint.write import Writer
 from async_stager._core.aio.stager import Stager
 from async_stager._core.aio.threads import run_in_thread
+from async_stager._core.checksum.digest import hash_threads
 from async_stager.errors import CheckpointError, ClosedError, InvalidOptionError, InvalidOptionTypeError
 
 if TYPE_CHECKING:
@@ -187,7 +188,7 @@ class Checkpointer:
             )
             checksums = checksum
 
-        threads = checksum_threads if checksum_threads is not None else max(1, (os.cpu_count() or 2) - 1)
+        threads = checksum_threads if checksum_threads is not None else hash_threads()
         self.options = CheckpointerOptions(
             Path(directory),
             keep,

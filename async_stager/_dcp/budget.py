@@ -95,6 +95,10 @@ __all__ = ["BudgetStats", "Pipeline", "SaveAborted"]
 _SMALL = 64 * 1024
 #: Largest piece a bytes item's data is cut into (bytes): one file write, one memcpy.
 _CHUNK_MAX = 8 * 1024 * 1024
+#: Tensor items of at most this many bytes are copied in batches (one stage, one event).
+_BATCH_ITEM = 64 * 1024 - 1
+#: Bytes of one batch of small tensor items at most.
+_BATCH_BYTES = 1 << 20
 #: Ring bytes assumed per bytes item when the caller gave no estimate (``object_hint``):
 #: about what ``torch.save`` of a small value writes.
 _ITEM_BYTES = 2048
@@ -112,6 +116,8 @@ class Pipeline:
     and its ring, kept for the next save (given back by ``finish``). ``pinner``: pins
     the ring (None: pageable). ``generators``: the ``torch.Generator``s inside bytes
     items, each with its pickle reduction taken at the call (``pickling``).
+    ``host_wait``: the bytes items may hold CPU tensors, so their serialization first
+    waits on the host for the captures (False: no value holds one; nothing waits).
     ``captures``: per device, its copier's ``capture()`` at the call (the snapshot
     point on the caller's stream); each piece's copy is ordered after it
     (``order_after``: a host copy, and the serialization of bytes items, after all).
@@ -136,6 +142,7 @@ class Pipeline:
         lane: Lane,
         pinner: Pinner | None = None,
         generators: dict[int, tuple[Any, Any]] | None = None,
+        host_wait: bool = True,
         digests: dict[str, dict[str, Any]] | None = None,
         object_hint: int | None = None,
         object_paths: dict[str, tuple[Any, ...]] | None = None,
@@ -163,6 +170,7 @@ class Pipeline:
         self._lanes = lanes
         self._lane: Lane | None = lane
         self._generators = generators
+        self._host_wait = host_wait
         #: Pins the ring (the arenas' path, ``arena.pin``); None: the ring is pageable.
         self.pinner = pinner
         self.t0 = t0
@@ -442,23 +450,9 @@ class Pipeline:
                 if self._objects:
                     # Values are read as of the call: after every capture, a device
                     # tensor inside one on the copy stream (``RingCopies.serializing``).
-                    with self.copies.serializing():
+                    with self.copies.serializing(host_wait=self._host_wait):
                         self._serialize_objects()
-                for pos, item in enumerate(self._items):
-                    src = self.source(item).detach()
-                    nbytes = src.numel() * src.element_size()
-                    start = ring.alloc(nbytes, stop=lambda: self._stop)
-                    if start is None:
-                        return
-                    dst = ring.view(start, nbytes, src.dtype, src.shape)
-                    done = self.copies.copy(item.index.fqn, dst, src)
-                    if done is None:
-                        self._hash(item, dst)  # landed: hashed here, before the writer
-                    del src
-                    self._tensor_bytes += nbytes
-                    with self._cond:
-                        self._ready[pos] = (dst, done)
-                        self._cond.notify_all()
+                self._copy_tensors(ring)
             self._fence_at = time.perf_counter()
         except Stopped:
             pass  # aborted: the writer raises SaveAborted
@@ -469,6 +463,55 @@ class Pipeline:
                 self._cond.notify_all()
         finally:
             self._settle()
+
+    def _copy_tensors(self, ring: Ring) -> None:
+        """Each tensor item's source into its piece of the ring, in the writer's order.
+        Consecutive small items of one device (``_BATCH_ITEM`` bytes at most, up to
+        ``_BATCH_BYTES`` in all) that fit the ring now are copied as one stage (one
+        event, one wait). A piece that must wait for ring space first enqueues the
+        batch gathered so far: the writer may be waiting for it."""
+        assert self.source is not None
+        batch: list[tuple[int, WriteItem, torch.Tensor, torch.Tensor]] = []
+        batch_bytes = 0
+        for pos, item in enumerate(self._items):
+            src = self.source(item).detach()
+            nbytes = src.numel() * src.element_size()
+            small = nbytes <= _BATCH_ITEM
+            if batch and (
+                not small or batch_bytes + nbytes > _BATCH_BYTES or src.device != batch[0][3].device
+            ):
+                self._enqueue(batch)
+                batch, batch_bytes = [], 0
+            start = ring.try_alloc(nbytes) if batch else None
+            if start is None:
+                self._enqueue(batch)  # the writer may be waiting for these
+                batch, batch_bytes = [], 0
+                start = ring.alloc(nbytes, stop=lambda: self._stop)
+                if start is None:
+                    return
+            batch.append((pos, item, ring.view(start, nbytes, src.dtype, src.shape), src))
+            batch_bytes += nbytes
+            self._tensor_bytes += nbytes
+            del src
+            if not small:
+                self._enqueue(batch)
+                batch, batch_bytes = [], 0
+        self._enqueue(batch)
+
+    def _enqueue(self, batch: list[tuple[int, WriteItem, torch.Tensor, torch.Tensor]]) -> None:
+        if not batch:
+            return
+        done = self.copies.copy(
+            [item.index.fqn for _, item, _, _ in batch], [d for _, _, d, _ in batch], [s for *_, s in batch]
+        )
+        if done is None:
+            for _, item, dst, _ in batch:
+                self._hash(item, dst)  # landed: hashed here, before the writer
+        with self._cond:
+            for pos, _, dst, _ in batch:
+                self._ready[pos] = (dst, done)
+            self._cond.notify_all()
+        batch.clear()
 
     def _serialize_objects(self) -> None:
         """``torch.save`` of each bytes item's value, as DCP's planner does, into the

@@ -166,6 +166,9 @@ class _Survey:
         self.refusal: BudgetTooSmallError | None = None
         #: Generators met, by id: (the generator, its pickle reduction now).
         self.generators: dict[int, tuple[Any, Any]] = {}
+        #: A value may hold a CPU tensor (one was seen, or the look stopped short):
+        #: serializing must first wait on the host for the captures.
+        self.host_tensors = False
 
     def value(self, path: tuple[Any, ...], value: Any) -> None:
         seen: set[int] = set()
@@ -183,6 +186,7 @@ class _Survey:
                 key = storage.data_ptr() or id(storage)
                 if key in storages or v.device.type == "meta":
                     continue
+                self.host_tensors = self.host_tensors or v.device.type == "cpu"
                 storages.add(key)
                 n = storage.nbytes()
                 if v.device.type != "cpu" and n > self.budget and self.refusal is None:
@@ -230,6 +234,8 @@ class _Survey:
                 stack.extend(((*where, Nth(i)), x) for i, x in enumerate(v))
             else:
                 self._attributes(where, v, stack)
+        if stack:
+            self.host_tensors = True  # not looked at: may hold one
         self.ring_bytes += pickled + _ITEM_OVERHEAD
         if pickled > self.budget and self.refusal is None:
             self.refusal = BudgetTooSmallError(
@@ -263,13 +269,14 @@ class _Survey:
 
 def survey(
     state_dict: Any, budget: int
-) -> tuple[int, dict[str, tuple[Any, ...]], dict[int, tuple[Any, Any]]]:
+) -> tuple[int, dict[str, tuple[Any, ...]], dict[int, tuple[Any, Any]], bool]:
     """Check ``state_dict`` against ``budget`` at the call, before anything is staged:
     BudgetTooSmallError naming the first tensor item bigger than the budget, else the
     first non-tensor value (or device tensor inside one) that ``torch.save`` would hold
     whole beyond it. Returns the estimated ring bytes of the non-tensor values (to size
-    the ring), each one's path by DCP name (for errors found when serialized), and the
-    ``torch.Generator``s inside them with their state taken now (by id)."""
+    the ring), each one's path by DCP name (for errors found when serialized), the
+    ``torch.Generator``s inside them with their state taken now (by id), and whether
+    they may hold a CPU tensor (their serialization then waits for the captures)."""
     path, need = largest_tensor(state_dict)
     if need > budget:
         raise BudgetTooSmallError(
@@ -287,7 +294,9 @@ def survey(
         look.value(where, value)
     if look.refusal is not None:
         raise look.refusal
-    return look.ring_bytes, paths, look.generators
+    if look.nodes <= 0:
+        look.host_tensors = True  # values not looked at may hold one
+    return look.ring_bytes, paths, look.generators, look.host_tensors
 
 
 def budgeted_save(
@@ -380,7 +389,7 @@ def _budgeted_save(
         raise InvalidOptionError("a budgeted save needs checkpoint_id (the checkpoint's folder)")
     if stager.closed:
         raise ClosedError("the stager is closed")
-    object_hint, object_paths, generators = survey(state_dict, budget)
+    object_hint, object_paths, generators, host_tensors = survey(state_dict, budget)
     # The stager's device seam (``Stager(backend=...)``): what its stages copy with.
     lanes = stager.lanes
     backend = lanes.backend
@@ -406,6 +415,7 @@ def _budgeted_save(
             lane=lane,
             pinner=_ring_pinner(lanes.pinner, bool(captures)),
             generators=generators,
+            host_wait=host_tensors,
             digests=digests,
             object_hint=object_hint,
             object_paths=object_paths,

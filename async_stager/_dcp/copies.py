@@ -68,16 +68,18 @@ class RingCopies:
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
-    def serializing(self) -> Iterator[None]:
-        """Copier thread, around the serialization of bytes items: first a host wait
-        (bounded) for every capture, since ``torch.save`` reads CPU tensors inside the
-        values on the host and the caller's streams may still be writing them; then,
+    def serializing(self, *, host_wait: bool = True) -> Iterator[None]:
+        """Copier thread, around the serialization of bytes items: first, when a value
+        may hold a CPU tensor (``host_wait``), a host wait (bounded) for every capture,
+        since ``torch.save`` reads those on the host and the caller's streams may still
+        be writing them (otherwise nothing waits on the host before a copy); then,
         for each accelerator, its copy stream current and ordered after its capture
         (``Copier.begin``): a device tensor inside a value, which ``torch.save`` copies
         to the host itself, is read as of the call on the copy stream, never on the
         default stream. Each such stage's completion is waited for by ``settle``."""
-        for cap in list(self.captures.values()):
-            cap.synchronize()
+        if host_wait:
+            for cap in list(self.captures.values()):
+                cap.synchronize()
         begun: list[tuple[torch.device, Copier]] = []
         try:
             # Only the captured devices: accelerators (the CPU is one on a simulated
@@ -102,25 +104,26 @@ class RingCopies:
             copier = self._copiers[device] = self._backend.copier(device)
         return copier
 
-    def copy(self, fqn: str, dst: torch.Tensor, src: torch.Tensor) -> Completion | None:
-        """Enqueue ``dst.copy_(src)`` (copier thread) as one stage of the source's
-        copier: ordered after the capture, the source protected until it is read.
-        Returns the copy's completion, None when it has landed already. Bytes, not
-        values (``bytewise``: bf16/fp16/fp8 must not pass through float), except for a
-        source with lazy conj/neg bits (values: the bits resolved). A failed
-        enqueue raises CopyError naming the write item ``fqn``."""
-        device = src.device
+    def copy(self, fqns: list[str], dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> Completion | None:
+        """Enqueue ``dsts[i].copy_(srcs[i])`` (copier thread) as one stage of the
+        sources' copier (all on one device): ordered after the capture, the sources
+        protected until read, one completion for all (a batch of small items costs one
+        event and one wait, not one each). Returns it, None when the copies have landed
+        already. Each copier copies bytes, not values, and resolves lazy conj/neg bits
+        itself (an accelerator on the device: ``AcceleratorCopier``). A failed enqueue
+        raises CopyError naming the write items ``fqns``."""
+        device = srcs[0].device
         if device.type == "cuda" and device.index is None:  # pragma: no cover - torch sets it
             device = torch.device("cuda", torch.cuda.current_device())
         copier = self._copier(device)
         copier.begin(order_after(device, self.captures))
         try:
-            # Each copier copies bytes, not values, and resolves lazy conj/neg bits
-            # itself (on the device, for an accelerator: ``AcceleratorCopier``).
-            copier.copy([dst], [src])
-            copier.protect([src])
+            copier.copy(dsts, srcs)
+            copier.protect(srcs)
         except Exception as e:
-            raise CopyError(f"copying write item {fqn!r} into the budget's ring failed: {e}") from e
+            names = ", ".join(repr(f) for f in fqns)
+            what = f"write item {names}" if len(fqns) == 1 else f"write items {names} (one batch)"
+            raise CopyError(f"copying {what} into the budget's ring failed: {e}") from e
         finally:
             # The stage ends also when the enqueue failed (the copy stream made current
             # for it is left); what was enqueued is still waited for (``settle``).
@@ -136,7 +139,7 @@ class RingCopies:
         Polls ``query()`` with a sleep doubling up to 1 ms, so the wait sees an abort
         and is bounded (a blocking synchronize cannot be): CopyError after
         ``HOST_WAIT_SECONDS``, and when the completion fails (a device reports a copy's
-        error there), the error its cause."""
+        error there; of a batch, any of its items'), the error its cause."""
         deadline = time.monotonic() + HOST_WAIT_SECONDS
         delay = 0.0001
         try:

@@ -294,3 +294,62 @@ def test_a_restore_read_into_host_memory_is_hashed_on_the_gpu_identically() -> N
     assert t.numel() >= _wordhash.OFFLOAD_BYTES
     assert _wordhash.wsum64_digest(t) == reference(raw(t))  # hashed on the GPU
     assert _wordhash.wsum64_digest(t.cuda()) == reference(raw(t))
+
+
+# -- threads hashing a staged copy ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("affinity", "machine", "env", "want"),
+    [
+        (16, 16, {}, 15),  # one rank, the whole machine: all cores but one
+        (16, 16, {"LOCAL_WORLD_SIZE": "8"}, 1),  # 8 ranks share it: 2 cores each, less one
+        (64, 64, {"LOCAL_WORLD_SIZE": "8"}, 7),
+        (8, 64, {"LOCAL_WORLD_SIZE": "8"}, 7),  # bound to its own 8 cores: its share already
+        (64, 64, {"OMP_NUM_THREADS": "4"}, 4),  # the process's thread budget caps it
+        (4, 64, {}, 3),  # the affinity, not the machine's count
+        (1, 1, {}, 1),
+    ],
+)
+def test_hash_threads_are_this_processs_share(
+    monkeypatch: pytest.MonkeyPatch, affinity: int, machine: int, env: dict[str, str], want: int
+) -> None:
+    # Review finding 6: the Checkpointer hashed with os.cpu_count() - 1 threads in every
+    # process, ignoring affinity, OMP_NUM_THREADS and the ranks per node.
+    import os
+
+    from async_stager._core.checksum.digest import hash_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(affinity)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: machine)
+    for name in ("LOCAL_WORLD_SIZE", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert hash_threads() == want
+
+
+def test_checkpointer_default_checksum_threads_follow_hash_threads(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    from async_stager import Checkpointer
+    from async_stager._core.checksum.digest import hash_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    ckpt = Checkpointer(tmp_path)
+    assert ckpt.options.checksum_threads == hash_threads() == 1
+
+
+def test_a_source_at_an_odd_address_is_not_hashed_on_the_device() -> None:
+    # Review finding 10: a DLPack view whose storage starts at an odd address passed the
+    # offset check and its int32 loads fault the kernel on a GPU.
+    from async_stager._core.checksum.wordhash import device_pairs, wsum64_digest
+
+    buf = bytearray(_wordhash.MIN_DEVICE_BYTES + 8)
+    odd = torch.frombuffer(buf, dtype=torch.uint8, offset=1, count=_wordhash.MIN_DEVICE_BYTES)
+    assert odd.storage_offset() == 0 and odd.data_ptr() % 4 == 1
+    aligned = torch.zeros(_wordhash.MIN_DEVICE_BYTES, dtype=torch.uint8)
+    dst = torch.empty_like(aligned)
+    assert device_pairs([dst, dst], [odd, aligned]) == [(dst, aligned)]
+    odd.copy_(torch.arange(odd.numel()).to(torch.uint8))
+    assert wsum64_digest(odd) == wsum64_digest(odd.clone())

@@ -12,6 +12,7 @@ bit-exact. The real path (CUDA) is the ``cuda``-marked test at the end.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar, cast
@@ -482,6 +483,49 @@ async def test_values_are_read_as_of_the_call_on_the_copy_stream(tmp_path: Path)
         dcp.load(out, checkpoint_id=str(tmp_path), no_dist=True)
         assert torch.equal(out["rng"].get_state(), at_call)
         assert _Probe.seen and _Probe.seen[0] is backend.made[0].stream  # not the default stream
+
+
+class _TimedDevice(SimulatedDevice):
+    """Records when the first copy is enqueued."""
+
+    first_copy: float | None = None
+
+    def copy(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+        if self.first_copy is None:
+            self.first_copy = time.monotonic()
+        super().copy(dsts, srcs)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # about the device, not the loop
+async def test_small_items_are_copied_in_batches_without_a_host_wait(tmp_path: Path) -> None:
+    # Review finding 10: each tensor item was its own stage (an event and a wait each),
+    # and the copier waited on the host for the captures before any copy, also when no
+    # value read on the host could need it.
+    sim = _TimedDevice(seed=5)
+    with sim:
+        g = torch.Generator().manual_seed(0)
+        sd: dict[str, Any] = {f"b{i}": sim.tensor(torch.randn(256, generator=g)) for i in range(100)}
+        sd["epoch"] = 3  # a bytes item without a tensor inside
+        want = {k: v.clone() for k, v in sd.items() if isinstance(v, torch.Tensor)}
+        done_at: list[float] = []
+
+        def producer() -> None:
+            time.sleep(0.3)
+            done_at.append(time.monotonic())
+
+        backend = SimulatedBackend(sim)
+        async with Stager(backend=backend) as stager:
+            # A producer still running on the caller's stream at the call.
+            sim.launch(producer)
+            await adcp.save(
+                sd, stager=stager, checkpoint_id=tmp_path, no_dist=True, host_budget_bytes=4 * PIECE
+            )
+        assert sim.first_copy is not None and done_at and sim.first_copy < done_at[0]
+        assert sim.copies < 10  # 100 items in a few batches, not 100 stages
+        got = load(tmp_path, sd)
+        for k, v in want.items():
+            assert torch.equal(got[k], v), k
+        assert got["epoch"] == 3
 
 
 # -- the real path ---------------------------------------------------------------------

@@ -21,6 +21,7 @@ Sources on a GPU are hashed there instead, before their copy, with WSUM64 (see
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -37,6 +38,7 @@ __all__ = [
     "HashTask",
     "chunk_key",
     "hash_memory",
+    "hash_threads",
     "hasher",
     "tensor_digest",
 ]
@@ -66,6 +68,31 @@ def hasher() -> Any:
                 ) from exc
             _module = xxhash
     return _module
+
+
+def hash_threads() -> int:
+    """Threads one process hashes a staged copy with by default: its share of the
+    machine, leaving a core to training and the event loop.
+
+    The cores are the process's CPU affinity (``sched_getaffinity``), not the machine's
+    count. ``OMP_NUM_THREADS``, when set, is the process's thread budget and caps the
+    result. When the affinity is the whole machine, the ranks of this node
+    (``LOCAL_WORLD_SIZE``, which torchrun sets) share it: each takes its part. A
+    launcher that binds each rank to its own cores gives the rank's share as its
+    affinity already. Hazard: every rank hashing with every core (8 ranks: 8x
+    oversubscription) slows each write and the training steps it overlaps."""
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    machine = os.cpu_count() or 1
+    cores = affinity if affinity is not None else machine
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    ranks = int(local) if local.isdigit() and int(local) > 0 else 1
+    if cores >= machine and ranks > 1:
+        cores //= ranks
+    threads = cores - 1
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    if omp.isdigit() and int(omp) > 0:
+        threads = min(threads, int(omp))
+    return max(1, threads)
 
 
 def chunk_key(fqn: str, offsets: Sequence[int]) -> str:

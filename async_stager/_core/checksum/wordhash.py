@@ -190,8 +190,8 @@ def piece_hashes(
     tensor on that device (signed; ``& (2**64 - 1)`` gives the digest's values), into
     ``out`` when given (``piece_count`` entries). Only enqueues work on the current
     stream: nothing waits for the device. ``tables``: ``make_tables``'s, made on this
-    stream (default: the shared ones of ``_tables_on``). ``u8`` must start at a
-    multiple of 4 bytes in its storage (``device_pairs`` checks it)."""
+    stream (default: the shared ones of ``_tables_on``). ``u8`` must start at an
+    address that is a multiple of 4 (``device_pairs`` checks it)."""
     if tables is None:
         tables = _tables_on(u8.device)
     n = u8.numel()
@@ -224,8 +224,11 @@ def device_pairs(
             continue
         if s.is_conj() or s.is_neg() or d.is_conj() or d.is_neg():
             continue
-        if s.storage_offset() * s.element_size() % 4:
-            continue  # its bytes cannot be read as int32 words in place
+        if s.data_ptr() % 4:
+            # Its bytes cannot be read as int32 words in place: the address, not only
+            # the offset in its storage (a DLPack import may start at an odd address,
+            # and an int32 load there faults the kernel).
+            continue
         out.append((d, s))
     return out
 
@@ -275,6 +278,6 @@ def wsum64_digest(t: torch.Tensor) -> list[int]:
         d = d.resolve_conj()
     if d.is_neg():
         d = d.resolve_neg()
-    if not d.is_contiguous() or d.storage_offset() * d.element_size() % 4:
+    if not d.is_contiguous() or d.data_ptr() % 4:
         d = d.clone(memory_format=torch.contiguous_format)  # contiguous, and 4-byte aligned
     return digest_tensor(piece_hashes(raw_bytes(d)))

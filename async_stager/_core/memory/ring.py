@@ -99,6 +99,19 @@ class Ring:
             self.peak = max(self.peak, self.used)
             return start
 
+    def try_alloc(self, nbytes: int) -> int | None:
+        """``alloc`` without waiting: None when the piece does not fit now."""
+        size = padded(max(nbytes, 1))
+        with self._cond:
+            start = self._fit(size) if size <= self.capacity else None
+            if start is None:
+                return None
+            self._live.append((start, size))
+            self._tail = start + size
+            self.used += size
+            self.peak = max(self.peak, self.used)
+            return start
+
     def view(self, start: int, nbytes: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
         """The piece at ``start`` as a contiguous tensor of ``shape`` and ``dtype`` whose
         storage is exactly ``nbytes`` bytes of the arena."""
