@@ -69,7 +69,14 @@ PROCESS_MODULES = {
     "test_checkpointer_model",
     "test_bench",
     "test_reliability_leaks",
+    "test_reliability_cancel",
+    "test_reliability_input",
     "test_cli_check",
+    "test_checkpointer_trust",
+    "test_budget_objects",
+    "test_share_views",
+    "test_agent_process",
+    "test_service_example",
 }
 
 #: Modules whose tests share one module-scoped child process or run (spawning a writer

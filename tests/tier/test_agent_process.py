@@ -86,7 +86,7 @@ def test_agent_sigkill_then_restart() -> None:
 
         async def run() -> None:
             async with anyio.create_task_group() as tg:
-                tier = MemoryTier(AgentClient("k", base=base, timeout=5), retry_seconds=0.0)
+                tier = MemoryTier(AgentClient("k", base=base, timeout=60), retry_seconds=0.0)  # a hang guard
                 tier.open(tg)
                 with agent_process("k", base) as agent:
                     assert await tier.save(state_of(1, 1), 1)
