@@ -5,7 +5,7 @@
 (``__init__``, ``dcp``, ``share``, ``testing``). A module imports only from its own
 layer or the layers before it; ``_core`` never imports ``torch.distributed``. Checked
 by parsing every import (also the ones inside functions), so a lazy import cannot
-break the order unseen.
+break the order unseen. Inside one folder, no module imports another round a circle.
 """
 
 from __future__ import annotations
@@ -87,3 +87,99 @@ def test_imports_point_down(path: Path) -> None:
         if own in ("errors", "_core") and mod.startswith("torch.distributed"):
             bad.append(f"line {line}: {mod} (the pipeline never imports torch.distributed)")
     assert not bad, f"{path.relative_to(PKG)}:\n" + "\n".join(bad)
+
+
+# -- no import cycle inside a package (issue 37) ---------------------------------------
+
+
+def _parts(module: str, path: Path) -> list[str]:
+    """The module's name as a list, a package's ``__init__`` as a member of its package."""
+    parts = module.split(".")
+    return [*parts, "__init__"] if path.name == "__init__.py" and len(parts) > 1 else parts
+
+
+def _graph() -> dict[str, dict[tuple[str, str], list[str]]]:
+    """Per package: (importer, imported) -> where, between the modules of one folder
+    (its ``__init__`` among them). Every import counts, lazy ones inside functions too.
+    Imports between sub-packages (``_core.run`` and ``_core.aio``) are not edges here:
+    the layers above order the packages; this is about the modules of one folder."""
+    paths = {_name(p): p for p in _modules()}
+    graph: dict[str, dict[tuple[str, str], list[str]]] = {}
+    for src, path in paths.items():
+        mine = _parts(src, path)
+        for line, mod in _imports(path):
+            parts = mod.split(".")
+            # The longest prefix that is a module of the package (``from .x import f``).
+            dst = next(
+                (".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in paths), None
+            )
+            if dst is None or dst == src:
+                continue
+            theirs = _parts(dst, paths[dst])
+            k = len(mine) - 1
+            if len(theirs) != len(mine) or mine[:k] != theirs[:k]:
+                continue  # not two modules of one folder
+            edges = graph.setdefault(".".join(mine[:k]), {})
+            where = edges.setdefault((mine[k], theirs[k]), [])
+            if not any(w.startswith(f"{path.relative_to(PKG)}:{line} ") for w in where):
+                where.append(f"{path.relative_to(PKG)}:{line} imports {dst}")
+    return graph
+
+
+def _cycles(edges: dict[tuple[str, str], list[str]]) -> list[frozenset[str]]:
+    """The strongly connected components with more than one member (Tarjan's)."""
+    succ: dict[str, list[str]] = {}
+    for a, b in edges:
+        succ.setdefault(a, []).append(b)
+        succ.setdefault(b, [])
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[frozenset[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in succ[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(frozenset(comp))
+
+    for v in sorted(succ):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _found() -> dict[tuple[str, frozenset[str]], list[str]]:
+    found = {}
+    for package, edges in _graph().items():
+        for comp in _cycles(edges):
+            found[(package, comp)] = [
+                w for (a, b), where in sorted(edges.items()) if a in comp and b in comp for w in where
+            ]
+    return found
+
+
+def test_no_import_cycle_inside_a_package() -> None:
+    """Two modules of one folder never import each other, directly or round a circle:
+    what both need lives below both (issue 37 removed the last: ``_checkpoint``'s saves,
+    write, node_budget and progress; ``_dcp``'s budget and streaming)."""
+    found = _found()
+    assert not found, "import cycles (put what both sides need below both):\n" + "\n".join(
+        f"{package}: {sorted(comp)}\n    " + "\n    ".join(where) for (package, comp), where in found.items()
+    )
