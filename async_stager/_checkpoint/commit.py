@@ -48,22 +48,27 @@ import os
 import re
 import secrets
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from async_stager._checkpoint import holds as _holds
 from async_stager.errors import CheckpointError
 
 __all__ = [
     "COMMIT",
     "LATEST",
     "Session",
+    "StepGone",
     "clean_stale",
     "commit",
     "committed_steps",
     "folder_lock",
     "fsync_dir",
     "read_latest",
+    "reading",
+    "recorded_layout",
     "remove_own_leftovers",
     "remove_tmp",
     "retain",
@@ -125,6 +130,14 @@ def recorded_manifest(folder: Path) -> dict[str, Any] | None:
     doc = _read_record(folder)
     entry = doc.get("manifest") if doc is not None else None
     return entry if isinstance(entry, dict) else None
+
+
+def recorded_layout(folder: Path) -> str | None:
+    """The format (``"dcp"``, ``"torch"``) ``folder``'s COMMIT record names, else None
+    (a record written before it said so, or none)."""
+    doc = _read_record(folder)
+    layout = doc.get("layout") if doc is not None else None
+    return layout if isinstance(layout, str) else None
 
 
 _STEP = re.compile(r"^step-(\d{8,})$")
@@ -247,6 +260,57 @@ def folder_lock(root: Path) -> Iterator[None]:
         os.close(fd)  # drops the lock
 
 
+class StepGone(Exception):
+    """The step a reader was about to read is no longer committed (retired, or being
+    replaced): list the commits again."""
+
+
+#: Seconds a reader pauses before it tries again to hold a step a writer is replacing.
+_HOLD_RETRY = 0.01
+
+
+@contextlib.contextmanager
+def reading(root: Path, step: int) -> Iterator[tuple[int, bool]]:
+    """Hold committed ``step`` for reading (``holds``): its folder neither vanishes nor
+    changes until the block ends. Yields its commit number (its COMMIT record's
+    ``seq``) and whether it is held (False when the folder has no lock files to hold:
+    read-only; the caller then checks ``commit_number`` after a failed read). Raises StepGone if
+    ``step`` is no longer committed. Blocking (a worker thread); waits only for a
+    commit in progress, never for another reader."""
+    name = step_name(step)
+    pause = _HOLD_RETRY
+    while True:
+        lock = _holds.open_lock_file(root / ".lock")
+        try:
+            if lock is not None:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            seq = _commit_seq(root / name) if (root / name).is_dir() else None
+            if seq is None:
+                raise StepGone(step)
+            try:
+                hold = _holds.shared_now(root, name)
+            except BlockingIOError:
+                hold = -1  # a writer replaces it now: try again
+        finally:
+            if lock is not None:
+                os.close(lock)
+        if hold != -1:
+            break
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
+    try:
+        yield seq, hold is not None
+    finally:
+        if hold is not None:
+            os.close(hold)
+
+
+def commit_number(root: Path, step: int) -> int | None:
+    """Committed ``step``'s commit number now (None: not committed)."""
+    folder = step_dir(root, step)
+    return _commit_seq(folder) if folder.is_dir() else None
+
+
 class Session:
     """A writer's hold on a Checkpointer directory: the ``.writer-<token>`` lock that
     marks its temporary folders as live (see the module docstring).
@@ -335,13 +399,18 @@ def _writer_alive(root: Path, token: str | None) -> bool:
     return False
 
 
-def commit(root: Path, tmp: Path, step: int) -> Path:
+def commit(root: Path, tmp: Path, step: int, layout: str | None = None) -> Path:
     """Make ``tmp`` the committed ``step-N`` (see the module docstring) and point
-    ``latest`` at it. Coordinator only, after every rank's files are written, holding
+    ``latest`` at it; ``layout``: the format it was written in (the record keeps it,
+    so a folder that holds steps of two formats reads each in its own).
+    Coordinator only, after every rank's files are written, holding the step's
+    exclusive hold (``holds.exclusive``: no reader reads the step it replaces) and then
     ``folder_lock``. Returns the committed folder."""
     dst = step_dir(root, step)
     seq = max((s for s, _ in _committed(root)), default=-1) + 1
     record: dict[str, Any] = {"format": _COMMIT_FORMAT, "seq": seq, "step": step, "manifest": None}
+    if layout is not None:
+        record["layout"] = layout
     if (tmp / _MANIFEST).exists():
         from async_stager._checkpoint.stored import file_digest
 
@@ -368,15 +437,32 @@ def commit(root: Path, tmp: Path, step: int) -> Path:
 
 def retain(root: Path, keep: int) -> list[int]:
     """Delete all but the ``keep`` newest commits (after a commit, holding
-    ``folder_lock``); returns the steps deleted. The newest commit is never one."""
+    ``folder_lock``); returns the steps deleted. The newest commit is never one. A step
+    a reader holds (``reading``) is not deleted now: a later retention deletes it once
+    no reader holds it (until then ``keep`` is exceeded by the steps being read)."""
     steps = committed_steps(root)
-    doomed = steps[:-keep] if keep > 0 else []
-    for step in doomed:
-        os.rename(step_dir(root, step), root / f".del-{step_name(step)}")
-    if doomed:
-        fsync_dir(root)
-        for step in doomed:
-            shutil.rmtree(root / f".del-{step_name(step)}", ignore_errors=True)
+    doomed: list[int] = []
+    locks: list[int] = []
+    try:
+        for step in steps[:-keep] if keep > 0 else []:
+            got = _holds.try_exclusive(root, step_name(step))
+            if got is None:
+                _log.info("%s: step %d is being read: retired by a later commit", root, step)
+                continue
+            if not isinstance(got, bool):
+                locks.append(got)
+            os.rename(step_dir(root, step), root / f".del-{step_name(step)}")
+            doomed.append(step)
+        if doomed:
+            fsync_dir(root)
+            for step in doomed:
+                shutil.rmtree(root / f".del-{step_name(step)}", ignore_errors=True)
+                # Removed while locked: a reader that opened it before waits for
+                # ``.lock``, then finds the step gone (``reading``).
+                _holds.hold_path(root, step_name(step)).unlink(missing_ok=True)
+    finally:
+        for fd in locks:
+            os.close(fd)
     return doomed
 
 
@@ -416,6 +502,13 @@ def clean_stale(root: Path) -> None:
             continue
         if name == f".{LATEST}.tmp":
             path.unlink(missing_ok=True)
+            continue
+        if name.startswith(_holds.HOLD_PREFIX):
+            final = name.removeprefix(_holds.HOLD_PREFIX)
+            got = None if (root / final).is_dir() else _holds.try_exclusive(root, final)
+            if got is not None and not isinstance(got, bool):
+                path.unlink(missing_ok=True)  # its step is gone and nobody reads it
+                os.close(got)
             continue
         m = _LEFTOVER.match(name)
         if m is None:

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import torch
 
 from async_stager._checkpoint import integrity as _integrity
+from async_stager._checkpoint.commit import recorded_layout
 from async_stager._checkpoint.ranks import Ranks
 from async_stager._checkpoint.statefuls import (
     KEYS,
@@ -36,7 +37,15 @@ from async_stager._checkpoint.stored import dcp_stored, file_digest
 from async_stager._core.copy.device import caller_cuda_device
 from async_stager.errors import IntegrityError, InvalidOptionError
 
-__all__ = ["FORMATS", "CheckpointFormat", "DcpFormat", "TorchFormat", "drop_planner_state", "format_for"]
+__all__ = [
+    "FORMATS",
+    "CheckpointFormat",
+    "DcpFormat",
+    "TorchFormat",
+    "drop_planner_state",
+    "format_for",
+    "format_of",
+]
 
 #: What ``stored`` returns: per file, its digest entry; per non-tensor value, its entry.
 Stored = tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]
@@ -188,6 +197,22 @@ class TorchFormat(CheckpointFormat):
 
 #: The formats by name (``Checkpointer(format=...)``).
 FORMATS: dict[str, CheckpointFormat] = {f.name: f for f in (DcpFormat(), TorchFormat())}
+
+
+def format_of(folder: Path, default: CheckpointFormat) -> CheckpointFormat:
+    """The format committed step ``folder`` was written in: its COMMIT record's
+    ``layout``; for a record without one (an earlier version's), its files (``state.pt``:
+    torch, ``.metadata``: DCP); else ``default`` (the Checkpointer's own). A folder
+    written in one format and opened in the other is read in its own, never taken for
+    damaged."""
+    layout = recorded_layout(folder)
+    if layout in FORMATS:
+        return FORMATS[layout]
+    if (folder / TORCH_FILE).is_file() and not (folder / ".metadata").exists():
+        return FORMATS["torch"]
+    if (folder / ".metadata").is_file() and not (folder / TORCH_FILE).exists():
+        return FORMATS["dcp"]
+    return default
 
 
 def format_for(name: str) -> CheckpointFormat:

@@ -261,10 +261,13 @@ class SaveQueue:
 
     def abandon(self) -> None:
         """The exit deadline passed: stop waiting for the saves in flight (their
-        threads go on until the process exits)."""
+        threads go on until the process exits, and commit nothing: the Checkpointer
+        that owned them has closed, and a later one may own the folder)."""
         self.abandoned = True
         for item in list(self.items):
             if item.phase == "writing":
+                item.cancelled = True  # its thread checks it before it commits
+                item.settled.set()
                 item.scope.cancel()
             else:
                 item.stage_scope.cancel()
@@ -281,7 +284,11 @@ class SaveQueue:
         raised to the save's caller. Cancellation: deferred until the thread returns (it
         is bounded); the save then stays in the queue."""
         sd = item.sd
-        assert sd is not None
+        if sd is None or item.phase == "done":
+            # Given up (a coroutine dropped unawaited, a caller cancelled) before this
+            # task ran: the save simply does not happen.
+            item.admitting = False
+            return
         stager = self.stager
         assert self._ledger is not None
         ledger = self._ledger
@@ -327,7 +334,11 @@ class SaveQueue:
     async def _stage_task(self, item: SaveItem) -> None:
         """Finish a submitted stage (in the background: the caller may await later)."""
         stage, item.stage = item.stage, None
-        assert stage is not None
+        if stage is None:
+            # Ended (abandoned at a missed exit deadline, given up) before this task
+            # ran: its stage was closed with it.
+            self.end(item)
+            return
         t1 = time.monotonic()
         lease = None
         try:

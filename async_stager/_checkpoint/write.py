@@ -28,7 +28,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from async_stager._checkpoint import commit as _commit, integrity as _integrity
+from async_stager._checkpoint import commit as _commit, holds as _holds, integrity as _integrity
 from async_stager._checkpoint.formats import CheckpointFormat
 from async_stager._checkpoint.options import CheckpointerOptions, SaveStats
 from async_stager._checkpoint.ranks import Ranks
@@ -193,11 +193,17 @@ class Writer:
         merged: Table = {}
         for m in manifests:
             merged.update(m)  # a replicated tensor: every rank staged the same values
-        with self._commit_lock, _commit.folder_lock(self.root):
+        # The step's hold first (it waits for a reader of the step it replaces), then
+        # the folder's lock: the order ``holds`` prescribes.
+        with (
+            self._commit_lock,
+            _holds.exclusive(self.root, _commit.step_name(item.step)),
+            _commit.folder_lock(self.root),
+        ):
             if self.options.checksums:
                 files, objects = self.format.stored(tmp, entry)
                 _integrity.write_manifest(tmp, item.step, merged, files=files, objects=objects)
-            _commit.commit(self.root, tmp, item.step)
+            _commit.commit(self.root, tmp, item.step, layout=self.format.name)
             _commit.retain(self.root, self.options.keep)
 
     # -- a budgeted save, from the loop ----------------------------------------------

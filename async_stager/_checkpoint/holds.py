@@ -1,0 +1,104 @@
+"""Readers' holds on committed steps: what keeps a step from vanishing or changing
+under a restore (an evaluation job beside a trainer, a restore beside this process's
+own saves).
+
+``DIR/.hold-step-N`` is a lock file per committed step. A reader (``restore``, in any
+process) holds a shared ``flock`` on it while it verifies and loads step N. A writer:
+
+- retires step N (retention) only if it gets the exclusive lock at once; a held step
+  stays committed and is retired by a later retention, once no reader holds it;
+- commits step N (a new step, or one replacing the committed step N) holding the
+  exclusive lock: a replacement waits until the readers of the old step N are done,
+  and no new reader starts on it meanwhile.
+
+Lock order (no wait in a circle, on one rank or several): a writer takes a step's
+hold before ``DIR/.lock``, and waits for it holding nothing else; a reader takes
+``DIR/.lock`` (to list the commits and take its hold as one step) and then the hold
+without blocking, retrying after a pause if a writer has it.
+
+A folder this process cannot write (a read-only mount, another user's folder) may lack
+the lock files; a reader then reads without a hold, and a step that vanished or
+changed while it read is told apart from a damaged one by its commit record
+(``restore``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["HOLD_PREFIX", "exclusive", "hold_path", "open_lock_file", "shared_now", "try_exclusive"]
+
+HOLD_PREFIX = ".hold-"
+_READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def hold_path(root: Path, name: str) -> Path:
+    """The hold file of committed folder ``name`` (``step-N``)."""
+    return root / f"{HOLD_PREFIX}{name}"
+
+
+def open_lock_file(path: Path) -> int | None:
+    """A descriptor to ``flock`` ``path`` with: created if missing; opened read-only
+    when the folder cannot be written (``flock`` works on such a descriptor); None when
+    it neither exists nor can be created (nothing to lock: a read-only folder)."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        if exc.errno not in _READ_ONLY:
+            raise
+    try:
+        return os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        if exc.errno in (*_READ_ONLY, errno.ENOENT):
+            return None
+        raise
+
+
+@contextlib.contextmanager
+def exclusive(root: Path, name: str) -> Iterator[None]:
+    """Writer, before ``DIR/.lock``: wait until no reader holds ``name`` and keep new
+    readers off it for the block (blocking; a worker thread)."""
+    fd = os.open(hold_path(root, name), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # drops the lock
+
+
+def try_exclusive(root: Path, name: str) -> int | bool | None:
+    """Writer, holding ``DIR/.lock`` (retention): the exclusive lock on ``name``'s hold
+    if no reader holds it, as a descriptor to close once the step and its hold file are
+    removed; True when it has no hold file (no reader ever held it); None when a reader
+    holds it now."""
+    try:
+        fd = os.open(hold_path(root, name), os.O_RDWR)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def shared_now(root: Path, name: str) -> int | None:
+    """Reader, holding ``DIR/.lock``: a shared lock on ``name``'s hold, as a descriptor
+    (close it to let go); None when the folder has no lock files to hold. Raises
+    BlockingIOError when a writer holds it (replacing the step): retry after a pause,
+    without ``DIR/.lock``."""
+    fd = open_lock_file(hold_path(root, name))
+    if fd is None:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
