@@ -75,6 +75,7 @@ __all__ = [
     "step_dir",
     "step_name",
     "tmp_dir",
+    "unordered_steps",
 ]
 
 _log = logging.getLogger("async_stager.checkpoint")
@@ -218,6 +219,22 @@ def _committed(root: Path) -> list[tuple[int, int]]:
                 continue
             found.append((seq, int(m.group(1))))
     return sorted(found)
+
+
+def unordered_steps(root: Path) -> list[int]:
+    """Steps whose folder is under ``root`` but not listed by ``committed_steps``: their
+    COMMIT record is damaged (changed, emptied) or missing from a folder this version
+    wrote, so they cannot be placed in commit order (restore skips them). Ascending."""
+    try:
+        names = os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    out = []
+    for name in names:
+        m = _STEP.match(name)
+        if m and (root / name).is_dir() and _commit_seq(root / name) is None:
+            out.append(int(m.group(1)))
+    return sorted(out)
 
 
 def committed_steps(root: Path) -> list[int]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import sys
 import textwrap
 from typing import Any, TextIO
@@ -25,6 +26,7 @@ import anyio
 import torch
 
 from async_stager._core.stats import StageStats
+from async_stager.errors import StagingError
 
 from . import bench as _bench
 from .args import add_arguments, options_from_args, scale_argument, unwritable
@@ -111,12 +113,20 @@ async def demo_checkpoint(
 
     out = out if out is not None else sys.stdout
     sd = build_transformer(scale, device)
-    async with Checkpointer(directory, keep=2) as ckpt, anyio.create_task_group() as tg:
-        tg.start_soon(watch, ckpt, sys.stderr)
-        for step in (1, 2, 3):
-            await ckpt.save(sd, step=step)
-        await ckpt.wait()
-        tg.cancel_scope.cancel()
+    async with Checkpointer(directory, keep=2) as ckpt:
+        failed: Exception | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch, ckpt, sys.stderr)
+            try:
+                for step in (1, 2, 3):
+                    await ckpt.save(sd, step=step)
+                await ckpt.wait()
+            except Exception as exc:  # raised below as it is, not in the task group's ExceptionGroup
+                failed = exc
+            finally:
+                tg.cancel_scope.cancel()
+        if failed is not None:
+            raise failed
         st = ckpt.last
         assert st is not None
         _say(
@@ -125,6 +135,25 @@ async def demo_checkpoint(
             f"{st.stage_seconds * 1e3:.1f} ms (what save() blocked), written in {st.write_seconds:.2f} s, "
             f"committed in {st.commit_seconds * 1e3:.1f} ms; kept steps {ckpt.steps()}",
         )
+
+
+def _checkpoint_problem(path: str) -> str | None:
+    """Why ``demo --checkpoint PATH`` cannot save into ``PATH``, found before the demo
+    runs; None when it may (what only the save finds out is reported then)."""
+    if not path:
+        return "an empty folder name"
+    if os.path.exists(path) and not os.path.isdir(path):
+        return "is a file, not a folder; give a folder for the checkpoints (made if missing)"
+    return None
+
+
+def _one_line(exc: BaseException) -> str:
+    """``exc`` as one line, with its cause's reason when the message leaves it out."""
+    text = " ".join(ln.strip() for ln in str(exc).splitlines() if ln.strip()) or type(exc).__name__
+    cause = exc.__cause__
+    if isinstance(cause, OSError) and cause.strerror and cause.strerror not in text:
+        text += f" ({cause.strerror})"
+    return text
 
 
 def run_cli(ns: argparse.Namespace, out: TextIO) -> int:
@@ -256,11 +285,19 @@ def main(argv: list[str] | None = None) -> int:
             return _process.run_cli(ns)
         if ns.command == "bench-budget":
             return run_budget_bench(ns, sys.stdout)
+        if ns.checkpoint is not None:
+            problem = _checkpoint_problem(ns.checkpoint)
+            if problem is not None:  # before a minute of demo, not after
+                raise BenchError(f"--checkpoint {ns.checkpoint!r}: {problem}")
         device = _bench.BenchOptions(device=ns.device).resolved_device()
         _bench.check_fits(["transformer"], ns.scale, device)
         asyncio.run(demo(ns.scale, device))
         if ns.checkpoint:
-            asyncio.run(demo_checkpoint(ns.scale, device, ns.checkpoint))
+            try:
+                asyncio.run(demo_checkpoint(ns.scale, device, ns.checkpoint))
+            except StagingError as exc:  # a folder that cannot take them, a full disk: said in one line
+                print(f"async-stager: error: demo --checkpoint: {_one_line(exc)}", file=sys.stderr)
+                return 1
         return 0
     except BenchError as exc:
         print(f"async-stager: error: {exc}", file=sys.stderr)

@@ -4,8 +4,12 @@ checksums, without loading them into a model.
 ``DIR`` is a Checkpointer directory (every committed step is checked, newest commit
 first) or one step folder. Prints one line per step, ``step-NNNNNNNN: ok (...)`` or
 ``step-NNNNNNNN: FAILED: <reason>``, and goes on to the older steps after a failure.
+A step folder whose COMMIT record is damaged (its step changed, emptied) or missing is
+a failed step too, listed first: it cannot be placed in commit order, so a restore
+skips it and takes an older step; with ``--newest``, such folders above the newest
+committed step are listed (one of them may have been the newest).
 Exit status: 0 when every step checked verifies, 1 when any does not, 2 for a usage
-error (``DIR`` does not exist, is not a folder, or holds no committed step).
+error (``DIR`` does not exist, is not a folder, or holds no step folder).
 
 The digests (``checksums.json``, see ``_integrity``): XXH3-64 per 8 MiB piece of each
 tensor chunk's bytes; WSUM64 per piece for a tensor hashed on its GPU before the copy;
@@ -59,7 +63,8 @@ def add_verify_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         f"it was saved (checksums.json): XXH3-64 per {piece} piece, or WSUM64 per {piece} piece for a "
         "tensor hashed on its GPU before the copy; checkpoints of the first manifest format "
         "(CRC-32 per 16 MiB piece) still verify. One line per step; a damaged step is reported "
-        "and the older steps are still checked. Exit status 0: every step checked verifies; 1: "
+        "and the older steps are still checked; a step folder whose COMMIT record is damaged or "
+        "missing is a failed step (restore skips it). Exit status 0: every step checked verifies; 1: "
         "some step does not; 2: DIR does not exist or holds no committed step.",
     )
     p.add_argument("directory", type=_directory, help="a Checkpointer directory or one step-NNNNNNNN folder")
@@ -78,9 +83,11 @@ class UsageProblem(Exception):
     """``DIR`` cannot be checked at all (exit status 2): the message says why."""
 
 
-def _folders(directory: Path, newest: bool) -> list[tuple[int | None, Path]]:
-    """The step folders to check, newest commit first; UsageProblem if there are none."""
-    from async_stager._checkpoint.commit import committed_steps, step_dir
+def _folders(directory: Path, newest: bool) -> tuple[list[tuple[int | None, Path]], list[Path]]:
+    """The step folders to check, newest commit first, and those whose COMMIT record is
+    damaged or missing (``unordered_steps``: failed steps); UsageProblem if there are
+    none of either."""
+    from async_stager._checkpoint.commit import committed_steps, step_dir, unordered_steps
 
     if not directory.exists():
         raise UsageProblem(f"{directory} does not exist")
@@ -88,16 +95,18 @@ def _folders(directory: Path, newest: bool) -> list[tuple[int | None, Path]]:
         raise UsageProblem(f"{directory} is not a folder (give a Checkpointer directory or a step folder)")
     m = re.match(r"^step-(\d+)$", directory.name)
     if m:
-        return [(int(m.group(1)), directory)]
+        return [(int(m.group(1)), directory)], []
     try:
         steps = list(reversed(committed_steps(directory)))
+        unordered = unordered_steps(directory)
     except OSError as exc:
         raise UsageProblem(f"cannot list {directory}: {exc.strerror or exc}") from exc
-    if not steps:
+    if not steps and not unordered:
         raise UsageProblem(f"no committed checkpoint (step-NNNNNNNN folder) in {directory}")
     if newest:
         steps = steps[:1]
-    return [(s, step_dir(directory, s)) for s in steps]
+        unordered = [s for s in unordered if not steps or s > steps[0]]
+    return [(s, step_dir(directory, s)) for s in steps], [step_dir(directory, s) for s in reversed(unordered)]
 
 
 def _first_line(text: str) -> str:
@@ -300,11 +309,17 @@ def run_verify(ns: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     from async_stager.errors import IntegrityError
 
     try:
-        folders = _folders(ns.directory, ns.newest)
+        folders, unordered = _folders(ns.directory, ns.newest)
     except UsageProblem as exc:
         print(f"async-stager: error: {exc}", file=sys.stderr)
         return 2
     status = 0
+    for folder in unordered:
+        out.write(
+            f"{folder.name}: FAILED: its COMMIT record is damaged or missing: it cannot be placed in "
+            "commit order, so restore skips it (an older step is restored in its place)\n"
+        )
+        status = 1
     for step, folder in folders:
         try:
             summary = verify_folder(step, folder)
