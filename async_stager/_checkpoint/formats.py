@@ -20,6 +20,7 @@ import torch
 
 from async_stager._checkpoint import integrity as _integrity
 from async_stager._checkpoint.commit import recorded_layout
+from async_stager._checkpoint.disk import dcp_writer
 from async_stager._checkpoint.ranks import Ranks
 from async_stager._checkpoint.statefuls import (
     KEYS,
@@ -117,7 +118,11 @@ class DcpFormat(CheckpointFormat):
 
         if ranks.coordinator:
             write_typed_paths(tmp, typed_paths(staged))
-        kwargs: dict[str, Any] = {"checkpoint_id": str(tmp), "cuda_device": caller_cuda_device()}
+        kwargs: dict[str, Any] = {
+            "checkpoint_id": str(tmp),
+            "cuda_device": caller_cuda_device(),
+            "storage_writer": dcp_writer(tmp),  # a full disk's error names its file
+        }
         if ranks.distributed:
             kwargs.update(process_group=ranks.group, no_dist=False)
         else:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.abc
 
+from async_stager._checkpoint.disk import disk_full_in, write_failure
 from async_stager._checkpoint.item import SaveItem, clear_frames
 from async_stager._checkpoint.node_budget import CreditLedger, admit, yield_idle
 from async_stager._checkpoint.options import CheckpointerOptions, SaveStats
@@ -520,14 +521,15 @@ class SaveQueue:
         while len(getattr(exc, "exceptions", ())) == 1:  # a task group's wrapper
             exc = exc.exceptions[0]  # type: ignore[attr-defined]
         clear_frames(exc)
-        _log.error("checkpoint step %d failed: %s", item.step, exc)
         failure = (
             exc
-            if isinstance(exc, CheckpointError)
-            else CheckpointError(f"checkpoint step {item.step} failed: {exc}", step=item.step)
+            if isinstance(exc, CheckpointError) and disk_full_in(exc) is None
+            else CheckpointError(write_failure(item.step, exc, self.options.directory), step=item.step)
         )
         if failure is not exc:
-            failure.__cause__ = exc
+            # A full disk: its OSError (naming the file; the rest of the chain behind it).
+            failure.__cause__ = disk_full_in(exc) or exc
+        _log.error("%s", failure)
         item.failure = failure
         self.failures.append((item.seq, failure))  # each raised once, oldest call first
         self.failures.sort(key=lambda f: f[0])

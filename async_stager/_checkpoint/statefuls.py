@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from async_stager._checkpoint import integrity as _integrity
+from async_stager._checkpoint.disk import naming_file
 from async_stager._checkpoint.stored import HashingFile
 from async_stager._dcp.blocking import no_dist_quiet
 from async_stager.errors import CheckpointError, IntegrityError
@@ -88,7 +89,8 @@ def staged_bytes(staged: dict[str, Any]) -> int:
 def torch_write(staged: dict[str, Any], path: Path) -> dict[str, Any]:
     """``torch.save`` the staged state into ``path``, fsynced; returns the file's digest
     (``_stored.file_digest`` of the bytes written, hashed as they were written)."""
-    with open(path, "wb") as f:
+    # A full disk's error names the file (torch's writer turns it into "unexpected pos").
+    with naming_file(path), open(path, "wb") as f:
         hashing = HashingFile(f)
         torch.save(staged, hashing)  # type: ignore[arg-type]
         f.flush()
@@ -358,7 +360,39 @@ def check_matches(target: Any, loaded: Any, step: int, where: str = "state") -> 
     target the checkpoint lacks, a tensor of another shape, a tensor where the
     checkpoint holds another value (the ``torch`` format's counterpart of DCP's own
     checks in ``load_dcp``). Keys the checkpoint has and the target lacks are fine:
-    they are added."""
+    they are added.
+
+    One rule for both formats: as DCP's, every value of the target's flattened form (a
+    path through dicts, and lists holding tensors, to a tensor or another value) must be
+    at that path in the checkpoint, a tensor where a tensor is: a dict in the state
+    where the checkpoint holds a tensor (or a plain value where it holds a dict) is
+    refused, never replaced."""
+    _check_tensors(target, loaded, step, where)
+    if where != "state":
+        return
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat_target, mapping = flatten_state_dict(target)
+    flat_loaded, _ = flatten_state_dict(loaded)
+    for fqn, value in flat_target.items():
+        place = _render(mapping[fqn])
+        if fqn not in flat_loaded:
+            raise CheckpointError(
+                f"restore: {place} is not in checkpoint step {step}: the state does not match what "
+                "was saved (a renamed or added key, or another structure there)",
+                step=step,
+            )
+        saved = flat_loaded[fqn]
+        if isinstance(value, torch.Tensor) != isinstance(saved, torch.Tensor):
+            kind = "a tensor" if isinstance(saved, torch.Tensor) else "a non-tensor value"
+            raise CheckpointError(
+                f"restore: {place} is a {type(value).__name__} in the state, {kind} in checkpoint step {step}",
+                step=step,
+            )
+
+
+def _check_tensors(target: Any, loaded: Any, step: int, where: str) -> None:
+    """The tensors of ``target`` against ``loaded``, path by path: kind, shape, dtype."""
     if isinstance(target, torch.Tensor):
         if not isinstance(loaded, torch.Tensor):
             raise CheckpointError(
@@ -385,7 +419,7 @@ def check_matches(target: Any, loaded: Any, step: int, where: str = "state") -> 
                     "what was saved (a renamed or added key?)",
                     step=step,
                 )
-            check_matches(v, loaded[k], step, f"{where}[{k!r}]")
+            _check_tensors(v, loaded[k], step, f"{where}[{k!r}]")
 
 
 def apply_loaded(state: dict[str, Any], loaded: dict[str, Any], step: int) -> None:

@@ -29,7 +29,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from async_stager._checkpoint import commit as _commit, holds as _holds, integrity as _integrity
+from async_stager._checkpoint.disk import disk_full_in, failure_reason, naming_file
 from async_stager._checkpoint.formats import CheckpointFormat
+from async_stager._checkpoint.manifest import MANIFEST
 from async_stager._checkpoint.options import CheckpointerOptions, SaveStats
 from async_stager._checkpoint.ranks import Ranks
 from async_stager._checkpoint.statefuls import staged_bytes, typed_paths, write_typed_paths
@@ -177,15 +179,20 @@ class Writer:
         ranks = self.ranks
         manifests = ranks.gather(manifest)
         error: str | None = None
+        local: Exception | None = None
         if ranks.coordinator:
             assert manifests is not None
             try:
                 self._commit(item, manifests, entry)
             except Exception as exc:  # noqa: BLE001 - told to every rank, raised below
-                error = f"{type(exc).__name__}: {exc}"
+                local = exc
+                error = failure_reason(exc, self.tmp(item))
         error = ranks.broadcast(error)
         if error is not None:
-            raise CheckpointError(f"checkpoint step {item.step} was not committed: {error}", step=item.step)
+            # The coordinator chains its own error (a full disk's OSError first).
+            raise CheckpointError(
+                f"checkpoint step {item.step} was not committed: {error}", step=item.step
+            ) from (disk_full_in(local) or local if local is not None else None)
         item.committed = True
 
     def _commit(self, item: SaveItem, manifests: list[Table], entry: dict[str, Any] | None) -> None:
@@ -202,8 +209,10 @@ class Writer:
         ):
             if self.options.checksums:
                 files, objects = self.format.stored(tmp, entry)
-                _integrity.write_manifest(tmp, item.step, merged, files=files, objects=objects)
-            _commit.commit(self.root, tmp, item.step, layout=self.format.name)
+                with naming_file(tmp / MANIFEST):
+                    _integrity.write_manifest(tmp, item.step, merged, files=files, objects=objects)
+            with naming_file(tmp / _commit.COMMIT):  # the record, then the fsyncs and the rename
+                _commit.commit(self.root, tmp, item.step, layout=self.format.name)
             _commit.retain(self.root, self.options.keep)
 
     # -- a budgeted save, from the loop ----------------------------------------------

@@ -121,7 +121,7 @@ async def demo_checkpoint(
                 for step in (1, 2, 3):
                     await ckpt.save(sd, step=step)
                 await ckpt.wait()
-            except Exception as exc:  # raised below as it is, not in the task group's ExceptionGroup
+            except Exception as exc:  # noqa: BLE001 - raised below as it is, not in an ExceptionGroup
                 failed = exc
             finally:
                 tg.cancel_scope.cancel()

@@ -6,13 +6,20 @@ the torch format refuses a restore whose structure differs, as DCP does; an aban
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from async_stager import Checkpointer, Shutdown
+from async_stager import Checkpointer, CheckpointError, Shutdown
+from tests.full_disk import full_disk
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
 
@@ -45,3 +52,131 @@ async def test_an_error_inside_checkpointer_and_shutdown_comes_out_as_raised(
     assert ckpt.steps() == [1]  # the save in flight was still committed
     async with Shutdown():  # usable again, handlers back
         pass
+
+
+# -- a full disk ------------------------------------------------------------------------
+
+
+def _full_disk_error(error: BaseException, root: Path, file: str) -> None:
+    """A CheckpointError that says the disk is full, names the file, chains the OSError."""
+    msg = str(error)
+    assert "disk is full" in msg and "No space left on device" in msg, msg
+    assert str(root) in msg and file in msg, msg
+    assert "Traceback" not in msg and len(msg.splitlines()) == 1, msg
+    cause = error.__cause__
+    assert isinstance(cause, OSError) and cause.errno == errno.ENOSPC, repr(cause)
+    assert cause.filename and cause.filename.endswith(file), cause.filename
+
+
+@pytest.mark.parametrize(("fmt", "file"), [("dcp", ".distcp"), ("torch", "state.pt")])
+@pytest.mark.parametrize("after", [0, 700, 5000])
+async def test_a_write_on_a_full_disk_says_so_and_names_the_file(
+    anyio_backend: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str, file: str, after: int
+) -> None:
+    """The disk fills before the first byte, inside torch's zip header (torch then
+    raises "unexpected pos"), or mid-data: each is a CheckpointError saying the disk is
+    full and naming the file, the OSError chained; nothing is committed, the step's
+    temporary folder is gone, and once there is room again saves work."""
+    state = {"w": torch.arange(2000.0), "n": 3}
+    async with Checkpointer(tmp_path, format=fmt) as ckpt:  # type: ignore[arg-type]
+        await ckpt.save(state, step=1)
+        await ckpt.wait()
+        disk = full_disk(monkeypatch, tmp_path, after=after)
+        await ckpt.save(state, step=2)
+        with pytest.raises(CheckpointError) as e:
+            await ckpt.wait()
+        assert disk.refused >= 1 and e.value.step == 2
+        _full_disk_error(e.value, tmp_path, file)
+        monkeypatch.undo()
+        assert ckpt.steps() == [1]
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+        await ckpt.save(state, step=3)
+        await ckpt.wait()
+        assert ckpt.steps() == [1, 3]
+
+
+def _unshare_ok() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=4k none /tmp"], capture_output=True, timeout=30
+    )
+    return probe.returncode == 0
+
+
+@pytest.mark.parametrize(("fmt", "file"), [("dcp", ".distcp"), ("torch", "state.pt")])
+def test_a_real_full_filesystem(tmp_path: Path, fmt: str, file: str) -> None:
+    """The same on a real full filesystem: a 48 KiB tmpfs mounted in a user namespace
+    (skipped where the machine allows none): the kernel's ENOSPC, torch's and DCP's
+    own writers."""
+    if not _unshare_ok():
+        pytest.skip("no unprivileged user/mount namespaces here")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    code = textwrap.dedent(
+        f"""
+        import errno, anyio, torch
+        from async_stager import Checkpointer, CheckpointError
+        async def main():
+            async with Checkpointer("{mnt}/ck", format="{fmt}") as ckpt:
+                await ckpt.save({{"w": torch.arange(20000.0)}}, step=1)
+                try:
+                    await ckpt.wait()
+                except CheckpointError as e:
+                    c = e.__cause__
+                    print("ERROR", e, "| CAUSE", isinstance(c, OSError) and c.errno == errno.ENOSPC, c.filename)
+        anyio.run(main)
+        """
+    )
+    out = subprocess.run(
+        [
+            "unshare",
+            "-rm",
+            "sh",
+            "-c",
+            f'mount -t tmpfs -o size=48k none {mnt} && "{sys.executable}" -c "$0"',
+            code,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    [line] = [ln for ln in out.stdout.splitlines() if ln.startswith("ERROR")] or [out.stdout + out.stderr]
+    assert "disk is full" in line and "No space left on device" in line and file in line, line
+    assert "| CAUSE True" in line, line
+
+
+# -- one structure rule for both formats ----------------------------------------------
+
+STRUCTURES: dict[str, tuple[Any, Any]] = {
+    # name: (what was saved as state["a"], what the state to restore into holds there)
+    "a dict where a tensor was saved": (torch.ones(3), {"x": torch.zeros(3)}),
+    "a dict of values where a tensor was saved": (torch.ones(3), {"n": 1}),
+    "a plain value where a dict was saved": ({"x": torch.ones(3)}, 3),
+    "None where a dict was saved": ({"x": torch.ones(3)}, None),
+    "a tensor where a dict was saved": ({"x": torch.ones(3)}, torch.zeros(3)),
+    "a list where a tensor was saved": (torch.ones(3), [torch.zeros(3)]),
+    "a plain value where a tensor was saved": (torch.ones(3), 5),
+}
+
+
+@pytest.mark.parametrize("fmt", ["dcp", "torch"])
+@pytest.mark.parametrize("case", list(STRUCTURES))
+async def test_a_state_of_another_structure_is_refused_in_both_formats(
+    anyio_backend: Any, tmp_path: Path, fmt: str, case: str
+) -> None:
+    """The torch format replaced the state's dict by the saved tensor; DCP refuses. One
+    rule: CheckpointError naming the path, before anything is loaded."""
+    saved, target = STRUCTURES[case]
+    async with Checkpointer(tmp_path, format=fmt) as ckpt:  # type: ignore[arg-type]
+        await ckpt.save({"a": saved, "b": torch.full((2,), 7.0)}, step=1)
+        await ckpt.wait()
+        state: dict[str, Any] = {"a": target, "b": torch.zeros(2)}
+        with pytest.raises(CheckpointError, match=r"restore: state\['a'\]") as e:
+            await ckpt.restore(state, fallback=False)
+        assert e.value.step == 1
+        assert state["a"] is target and torch.equal(state["b"], torch.zeros(2))  # nothing loaded
+        # An empty dict there names nothing to load: the saved value is taken (both formats).
+        state = {"a": {}, "b": torch.zeros(2)}
+        assert await ckpt.restore(state) == 1 and torch.equal(state["b"], torch.full((2,), 7.0))

@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-
 import anyio
 import pytest
 import torch
@@ -59,7 +58,7 @@ def _step_changed(commit: Path) -> None:
     commit.write_text(json.dumps(doc))
 
 
-DAMAGE: dict[str, Callable[[Path], None]] = {
+DAMAGE: dict[str, Callable[[Path], object]] = {
     "step changed": _step_changed,
     "emptied": lambda p: p.write_text(""),
     "removed": lambda p: p.unlink(),
@@ -85,7 +84,9 @@ def test_verify_fails_a_damaged_commit_record_of_the_newest_step(
     assert status == 1 and lines[0].startswith(f"{NEWEST}: FAILED: ") and len(lines) == 2, lines
 
 
-def test_verify_still_passes_intact_folders(saved: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_still_passes_intact_folders(
+    saved: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
     status, lines, _ = run(capsys, "verify", str(saved["dcp"]))
     assert status == 0 and len(lines) == 3 and all(": ok (" in ln for ln in lines), lines
 
@@ -116,5 +117,3 @@ def test_demo_checkpoint_on_a_full_disk_is_one_line_and_exit_1(
     assert status == 1, err
     [line] = [ln for ln in err if ln.startswith("async-stager: error:")]
     assert "disk is full" in line and "No space left" in line, line
-
-
