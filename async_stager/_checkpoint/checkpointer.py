@@ -174,6 +174,7 @@ class Checkpointer:
         agent: str | AgentClient | None = None,
         memory_every: int = 1,
         persist_every: int = 1,
+        memory_keep: int = 2,
         agent_timeout: float = 5.0,
     ) -> None:
         import torch.distributed.checkpoint  # noqa: F401 - imported here, not first in two threads at once
@@ -235,6 +236,7 @@ class Checkpointer:
             policy=policy,
             ranks=self._ranks,
             agent_timeout=agent_timeout,
+            keep=memory_keep,
         )
         self._stager = stager
         self._own_stager = stager is None
@@ -505,10 +507,13 @@ class Checkpointer:
         return fenced()
 
     async def wait(self) -> None:
-        """Wait until every save so far is committed (or failed); raises the first
-        failure not yet raised. Cancellation: only the wait; the writes go on."""
+        """Wait until every save so far is committed (or failed), the memory tier's
+        too; raises the first failure not yet raised. Cancellation: only the wait;
+        the writes go on."""
         self._check_open()
         await self._saves.drain()
+        if self._tier is not None:
+            await self._tier.wait()
         session = self._session
         if session is not None and not self._saves.abandoned:
             live = frozenset(i.seq for i in self._saves.items)

@@ -65,6 +65,7 @@ def make_tier(
     policy: str,
     ranks: Ranks,
     agent_timeout: float,
+    keep: int = 2,
 ) -> tuple[MemoryTier | None, TierSchedule]:
     """The memory tier for ``agent`` (a job id, or a client), or None without one
     (then ``memory_every`` and ``persist_every`` must be left at 1)."""
@@ -156,5 +157,6 @@ async def restore(
         apply_loaded(state, attached.state_dict, chosen)
     finally:
         attached.close()
+    tier.note_restored(chosen)
     _log.info("restored step %d from the memory tier", chosen)
     return chosen

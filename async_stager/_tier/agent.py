@@ -14,8 +14,9 @@ this user only. A trainer snapshots in two messages:
   memory lives while it holds them, whatever happens to the trainer), checks the
   bytes against its memory bound, re-hashes every region through its own mapping and
   accepts the snapshot as complete only if every digest matches. Of the committing
-  session's snapshots it then keeps only this one (the trainer releases the buffers of
-  its older ones once the commit is answered), and the rank's newest ``keep`` overall
+  session's snapshots it then keeps this one and the steps in ``protect`` (the trainer
+  releases the buffers of the others once the commit is answered), and the rank's
+  newest ``keep`` overall
   (a dead trainer's snapshots belong to no session that writes: they stay until
   newer ones push them out).
 
@@ -369,6 +370,9 @@ class Agent:
                 f"arenas {sizes!r}, algorithm {body.get('algorithm')!r}",
                 reason="request",
             )
+        protect = body.get("protect", [])
+        if not isinstance(protect, list) or not all(isinstance(p, int) for p in protect):
+            raise AgentRefusedError(f"protect must be a list of steps, got {protect!r}", reason="request")
         regions = regions_of(refs)
         if len(digests) != len(regions):
             raise AgentRefusedError(
@@ -437,9 +441,10 @@ class Agent:
                 pending.payload = m.blob
                 pending.complete = True
                 pending.since = time.time()
-                # The committing trainer releases its older snapshots' buffers now: of its
-                # own, only this one is safe from its next stage.
-                self._trim(rank, self.keep, pending.session, frozenset([step]))
+                # The committing trainer releases its other snapshots' buffers now: of
+                # its own, only this one and those it still holds leased (``protect``)
+                # are safe from its next stage.
+                self._trim(rank, self.keep, pending.session, frozenset(protect) | {step})
         finally:
             self._reserved -= new
         _log.info(

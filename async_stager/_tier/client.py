@@ -236,11 +236,12 @@ class AgentClient:
         piece_bytes: int,
         *,
         session: str = "",
+        protect: list[int] | None = None,
     ) -> None:
         """Hand snapshot ``step`` over: the arenas' descriptors (``handle.arenas``, this
         process's own), the structure and each region's digest. Returns once the agent
-        verified and holds it (and forgot ``session``'s older snapshots: their buffers
-        are the caller's again); AgentRefusedError if it did not accept it."""
+        verified and holds it (and forgot ``session``'s other snapshots but the steps
+        in ``protect``: their buffers are the caller's again); AgentRefusedError if it did not accept it."""
         sizes = [a.nbytes for a in handle.arenas]
         body = {
             "rank": rank,
@@ -253,6 +254,7 @@ class AgentClient:
             "tensors": handle.tensors,
             "nbytes": handle.nbytes,
             "session": session,
+            "protect": list(protect or []),
         }
         fds = [a.fd for a in handle.arenas]
         msg = Message(Kind.COMMIT, body, handle.payload, fds)

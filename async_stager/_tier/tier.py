@@ -73,7 +73,9 @@ class MemoryStats:
     agent was found gone or too slow. ``last_step``, ``stage_seconds`` (what the newest
     save blocked its caller for: BEGIN and stage), ``commit_seconds`` (its hashing and
     the agent's verification, in the background), ``bytes`` (its tensor bytes);
-    ``available``: the tier is on (False after a failure, until its retry)."""
+    ``available``: the tier is on (False after a failure, until its retry);
+    ``restored``: the step the last ``Checkpointer.restore`` took from memory (None: none
+    did)."""
 
     saved: int = 0
     skipped: int = 0
@@ -84,6 +86,7 @@ class MemoryStats:
     commit_seconds: float = 0.0
     bytes: int = 0
     available: bool = True
+    restored: int | None = None
 
 
 @dataclass(frozen=True)
@@ -114,14 +117,20 @@ class MemoryTier:
         policy: Literal["wait", "skip"] = "wait",
         stager: Stager | None = None,
         retry_seconds: float = 30.0,
+        keep: int = 2,
     ) -> None:
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise InvalidOptionError(f"memory_keep must be an int >= 1 (snapshots), got {keep!r}")
         if policy not in ("wait", "skip"):
             raise InvalidOptionError(f"the memory tier's policy must be 'wait' or 'skip', got {policy!r}")
-        if stager is not None and (not stager.options.share_memory or stager.options.max_buffer_sets < 2):
+        if stager is not None and (
+            not stager.options.share_memory or stager.options.max_buffer_sets < keep + 1
+        ):
             raise InvalidOptionError(
-                "the memory tier needs a Stager(share_memory=True, max_buffer_sets>=2): its arenas are handed "
-                "to the agent by descriptor, one set complete while the next is written"
+                f"the memory tier needs a Stager(share_memory=True, max_buffer_sets>={keep + 1}): its arenas are "
+                f"handed to the agent by descriptor, {keep} complete while the next is written"
             )
+        self.keep = keep
         self.client = client
         self.rank = rank
         self.world = world
@@ -130,8 +139,8 @@ class MemoryTier:
         self._stager = stager
         self._own_stager = stager is None
         self._maps = ArenaMaps()
-        self._held: Lease[Any] | None = None  # the newest complete snapshot's buffers
-        self._held_step: int | None = None
+        #: The newest ``keep`` complete snapshots' buffers (step, lease), oldest first.
+        self._held: list[tuple[int, Lease[Any]]] = []
         #: This process's token: the agent tells our snapshots from a dead trainer's.
         self.session = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         #: Set while a snapshot is being staged or committed (the busy slot).
@@ -152,7 +161,7 @@ class MemoryTier:
     @property
     def stager(self) -> Stager:
         if self._stager is None:
-            self._stager = Stager(share_memory=True, max_buffer_sets=2)
+            self._stager = Stager(share_memory=True, max_buffer_sets=self.keep + 1)
         return self._stager
 
     @property
@@ -179,14 +188,22 @@ class MemoryTier:
         with anyio.CancelScope(shield=True):
             while self._busy is not None:
                 await self._busy.wait()
-            held, self._held, self._held_step = self._held, None, None
-            if held is not None:
-                held.release()
+            self._release_held()
             self._maps.close()
             await self.client.aclose()
             if self._own_stager and self._stager is not None:
                 await self._stager.aclose()
                 self._stager = None
+
+    async def wait(self) -> None:
+        """Until no snapshot is being staged or committed. Cancellation: only the wait."""
+        while self._busy is not None:
+            await self._busy.wait()
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, []
+        for _, lease in held:
+            lease.release()
 
     def in_flight(self) -> list[TierProgress]:
         """The snapshot being staged or committed, if any (a snapshot; no I/O)."""
@@ -207,9 +224,7 @@ class MemoryTier:
         self._down_until = time.monotonic() + self.retry_seconds
         self._update(failures=self._stats.failures + 1, available=False)
         self._dirty = True
-        held, self._held, self._held_step = self._held, None, None
-        if held is not None:
-            held.release()
+        self._release_held()
         if was:
             warnings.warn(
                 f"memory snapshot of step {step} failed ({exc}); memory checkpoints are off for "
@@ -304,7 +319,7 @@ class MemoryTier:
     async def _begin(self, step: int) -> bool:
         """BEGIN ``step``: the agent forgets this session's snapshots but the one whose
         buffers are held. False (handled) when the agent is away or refused."""
-        protect = [] if self._held_step is None else [self._held_step]
+        protect = [s for s, _ in self._held]
         try:
             await self.client.begin(self.rank, step, self.world, session=self.session, protect=protect)
         except (AgentUnavailableError, AgentTimeoutError) as exc:
@@ -338,8 +353,9 @@ class MemoryTier:
             digests = await run_in_thread(
                 lambda: digests_of(maps, fds, sizes, regions), name="async-stager-tier-hash"
             )
+            kept = [s for s, _ in self._held][1 - self.keep :] if self.keep > 1 else []
             await self.client.commit(
-                self.rank, step, self.world, handle, digests, PIECE_BYTES, session=self.session
+                self.rank, step, self.world, handle, digests, PIECE_BYTES, session=self.session, protect=kept
             )
         except (AgentUnavailableError, AgentTimeoutError) as exc:
             lease.release()
@@ -354,10 +370,11 @@ class MemoryTier:
         except BaseException:
             lease.release()
             raise
-        # The agent holds it, and forgot our older ones: their buffers are free.
-        previous, self._held, self._held_step = self._held, lease, step
-        if previous is not None:
-            previous.release()
+        # The agent holds it, and forgot our snapshots but the newest ``keep``: the
+        # older ones' buffers are free for the next stage.
+        self._held.append((step, lease))
+        while len(self._held) > self.keep:
+            self._held.pop(0)[1].release()
         # Unmap arenas the stager no longer uses (it trims and remaps as sizes change).
         maps.keep_only({(a.dev, a.ino) for a in handle.arenas})
         self._update(
@@ -369,6 +386,10 @@ class MemoryTier:
         )
 
     # -- restoring ---------------------------------------------------------------------
+
+    def note_restored(self, step: int) -> None:
+        """``step`` was restored from memory (``MemoryStats.restored``)."""
+        self._update(restored=step)
 
     async def complete_steps(self) -> list[int]:
         """Steps of this rank the agent holds complete, saved at this world size

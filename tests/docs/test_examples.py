@@ -59,6 +59,7 @@ def test_every_example_is_tested() -> None:
         "fsdp_training.py",  # under torchrun: tests/docs/test_fsdp_example.py
         "node_budget.py",  # under torchrun: test_node_budget_example below
         "http_service.py",  # tests/docs/test_service_example.py
+        "memory_tier.py",  # its own agent and torchrun: test_memory_tier_example below
     }
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
@@ -207,3 +208,17 @@ def test_orchestrator_final_checkpoint_on_sigterm_then_resume(tmp_path: Path) ->
     assert again > step
     assert restored(again, scheduler=True) in rest.splitlines(), rest
     assert (tmp_path / "latest").read_text().strip() == f"step-{again:08d}"
+
+
+def test_memory_tier_example(tmp_path: Path) -> None:
+    """The node agent, then torchrun with 2 ranks: rank 1 SIGKILLs itself at step 7,
+    torchrun restarts both, both resume from the agent's memory at step 7, and the
+    resumed run ends bit-exact with an uninterrupted one."""
+    out = run_example("memory_tier.py", "--out", str(tmp_path), "--steps", "9", "--kill-at", "7")
+    lines = out.splitlines()
+    for rank in (0, 1):
+        assert f"rank {rank} attempt 1: resumed from step 7 (memory)" in lines, out
+        assert any(
+            line.startswith(f"rank {rank}: restored step 9: ") and "matches an uninterrupted" in line
+            for line in lines
+        ), out
