@@ -1,22 +1,32 @@
 #!/usr/bin/env bash
 # GPU check: one prepared script for a CUDA machine, under 5 minutes on one GPU.
-# Each step's bound (its timeout) is given; the steps add up to 280 s at most.
+# Each step's bound (its timeout) is given; the steps add up to 290 s at most.
 #
 #   1. pytest tests/gpu/test_cuda.py tests/core/test_device_ordering.py and every other cuda-marked
 #      test (the Checkpointer round trip, two devices refused): the CUDA path and its
-#      ordering logic. Fails when CUDA is there but no CUDA test ran (all skipped). 90 s
+#      ordering logic. Fails when CUDA is there but no CUDA test ran (all skipped). 75 s
 #   2. the benchmark on the GPU, modest runs; its row: GB/s against a one-buffer pinned
-#      copy, small tensors against DCP, loop lag p99                               60 s
-#   3. fresh tensors re-staged, the old ones kept alive (new addresses each time): host
-#      memory kept, no re-pinning (timings)                                        25 s
-#   4. a snapshot under a side stream: producer still running, pinned CPU leaf being
-#      filled, fence read at the call                                              15 s
-#   5. a stage inside a CUDA graph capture is refused, and the capture survives    15 s
-#   6. checksums on the GPU: staging time with and without (WSUM64 before the copy),
-#      digests equal to the host copy's                                            25 s
-#   7. training-step slowdown: a transformer forward/backward on the GPU, alone and
-#      while a stage and a write to disk overlap it                                35 s
-#   8. share_memory=True on CUDA: bit-exact, shared storages, time against private 15 s
+#      copy, small tensors against DCP, loop lag p99                               45 s
+#   Steps 3-11 are tests/gpu/check_steps.py (STEP in brackets), on $GPU_CHECK_DEVICE:
+#   3. [fresh] fresh tensors re-staged: the old ones dropped (host memory kept, no
+#      re-pinning, timings), and the old ones kept alive (at most one state per live
+#      dict)                                                                       20 s
+#   4. [side_stream] a snapshot under a side stream: producer still running, pinned
+#      CPU leaf being filled, fence read at the call                               15 s
+#   5. [graph] a stage inside a CUDA graph capture is refused, the capture survives 15 s
+#   6. [checksums] on the device: staging time with and without (WSUM64 before the
+#      copy), digests equal to the host copy's                                     20 s
+#   7. [training] a transformer's forward/backward/step alone, with a stage overlapping
+#      forward and backward (fence before the step), and with a Checkpointer saving
+#      every step the same way (restored bit-exact); each step timed to the end of its
+#      own stream, never a device-wide synchronize (which also waits for the copies) 40 s
+#   8. [share] share_memory=True: bit-exact, handed to a writer without a copy (arena
+#      descriptors, not share_memory_()), time against private                     15 s
+#   9. [budget] the budgeted pipeline beyond toy size (2 GiB through a ring of 1/8),
+#      twice (the second reuses ring and streams): bit-exact, peak within budget   20 s
+#  10. [bitexact] every dtype (every bit pattern), conj/neg/non-contiguous views, many
+#      small tensors: staged and budgeted-saved bit-exact                          15 s
+#  11. [dtensor] a sharded DTensor on the device staged as a DTensor of host memory 15 s
 #   then one table (also in summary.txt).
 #
 # Imports: the package no longer needs sniffio (async_stager._waiting tells the running
@@ -36,15 +46,22 @@
 # bench_cuda.{txt,json}, checks.txt, summary.txt, summary.json. Exit status non-zero if
 # a step failed. Python is "$PYTHON" if set, else python3.
 #
-# Dry run on a CPU machine (the CUDA steps then report "skipped: no CUDA"):
-#   GPU_CHECK_DEVICE=cpu GPU_CHECK_SCALE=0.01 scripts/gpu_check.sh
+# Dry run on a CPU machine: every step's logic on the simulated device (timings there
+# mean nothing; correctness checks hold), the benchmark on the CPU:
+#   GPU_CHECK_DEVICE=sim GPU_CHECK_SCALE=0.01 scripts/gpu_check.sh
+# (GPU_CHECK_DEVICE=cuda without a GPU reports steps 3-11 "skipped: no CUDA".)
 # GPU_CHECK_BLOCK="trio uvloop pytest_asyncio hypothesis matplotlib" makes those
 # modules unimportable (a sitecustomize first on PYTHONPATH), as on the GPU machine;
 # CI runs that (tests/gpu/test_gpu_readiness.py::test_gpu_check_dry_run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-$PWD/gpu_out}"
+# The device every step runs on: cuda, or sim (the simulated device of
+# async_stager.testing: the dry run, every step's logic on the CPU; the benchmark then
+# runs on the CPU). cpu is taken as sim.
 DEVICE="${GPU_CHECK_DEVICE:-cuda}"
+[ "$DEVICE" = cpu ] && DEVICE=sim
+BENCH_DEVICE=$([ "$DEVICE" = cuda ] && echo cuda || echo cpu)
 SCALE="${GPU_CHECK_SCALE:-1}"
 PY="${PYTHON:-python3}"
 BENCH_RUNS="${GPU_CHECK_RUNS:-3}"
@@ -59,15 +76,27 @@ if [ -n "${GPU_CHECK_BLOCK:-}" ]; then
     # Modules the GPU machine may lack, made unimportable for the dry run.
     mkdir -p "$OUT_DIR/blocked"
     cat > "$OUT_DIR/blocked/sitecustomize.py" <<EOF
+import importlib.machinery
 import sys
 
 _BLOCKED = set("${GPU_CHECK_BLOCK}".split())
 
 
+class _Missing:
+    # Importing raises ModuleNotFoundError, as for a module that is not installed.
+    def create_module(self, spec):
+        raise ModuleNotFoundError(f"{spec.name} blocked by gpu_check's dry run", name=spec.name)
+
+    def exec_module(self, module):
+        raise ModuleNotFoundError(f"{module.__name__} blocked by gpu_check's dry run")
+
+
 class _Block:
+    # A spec without an origin: importlib.util.find_spec callers (torch._dynamo) then
+    # treat the module as absent, and importing it fails.
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in _BLOCKED:
-            raise ImportError(f"{name} blocked by gpu_check's dry run")
+            return importlib.machinery.ModuleSpec(name, _Missing(), origin=None)
         return None
 
 
@@ -127,7 +156,7 @@ if ! has pytest_timeout; then
     # @pytest.mark.timeout is then an unknown marker: drop --strict-markers (from
     # addopts) and let the outer `timeout` bound the run instead.
     pytest_args+=(-o "addopts=-ra")
-    note "pytest-timeout missing: per-test timeouts off, the run is bounded at 90 s"
+    note "pytest-timeout missing: per-test timeouts off, the run is bounded at 75 s"
 fi
 deselect=()
 for m in trio uvloop; do
@@ -141,7 +170,7 @@ if [ "${#deselect[@]}" -gt 0 ]; then
     for d in "${deselect[@]:1}"; do expr="$expr and $d"; done
     pytest_args+=(-k "$expr")
 fi
-timeout 90 "$PY" -m pytest "${pytest_args[@]}" > "$OUT_DIR/pytest.txt" 2>&1
+timeout 75 "$PY" -m pytest "${pytest_args[@]}" > "$OUT_DIR/pytest.txt" 2>&1
 rc=$?
 # The cuda-marked tests among them (collection only: a few seconds), one id a line.
 timeout 30 "$PY" -m pytest "${tests[@]}" "${common_args[@]}" -m cuda --collect-only -q -o "addopts=" \
@@ -191,13 +220,13 @@ fi
 
 # -- 2. benchmark -------------------------------------------------------------------------
 t0=$(now)
-timeout 60 "$PY" -m async_stager bench --device "$DEVICE" --scale "$SCALE" --runs "$BENCH_RUNS" --warmup 1 --quiet \
-    --workloads "${GPU_CHECK_WORKLOADS:-transformer,small20k,large1g,fresh}" ${GPU_CHECK_BENCH_ARGS:-} --json "$OUT_DIR/bench_${DEVICE}.json" > "$OUT_DIR/bench_${DEVICE}.txt" 2>&1
+timeout 45 "$PY" -m async_stager bench --device "$BENCH_DEVICE" --scale "$SCALE" --runs "$BENCH_RUNS" --warmup 1 --quiet \
+    --workloads "${GPU_CHECK_WORKLOADS:-transformer,small20k,large1g,fresh}" ${GPU_CHECK_BENCH_ARGS:-} --json "$OUT_DIR/bench_${BENCH_DEVICE}.json" > "$OUT_DIR/bench_${BENCH_DEVICE}.txt" 2>&1
 rc=$?
 if [ "$rc" -eq 0 ]; then
     # The row's numbers: ours in GB/s against the one-buffer copy (large1g), small
     # tensors against DCP (small20k), loop lag p99 (worst over workloads), failures.
-    detail=$("$PY" - "$OUT_DIR/bench_${DEVICE}.json" <<'EOF' 2>&1
+    detail=$("$PY" - "$OUT_DIR/bench_${BENCH_DEVICE}.json" <<'EOF' 2>&1
 import json
 import sys
 
@@ -222,18 +251,20 @@ if failed:
 print("; ".join(parts))
 EOF
 )
-    row "bench ($DEVICE, scale $SCALE)" ok "$(since "$t0")" "$detail"
+    row "bench ($BENCH_DEVICE, scale $SCALE)" ok "$(since "$t0")" "$detail"
 else
-    row "bench ($DEVICE, scale $SCALE)" FAILED "$(since "$t0")" "rc $rc$([ "$rc" -eq 124 ] && echo ', timed out'); see bench_${DEVICE}.txt"
+    row "bench ($BENCH_DEVICE, scale $SCALE)" FAILED "$(since "$t0")" "rc $rc$([ "$rc" -eq 124 ] && echo ', timed out'); see bench_${BENCH_DEVICE}.txt"
     failed=1
 fi
 
-# -- 3-8. standalone checks -----------------------------------------------------------
-# Each prints one line "RESULT | detail" last; RESULT is ok, FAILED or skipped.
+# -- 3-11. standalone checks ------------------------------------------------------------
+# Each is a step of tests/gpu/check_steps.py on $DEVICE (cuda; sim: the simulated
+# device, the same logic on the CPU) and prints one line "RESULT | detail" last; RESULT
+# is ok, FAILED or skipped.
 check() {
-    local name=$1 limit=$2 code=$3 t0 out rc line
+    local name=$1 limit=$2 step=$3 t0 out rc line
     t0=$(now)
-    out=$(GPU_CHECK_SCALE="$SCALE" timeout "$limit" "$PY" -c "$code" 2>&1)
+    out=$(GPU_CHECK_DEVICE="$DEVICE" GPU_CHECK_SCALE="$SCALE" timeout "$limit" "$PY" tests/gpu/check_steps.py "$step" 2>&1)
     rc=$?
     { echo "== $name (rc $rc)"; echo "$out"; } >> "$OUT_DIR/checks.txt"
     line=$(printf '%s\n' "$out" | grep -E '^(ok|FAILED|skipped) \|' | tail -n 1)
@@ -246,274 +277,22 @@ check() {
     [ "${line%% |*}" = FAILED ] && failed=1
 }
 
-if [ "$cuda_ok" -ne 1 ]; then
-    row "fresh tensors re-staged" skipped 0 "no CUDA"
-    row "side-stream snapshot" skipped 0 "no CUDA"
-    row "graph capture refused" skipped 0 "no CUDA"
-    row "checksums on the GPU" skipped 0 "no CUDA"
-    row "training-step slowdown" skipped 0 "no CUDA"
-    row "share_memory on CUDA" skipped 0 "no CUDA"
+if [ "$DEVICE" = cuda ] && [ "$cuda_ok" -ne 1 ]; then
+    for name in "fresh tensors re-staged" "side-stream snapshot" "graph capture refused" \
+        "checksums on the device" "training loop" "share_memory handoff" "budgeted pipeline" \
+        "bit-exact dtypes and views" "DTensor"; do
+        row "$name" skipped 0 "no CUDA"
+    done
 else
-check "fresh tensors re-staged" 25 '
-import asyncio, os, time, torch
-from async_stager import Stager
-
-scale = float(os.environ["GPU_CHECK_SCALE"])
-n, numel = 64, max(1, int((1 << 30) * scale) // 64 // 4)  # 1 GiB at scale 1, in 64 tensors
-
-def fresh():
-    return {f"w{i}": torch.full((numel,), float(i), device="cuda") for i in range(n)}
-
-async def main():
-    async with Stager() as stager:
-        times, held, alive, ptrs = [], [], [], set()
-        for k in range(4):
-            # New allocations each time (what state_dict() hooks often make); the old
-            # dicts stay alive, so the caching allocator cannot hand their addresses back.
-            sd = fresh()
-            alive.append(sd)
-            ptrs.update(t.data_ptr() for t in sd.values())
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            staged = await stager.stage(sd)
-            times.append(time.perf_counter() - t)
-            held.append(stager.host_bytes)
-            assert torch.equal(staged["w7"][:16], torch.full((16,), 7.0)), "wrong data"
-            del staged
-        assert len(ptrs) == 4 * n, "a fresh tensor got an old address back"
-        gb = n * numel * 4 / 1e9
-        again = sorted(times[1:])[len(times[1:]) // 2]
-        kept = held[1:] == held[:1] * 3
-        mem = "kept" if kept else "grew"
-        ok = kept and again < times[0]
-        print(f"times {[round(t, 4) for t in times]}, host bytes {[h >> 20 for h in held]} MiB")
-        print(("ok" if ok else "FAILED") + f" | {gb:.2f} GB, new addresses each time: first {times[0]:.3f} s "
-              f"(pins), re-stage {again:.3f} s ({gb / again:.1f} GB/s), host memory {mem}")
-
-asyncio.run(main())
-'
-
-check "side-stream snapshot" 15 '
-import asyncio, torch
-from async_stager import Stager
-
-SPIN = 50_000_000
-
-async def main():
-    n = 8 << 20
-    x = torch.zeros(n, device="cuda")
-    src = torch.full((n,), 3.0, device="cuda")
-    buf = torch.zeros(n).pin_memory()
-    w = torch.ones(n, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    problems = []
-    async with Stager() as stager:
-        await stager.reserve({"x": x, "buf": buf, "w": w})
-        with torch.cuda.stream(side):
-            torch.cuda._sleep(4 * SPIN)  # the producer is still running at the call
-            x.fill_(7.0)
-            buf.copy_(src, non_blocking=True)  # a pending copy into a pinned CPU leaf
-            pending = stager.stage({"x": x, "buf": buf, "w": w})
-            fence = stager.fence()  # reads the side stream now
-        await fence  # awaited with the default stream current
-        with torch.cuda.stream(side):
-            w.add_(1.0)  # the optimizer step: after the copies
-        staged = await pending
-        torch.cuda.synchronize()
-        if not bool((staged["x"] == 7.0).all()):
-            problems.append("producer write missed")
-        if not bool((staged["buf"] == 3.0).all()):
-            problems.append("pending copy into the pinned CPU leaf missed")
-        if not bool((staged["w"] == 1.0).all()):
-            problems.append("the step after fence() ran before the copies")
-    print(("FAILED | " + "; ".join(problems)) if problems else "ok | producer, pinned CPU leaf and fence ordered")
-
-asyncio.run(main())
-'
-
-check "graph capture refused" 15 '
-import asyncio, torch
-from async_stager import Stager, UnsupportedError
-
-async def main():
-    x = torch.ones(1 << 10, device="cuda")
-    async with Stager() as stager:
-        await stager.stage({"x": x})
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            y = x * 2  # warm-up
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        refused = []
-        msg = ""
-        with torch.cuda.graph(g):
-            y = x * 2
-            for name, call in (("stage", lambda: stager.stage({"x": x})), ("fence", stager.fence)):
-                try:
-                    coro = call()
-                except UnsupportedError as e:
-                    refused.append(name)
-                    msg = str(e)
-                else:
-                    coro.close()
-        x.fill_(3.0)
-        g.replay()
-        torch.cuda.synchronize()
-        replay_ok = bool((y == 6.0).all())
-        after = await stager.stage({"x": x})
-        usable = bool((after["x"] == 3.0).all())
-    ok = refused == ["stage", "fence"] and replay_ok and usable and "thread_local" in msg
-    print(f"refused: {refused}; replay ok: {replay_ok}; usable after: {usable}")
-    print(("ok" if ok else "FAILED") + f" | refused {refused}, graph replays, stager usable after")
-
-asyncio.run(main())
-'
-
-check "checksums on the GPU" 25 '
-import asyncio, os, statistics, time, torch
-from async_stager import Checksums, Stager
-
-scale = float(os.environ["GPU_CHECK_SCALE"])
-h = max(64, int(512 * scale ** 0.5))
-g = torch.Generator(device="cuda").manual_seed(0)
-def p(*shape):
-    return torch.randn(*shape, device="cuda", generator=g)
-# The bench transformer layout: per layer 4 h*h and 2 h*4h matrices, norms, biases; Adam
-# state twice over; a vocabulary embedding.
-sd = {"emb": p(8192, h)}
-for i in range(8):
-    for name, shape in (("q", (h, h)), ("k", (h, h)), ("v", (h, h)), ("o", (h, h)), ("up", (4 * h, h)), ("down", (h, 4 * h))):
-        for kind in ("w", "m", "v2"):
-            sd[f"{i}.{name}.{kind}"] = p(*shape)
-    for j in range(8):
-        sd[f"{i}.norm{j}"] = p(h)
-nbytes = sum(t.numel() * t.element_size() for t in sd.values())
-
-async def main():
-    async with Stager() as stager:
-        plain, summed = [], []
-        for r in range(9):
-            for with_sums in ((False, True) if r % 2 else (True, False)):
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                lease = await stager.lease(sd, checksums=with_sums)
-                (summed if with_sums else plain).append(time.perf_counter() - t)
-                if with_sums and r == 0:
-                    sums = lease.checksums
-                    on_gpu = [k for k, v in lease.state_dict.items() if sums.algorithm_of(v) == "wsum64"]
-                    bad = [k for k in on_gpu if sums.get(lease.state_dict[k]) != Checksums.compute(lease.state_dict[k], "wsum64")]
-                lease.release()
-        a, b = statistics.median(plain[1:]), statistics.median(summed[1:])
-        cost = 100 * (b / a - 1)
-        print(f"plain {[round(x * 1e3, 2) for x in plain]} ms; with checksums {[round(x * 1e3, 2) for x in summed]} ms")
-        ok = not bad and len(on_gpu) > 0
-        print(("ok" if ok else "FAILED") + f" | {nbytes / 2**20:.0f} MiB in {len(sd)} tensors: stage {a * 1e3:.2f} ms, "
-              f"with checksums {b * 1e3:.2f} ms ({cost:+.1f}%), {len(on_gpu)} hashed on the GPU, "
-              f"{len(bad)} digests differ from the host copy")
-
-asyncio.run(main())
-'
-
-check "training-step slowdown" 35 '
-import asyncio, os, statistics, tempfile, threading, time, torch
-from async_stager import Stager
-
-scale = float(os.environ["GPU_CHECK_SCALE"])
-d = max(256, int(1024 * scale ** 0.5)) // 64 * 64
-torch.manual_seed(0)
-layer = torch.nn.TransformerEncoderLayer(d, d // 64, 4 * d, batch_first=True, device="cuda")
-model = torch.nn.TransformerEncoder(layer, 8, enable_nested_tensor=False).cuda()
-opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-x = torch.randn(16, 256, d, device="cuda")
-
-def fwd_bwd():
-    opt.zero_grad(set_to_none=True)
-    model(x).square().mean().backward()
-    torch.cuda.synchronize()
-
-def timed_steps(n):
-    out = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fwd_bwd()
-        opt.step()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t)
-    return out
-
-async def main():
-    timed_steps(3)
-    alone = timed_steps(10)
-    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
-    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 3
-    loop = asyncio.get_running_loop()
-    async with Stager() as stager:
-        await stager.reserve(sd)
-        with tempfile.TemporaryDirectory() as tmp:
-            overlapped, writes = [], []
-            deadline = time.perf_counter() + 10
-            while len(overlapped) < 10 and time.perf_counter() < deadline:
-                # The documented overlap: stage at the step boundary, forward/backward
-                # while the copies run, await the fence before the optimizer writes,
-                # and the previous checkpoint is written to disk meanwhile.
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                pending = stager.stage(sd)
-                fence = stager.fence()
-                await loop.run_in_executor(None, fwd_bwd)
-                await fence
-                opt.step()
-                torch.cuda.synchronize()
-                overlapped.append(time.perf_counter() - t)
-                staged = await pending
-                writes.append(loop.run_in_executor(None, torch.save, staged, os.path.join(tmp, f"c{len(writes) % 2}.pt")))
-                if len(writes) > 1:
-                    await writes[-2]
-            await asyncio.gather(*writes)
-    stages = len(overlapped)
-    a, b = statistics.median(alone), statistics.median(overlapped)
-    slow = 100 * (b / a - 1)
-    print(f"alone {[round(t * 1e3, 2) for t in alone]} ms; overlapped {[round(t * 1e3, 2) for t in overlapped]} ms")
-    ok = len(overlapped) > 0 and slow < 50
-    print(("ok" if ok else "FAILED") + f" | {nbytes / 2**20:.0f} MiB model+Adam, step {a * 1e3:.2f} ms alone, "
-          f"{b * 1e3:.2f} ms with a stage and write overlapping ({slow:+.1f}%, {stages} stages)")
-
-asyncio.run(main())
-'
-
-check "share_memory on CUDA" 15 '
-import asyncio, os, time, torch
-from async_stager import Stager
-
-scale = float(os.environ["GPU_CHECK_SCALE"])
-numel = max(1 << 10, int((256 << 20) * scale) // 16 // 4)
-sd = {f"w{i}": torch.randn(numel, device="cuda") for i in range(16)}
-sd["small"] = torch.arange(100, device="cuda", dtype=torch.bfloat16)
-
-async def timed(share):
-    async with Stager(share_memory=share) as stager:
-        await stager.stage(sd)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        staged = await stager.stage(sd)
-        s = time.perf_counter() - t
-        same = all(torch.equal(staged[k].view(torch.uint8), v.cpu().view(torch.uint8)) for k, v in sd.items())
-        shared = all(v.is_shared() for v in staged.values())
-        return s, same, shared
-
-async def main():
-    private, same_p, _ = await timed(False)
-    shared_s, same_s, shared = await timed(True)
-    ok = same_p and same_s and shared
-    gb = 16 * numel * 4 / 1e9
-    print(("ok" if ok else "FAILED") + f" | {gb:.2f} GB: shared {shared_s * 1e3:.1f} ms ({gb / shared_s:.1f} GB/s), "
-          f"private {private * 1e3:.1f} ms; bit-exact {same_s and same_p}, storages shared {shared}")
-
-asyncio.run(main())
-'
+    check "fresh tensors re-staged" 20 fresh
+    check "side-stream snapshot" 15 side_stream
+    check "graph capture refused" 15 graph
+    check "checksums on the device" 20 checksums
+    check "training loop" 40 training
+    check "share_memory handoff" 15 share
+    check "budgeted pipeline" 20 budget
+    check "bit-exact dtypes and views" 15 bitexact
+    check "DTensor" 15 dtensor
 fi
 
 # -- summary --------------------------------------------------------------------------
