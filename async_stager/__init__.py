@@ -28,8 +28,11 @@ from async_stager._share.handoff import (
     attach_shared as attach_shared,
     export_shared as export_shared,
 )
+from async_stager._tier.client import AgentClient
+from async_stager._tier.tier import MemoryStats
 from async_stager.errors import (
     AcceleratorRequiredError as AcceleratorRequiredError,
+    AgentError,
     BudgetTooSmallError as BudgetTooSmallError,
     BuffersHeldError,
     CheckpointError,
@@ -63,6 +66,9 @@ __all__ = [
     "SaveProgress",
     "SaveRequest",
     "Shutdown",
+    # The memory tier: snapshots held in memory by a node agent (Checkpointer(agent=...)).
+    "AgentClient",
+    "MemoryStats",
     # Checking a restore: two states compared bit for bit.
     "state_differences",
     # The drop-in for DCP's and torch_checkpointing's staging (also in async_stager.dcp).
@@ -75,6 +81,7 @@ __all__ = [
     "IntegrityError",
     "BuffersHeldError",
     "HostLimitError",
+    "AgentError",
     "__version__",
 ]
 

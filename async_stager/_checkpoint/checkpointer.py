@@ -237,6 +237,7 @@ class Checkpointer:
             ranks=self._ranks,
             agent_timeout=agent_timeout,
             keep=memory_keep,
+            namespace=str(Path(directory).resolve()),
         )
         self._stager = stager
         self._own_stager = stager is None

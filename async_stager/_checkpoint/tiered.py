@@ -66,6 +66,7 @@ def make_tier(
     ranks: Ranks,
     agent_timeout: float,
     keep: int = 2,
+    namespace: str = "",
 ) -> tuple[MemoryTier | None, TierSchedule]:
     """The memory tier for ``agent`` (a job id, or a client), or None without one
     (then ``memory_every`` and ``persist_every`` must be left at 1)."""
@@ -90,7 +91,12 @@ def make_tier(
             f"agent must be a job id (str) or an AgentClient, got {type(agent).__name__}"
         )
     tier = MemoryTier(
-        client, rank=ranks.rank, world=ranks.world, policy="wait" if policy == "wait" else "skip"
+        client,
+        rank=ranks.rank,
+        world=ranks.world,
+        policy="wait" if policy == "wait" else "skip",
+        keep=keep,
+        namespace=namespace,
     )
     return tier, schedule
 

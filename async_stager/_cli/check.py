@@ -135,6 +135,12 @@ def add_check_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         metavar="SIZE",
         help="node_budget_bytes: one host budget shared by the node's ranks (none)",
     )
+    p.add_argument(
+        "--agent",
+        action="store_true",
+        help="also the memory tier's node agent: its memory bound on this node, and whether "
+        "memory_keep=2 snapshots of every rank fit it",
+    )
 
 
 def checkpoint_bytes(ns: argparse.Namespace) -> int:
@@ -166,9 +172,14 @@ def run_check(ns: argparse.Namespace, out: TextIO, limits: HostLimits | None = N
     out.write(f"need: {need.describe_node()} of {', '.join(kinds)} host memory\n\n")
     out.write(report.format() + "\n\n")
     short = [r for r in report.rows if r.enforced and not r.fits]
+    agent_fits = True
+    if getattr(ns, "agent", False):
+        from async_stager._tier.service import agent_report
+
+        agent_fits = agent_report(nbytes, need.ranks, out, limits)
     if not short:
-        out.write("fits: yes\n")
-        return 0
+        out.write("fits: yes\n" if agent_fits else "fits: not in the memory agent\n")
+        return 0 if agent_fits else 1
     for r in short:
         out.write(textwrap.fill(f"does not fit: {r.resource}: {r.fix}", 80, subsequent_indent="  ") + "\n")
     return 1

@@ -75,6 +75,8 @@ class Held:
     since: float = field(default_factory=time.time)
     #: The trainer process (its session token) that began it.
     session: str = ""
+    #: Its namespace: the Checkpointer's folder (two in one job never mix).
+    ns: str = ""
 
     @property
     def bytes(self) -> int:
@@ -83,6 +85,7 @@ class Held:
     def info(self) -> dict[str, Any]:
         return {
             "rank": self.rank,
+            "ns": self.ns,
             "step": self.step,
             "world": self.world,
             "complete": self.complete,
@@ -127,7 +130,8 @@ class Agent:
         self.path = path if path is not None else wire.socket_path(job, base)
         self._peer_uid = peer_uid
         self._uid = os.getuid()
-        self._ranks: dict[int, list[Held]] = {}
+        #: (namespace, rank) -> its snapshots, oldest commit first.
+        self._ranks: dict[tuple[str, int], list[Held]] = {}
         self._arenas: dict[tuple[int, int], _Arena] = {}
         self._reserved = 0
         self._maps = ArenaMaps()
@@ -146,7 +150,7 @@ class Agent:
 
     def snapshots(self, rank: int | None = None) -> list[Held]:
         """Every snapshot held (of ``rank``), oldest commit first per rank."""
-        return [h for r, hs in sorted(self._ranks.items()) if rank is None or r == rank for h in hs]
+        return [h for (_, r), hs in sorted(self._ranks.items()) if rank is None or r == rank for h in hs]
 
     def _status(self) -> dict[str, Any]:
         return {
@@ -172,7 +176,11 @@ class Agent:
         held.payload = b""
 
     def _trim(
-        self, rank: int, keep_complete: int, session: str | None = None, protect: frozenset[int] = frozenset()
+        self,
+        rank: tuple[str, int],
+        keep_complete: int,
+        session: str | None = None,
+        protect: frozenset[int] = frozenset(),
     ) -> list[int]:
         """Keep the rank's newest ``keep_complete`` complete snapshots; forget the rest
         and every incomplete one. With ``session`` (a BEGIN): a snapshot that session
@@ -325,8 +333,9 @@ class Agent:
         if m.kind == Kind.STATUS:
             return Message(Kind.OK, self._status())
         if m.kind == Kind.LIST:
-            rank = body.get("rank")
-            return Message(Kind.OK, {"snapshots": [h.info() for h in self.snapshots(rank)]})
+            rank, ns = body.get("rank"), body.get("ns")
+            found = [h for h in self.snapshots(rank) if ns is None or h.ns == ns]
+            return Message(Kind.OK, {"snapshots": [h.info() for h in found]})
         if m.kind == Kind.BEGIN:
             return await self._begin(body)
         if m.kind == Kind.COMMIT:
@@ -337,13 +346,14 @@ class Agent:
 
     async def _begin(self, body: dict[str, Any]) -> Message:
         rank, step, world = _int(body, "rank"), _int(body, "step"), _int(body, "world", 1)
+        who = (str(body.get("ns", "")), rank)
         session = str(body.get("session", ""))
         protect = body.get("protect", [])
         if not isinstance(protect, list) or not all(isinstance(p, int) for p in protect):
             raise AgentRefusedError(f"protect must be a list of steps, got {protect!r}", reason="request")
         async with self._lock:
-            dropped = self._trim(rank, self.keep - 1, session, frozenset(protect))
-            self._ranks[rank].append(Held(rank, step, world, session=session))
+            dropped = self._trim(who, self.keep - 1, session, frozenset(protect))
+            self._ranks[who].append(Held(rank, step, world, session=session, ns=who[0]))
         if dropped:
             _log.debug("rank %d begins step %d: forgot steps %s", rank, step, dropped)
         return Message(Kind.OK, {"dropped": dropped})
@@ -351,6 +361,7 @@ class Agent:
     async def _commit(self, m: Message) -> Message:
         body = m.body
         rank, step, world = _int(body, "rank"), _int(body, "step"), _int(body, "world", 1)
+        who = (str(body.get("ns", "")), rank)
         sizes = body.get("arenas")
         refs = body.get("refs")
         digests = body.get("digests")
@@ -380,7 +391,7 @@ class Agent:
                 reason="request",
             )
         async with self._lock:
-            pending = self._pending(rank, step)
+            pending = self._pending(who, step)
             if pending.world != world:
                 self._drop_pending(pending)
                 raise AgentRefusedError(
@@ -416,7 +427,7 @@ class Agent:
                 maps.close()
             bad = [r for r, want, have in zip(regions, digests, got) if [int(x) for x in want] != have]
             async with self._lock:
-                if bad or pending.complete or pending not in self._ranks.get(rank, []):
+                if bad or pending.complete or pending not in self._ranks.get(who, []):
                     self._drop_pending(pending)
                     if bad:
                         raise AgentRefusedError(
@@ -444,7 +455,7 @@ class Agent:
                 # The committing trainer releases its other snapshots' buffers now: of
                 # its own, only this one and those it still holds leased (``protect``)
                 # are safe from its next stage.
-                self._trim(rank, self.keep, pending.session, frozenset(protect) | {step})
+                self._trim(who, self.keep, pending.session, frozenset(protect) | {step})
         finally:
             self._reserved -= new
         _log.info(
@@ -459,8 +470,9 @@ class Agent:
         )
         return Message(Kind.OK, {"complete": True, "held_bytes": self.held_bytes})
 
-    def _pending(self, rank: int, step: int) -> Held:
-        for h in self._ranks.get(rank, []):
+    def _pending(self, key: tuple[str, int], step: int) -> Held:
+        rank = key[1]
+        for h in self._ranks.get(key, []):
             if h.step == step and not h.complete:
                 return h
         raise AgentRefusedError(
@@ -469,14 +481,14 @@ class Agent:
         )
 
     def _drop_pending(self, pending: Held) -> None:
-        held = self._ranks.get(pending.rank, [])
+        held = self._ranks.get((pending.ns, pending.rank), [])
         if pending in held and not pending.complete:
             held.remove(pending)
             self._forget(pending)
 
     def _fetch(self, body: dict[str, Any]) -> Message:
         rank, step = _int(body, "rank"), _int(body, "step")
-        for h in reversed(self._ranks.get(rank, [])):
+        for h in reversed(self._ranks.get((str(body.get("ns", "")), rank), [])):
             if h.step == step and h.complete:
                 meta = dict(h.meta)
                 meta.update(h.info())

@@ -45,6 +45,7 @@ class SnapshotInfo:
     bytes: int
     tensors: int
     since: float
+    ns: str = ""
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class Fetched:
 def _info(d: dict[str, Any]) -> SnapshotInfo:
     return SnapshotInfo(
         int(d["rank"]), int(d["step"]), int(d["world"]), bool(d["complete"]), int(d["bytes"]),
-        int(d.get("tensors", 0)), float(d.get("since", 0.0)),
+        int(d.get("tensors", 0)), float(d.get("since", 0.0)), str(d.get("ns", "")),
     )  # fmt: skip
 
 
@@ -204,13 +205,23 @@ class AgentClient:
             int(b["keep"]), int(b["arenas"]), tuple(_info(s) for s in b["snapshots"]),
         )  # fmt: skip
 
-    async def snapshots(self, rank: int | None = None) -> list[SnapshotInfo]:
-        """The snapshots held (of ``rank``), complete or not, oldest commit first."""
-        body = {} if rank is None else {"rank": rank}
+    async def snapshots(self, rank: int | None = None, *, ns: str | None = None) -> list[SnapshotInfo]:
+        """The snapshots held (of ``rank``, in namespace ``ns``), complete or not,
+        oldest commit first."""
+        body: dict[str, Any] = {} if rank is None else {"rank": rank}
+        if ns is not None:
+            body["ns"] = ns
         return [_info(s) for s in (await self._call(Message(Kind.LIST, body))).body["snapshots"]]
 
     async def begin(
-        self, rank: int, step: int, world: int, *, session: str = "", protect: list[int] | None = None
+        self,
+        rank: int,
+        step: int,
+        world: int,
+        *,
+        session: str = "",
+        protect: list[int] | None = None,
+        ns: str = "",
     ) -> list[int]:
         """Say ``step`` is being staged by trainer ``session`` (a token of this
         process): the agent forgets the snapshots this session committed except the
@@ -223,6 +234,7 @@ class AgentClient:
             "world": world,
             "session": session,
             "protect": list(protect or []),
+            "ns": ns,
         }
         return [int(s) for s in (await self._call(Message(Kind.BEGIN, body))).body["dropped"]]
 
@@ -237,11 +249,13 @@ class AgentClient:
         *,
         session: str = "",
         protect: list[int] | None = None,
+        ns: str = "",
     ) -> None:
         """Hand snapshot ``step`` over: the arenas' descriptors (``handle.arenas``, this
         process's own), the structure and each region's digest. Returns once the agent
         verified and holds it (and forgot ``session``'s other snapshots but the steps
-        in ``protect``: their buffers are the caller's again); AgentRefusedError if it did not accept it."""
+        in ``protect``: their buffers are the caller's again); AgentRefusedError if it
+        did not accept it. ``ns``: the namespace (a Checkpointer's folder)."""
         sizes = [a.nbytes for a in handle.arenas]
         body = {
             "rank": rank,
@@ -255,15 +269,16 @@ class AgentClient:
             "nbytes": handle.nbytes,
             "session": session,
             "protect": list(protect or []),
+            "ns": ns,
         }
         fds = [a.fd for a in handle.arenas]
         msg = Message(Kind.COMMIT, body, handle.payload, fds)
         await self._call(msg, self.timeout + sum(sizes) / SLOWEST_HASH)
 
-    async def fetch(self, rank: int, step: int) -> Fetched:
+    async def fetch(self, rank: int, step: int, *, ns: str = "") -> Fetched:
         """Snapshot ``step`` of ``rank`` as this process's descriptors (close them:
         ``Fetched.close``). AgentRefusedError ``"unknown"`` if it holds no complete one."""
-        answer = await self._call(Message(Kind.FETCH, {"rank": rank, "step": step}))
+        answer = await self._call(Message(Kind.FETCH, {"rank": rank, "step": step, "ns": ns}))
         b, fds = answer.body, answer.fds
         try:
             sizes = [int(n) for n in b["arenas"]]

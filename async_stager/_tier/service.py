@@ -15,6 +15,7 @@ import logging
 import signal
 import sys
 from dataclasses import dataclass
+from typing import TextIO
 
 import anyio
 
@@ -22,7 +23,7 @@ from async_stager._core.memory.host_limits import HostLimits
 from async_stager._tier.agent import Agent
 from async_stager.errors import AgentError, HostLimitError
 
-__all__ = ["AgentLimits", "add_agent_arguments", "main", "memory_limits", "run_agent"]
+__all__ = ["AgentLimits", "add_agent_arguments", "agent_report", "main", "memory_limits", "run_agent"]
 
 #: Descriptors the agent keeps free for connections and its own files.
 SPARE_FDS = 64
@@ -96,6 +97,29 @@ def memory_limits(max_bytes: int | None = None, limits: HostLimits | None = None
                 fix="give a smaller --max-bytes",
             )
     return AgentLimits(max_bytes, lim.mem_available, headroom, fds_free, lim.fsize, lim.memfd)
+
+
+def agent_report(
+    snapshot_bytes: int, ranks: int, out: TextIO, limits: HostLimits | None = None, keep: int = 2
+) -> bool:
+    """``check --agent``: the agent's limits on this node and whether ``keep`` snapshots
+    of ``snapshot_bytes`` for each of ``ranks`` ranks fit its default bound. Writes the
+    lines to ``out``; True if they fit."""
+    try:
+        lim = memory_limits(None, limits)
+    except HostLimitError as exc:
+        out.write(f"memory agent: cannot run: {exc}\n")
+        return False
+    need = keep * snapshot_bytes * ranks
+    out.write("memory agent (python -m async_stager agent):\n")
+    for line in lim.lines():
+        out.write(f"  {line}\n")
+    fits = need <= lim.max_bytes
+    out.write(
+        f"  needs {keep} x {snapshot_bytes / 2**30:.2f} GiB x {ranks} rank(s) = {need / 2**30:.2f} GiB: "
+        f"{'fits' if fits else 'does not fit (pass a larger --max-bytes, or memory_keep=1)'}\n"
+    )
+    return fits
 
 
 def add_agent_arguments(parser: argparse.ArgumentParser) -> None:

@@ -118,6 +118,7 @@ class MemoryTier:
         stager: Stager | None = None,
         retry_seconds: float = 30.0,
         keep: int = 2,
+        namespace: str = "",
     ) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise InvalidOptionError(f"memory_keep must be an int >= 1 (snapshots), got {keep!r}")
@@ -131,6 +132,8 @@ class MemoryTier:
                 f"handed to the agent by descriptor, {keep} complete while the next is written"
             )
         self.keep = keep
+        #: Snapshots of another namespace (another Checkpointer folder) never restore here.
+        self.namespace = namespace
         self.client = client
         self.rank = rank
         self.world = world
@@ -321,7 +324,9 @@ class MemoryTier:
         buffers are held. False (handled) when the agent is away or refused."""
         protect = [s for s, _ in self._held]
         try:
-            await self.client.begin(self.rank, step, self.world, session=self.session, protect=protect)
+            await self.client.begin(
+                self.rank, step, self.world, session=self.session, protect=protect, ns=self.namespace
+            )
         except (AgentUnavailableError, AgentTimeoutError) as exc:
             self._fail(exc, step)
             return False
@@ -355,7 +360,15 @@ class MemoryTier:
             )
             kept = [s for s, _ in self._held][1 - self.keep :] if self.keep > 1 else []
             await self.client.commit(
-                self.rank, step, self.world, handle, digests, PIECE_BYTES, session=self.session, protect=kept
+                self.rank,
+                step,
+                self.world,
+                handle,
+                digests,
+                PIECE_BYTES,
+                session=self.session,
+                protect=kept,
+                ns=self.namespace,
             )
         except (AgentUnavailableError, AgentTimeoutError) as exc:
             lease.release()
@@ -395,7 +408,7 @@ class MemoryTier:
         """Steps of this rank the agent holds complete, saved at this world size
         (newest last); [] if the agent is away (logged)."""
         try:
-            infos = await self.client.snapshots(self.rank)
+            infos = await self.client.snapshots(self.rank, ns=self.namespace)
         except AgentError as exc:
             _log.warning("memory tier: cannot list the agent's snapshots (%s): restoring from disk", exc)
             return []
@@ -405,7 +418,7 @@ class MemoryTier:
         """Snapshot ``step`` of this rank, attached (no copy) after every region was
         verified against its digest. Raises AgentError (gone, refused) or
         IntegrityError (a region does not match). Close the result when loaded."""
-        fetched = await self.client.fetch(self.rank, step)
+        fetched = await self.client.fetch(self.rank, step, ns=self.namespace)
         try:
             await run_in_thread(lambda: _verify(fetched), name="async-stager-tier-verify")
             return attach_shared(fetched.handle)

@@ -341,3 +341,20 @@ def test_memory_limits_from_the_node() -> None:
     with pytest.raises(HostLimitError) as err:
         memory_limits(1 << 20, HostLimits(mem_available=8 << 30, nofile=70, open_fds=0))
     assert err.value.unit == "descriptors"
+
+
+def test_check_reports_the_agent() -> None:
+    import io
+
+    from async_stager._tier.service import agent_report
+
+    lim = HostLimits(mem_available=8 << 30, nofile=1024, open_fds=10)
+    out = io.StringIO()
+    assert agent_report(1 << 30, 2, out, lim)  # 2 x 1 GiB x 2 ranks = 4 GiB = the default bound
+    assert "agent memory bound: 4.00 GiB" in out.getvalue() and "fits" in out.getvalue()
+    out = io.StringIO()
+    assert not agent_report(1 << 30, 3, out, lim)
+    assert "does not fit" in out.getvalue()
+    out = io.StringIO()
+    assert not agent_report(1, 1, out, HostLimits(mem_available=8 << 30, memfd=False))
+    assert "cannot run" in out.getvalue()

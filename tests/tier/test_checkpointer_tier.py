@@ -124,7 +124,7 @@ async def test_damaged_memory_restores_from_disk(tmp_path: Path, caplog: pytest.
                     await settle(ckpt)
             # Flip a byte of step 3 in the agent's memory (what a stray write would do).
             async with AgentClient("ck", base=base) as c:
-                fetched = await c.fetch(0, 3)
+                fetched = await c.fetch(0, 3, ns=str(tmp_path.resolve()))
                 try:
                     fd = fetched.fds[0]
                     mm = mmap.mmap(fd, fetched.handle.arenas[0].nbytes, flags=mmap.MAP_SHARED)
@@ -199,3 +199,23 @@ def test_options() -> None:
     with pytest.raises(InvalidOptionError, match="policy"):
         Checkpointer("/tmp/unused-dev38", agent="j", policy="coalesce")
     assert not os.path.exists("/tmp/unused-dev38")
+
+
+async def test_two_folders_of_one_job_never_mix(tmp_path: Path) -> None:
+    """One agent, two Checkpointers with different folders: each restores only its
+    own snapshots (the folder is the snapshots' namespace)."""
+    with short_base() as base:
+        async with agent_on_loop(base):
+            async with Checkpointer(tmp_path / "a", agent=AgentClient("ck", base=base), persist_every=100) as a:
+                assert await a.save(state_of(8), step=8)
+                await a.wait()
+            async with Checkpointer(tmp_path / "b", agent=AgentClient("ck", base=base), persist_every=2) as b:
+                assert await b.save(state_of(2), step=2)
+                await b.wait()
+                state = blank()
+                assert await b.restore(state) == 2
+                assert_same(values(state), values(state_of(2)))
+            async with Checkpointer(tmp_path / "a", agent=AgentClient("ck", base=base), persist_every=100) as a:
+                state = blank()
+                assert await a.restore(state) == 8
+                assert_same(values(state), values(state_of(8)))
