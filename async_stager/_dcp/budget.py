@@ -31,14 +31,11 @@ alternate. The snapshot point is the call: sources must not change until every c
 is enqueued (every bytes item serialized too), which is what the fence waits for
 (``Pipeline.fence``).
 
-Every tensor copy goes through the device seam (``_core.copy.device``; ``copies``):
-the ``Copier`` of the source's device, made by the stager's ``Backend`` (those of the
-devices known at the call are made then, on the caller's thread, and their
-``capture()`` is the snapshot point), one piece per ``begin``/``copy``/``protect``/
-``end``. So the budgeted copies have the engine's CUDA ordering (the copy stream waits
-on the capture recorded on the caller's stream; ``record_stream`` keeps the sources'
-memory; the copy stream is neither the default nor the caller's, ``fresh_stream``) and
-its bounded host waits, and a ``FakeBackend`` drives the pipeline on the CPU.
+Every tensor copy goes through the device seam (``copies``): the copier of the
+source's device from the save's lane (``_core.run.lanes``), whose ``capture()`` at the
+call is the snapshot point; small items a batch per stage. So the budgeted copies have
+the stager's ordering and bounded waits, and the simulated device drives them on the
+CPU.
 
 What ``torch.save`` builds whole, outside the ring, for one bytes item at a time: the
 item's pickle (the value without its CPU tensors' data), and a host copy of each

@@ -192,11 +192,26 @@ async def test_device_hashes_read_the_sources_as_of_the_call(
 
 
 def test_close_waits_for_the_streams_bounded(sim: SimulatedDevice) -> None:
-    copier = AcceleratorCopier(sim, non_blocking=True, wait_seconds=0.2)
-    gate = time.monotonic() + 0.6
+    copier = AcceleratorCopier(sim, non_blocking=True, wait_seconds=0.05)
+    gate = time.monotonic() + 0.25
     with sim.using(copier.stream):
         sim.launch(lambda: time.sleep(max(0.0, gate - time.monotonic())))
     with pytest.raises(CopyError, match="wedged"):
         copier.close()  # bounded: a wedged stream is an error, not a hang
     sim.synchronize()
     copier.close()  # idle now
+
+
+def test_blocking_copier_and_a_device_without_a_capture(sim: SimulatedDevice) -> None:
+    # non_blocking=False: end() waits for the copies and returns None; no capture for
+    # the device (it had no context at the call): the copies wait for its default stream.
+    copier = AcceleratorCopier(sim, non_blocking=False, wait_seconds=30.0)
+    src = sim.tensor(torch.zeros(1024))
+    sim.launch(later(0.03, lambda: src.fill_(5.0)))  # queued on the default stream
+    dst = torch.empty(1024)
+    copier.begin(None)
+    copier.copy([dst], [src])
+    copier.protect([src])
+    assert copier.end() is None
+    assert torch.equal(dst, torch.full((1024,), 5.0))
+    copier.close()

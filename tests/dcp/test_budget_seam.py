@@ -431,9 +431,9 @@ async def test_a_ring_a_copy_may_still_land_in_is_never_reused_nor_freed(
     import async_stager._core.run.lanes as lanes_mod
     import async_stager._dcp.copies as copies_mod
 
-    monkeypatch.setattr(copies_mod, "HOST_WAIT_SECONDS", 0.05)
+    monkeypatch.setattr(copies_mod, "HOST_WAIT_SECONDS", 0.03)
     monkeypatch.setattr(lanes_mod, "_QUARANTINE", [])
-    with SimulatedDevice(seed=3, delay=(0.4, 0.4)) as sim:
+    with SimulatedDevice(seed=3, delay=(0.25, 0.25)) as sim:
         backend = SimulatedBackend(sim, pin=True)
         pinner = sim.pinner()
         assert isinstance(pinner, SimulatedPinner)

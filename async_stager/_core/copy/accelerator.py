@@ -223,11 +223,6 @@ class AcceleratorCopier(ScratchCopier):
     def _free_scratch(self, base: torch.Tensor) -> None:
         self.prims.free(base)
 
-    def idle(self) -> bool:
-        """True when nothing this copier enqueued is still running."""
-        streams = [self.stream] if self._hash_stream is None else [self.stream, self._hash_stream]
-        return all(self.prims.query(self.prims.record(s)) for s in streams)
-
     def close(self) -> None:
         """Free scratch, then wait (bounded: CopyError after ``wait_seconds``) for the
         copy and hash streams' work."""
