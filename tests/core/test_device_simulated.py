@@ -215,3 +215,23 @@ def test_blocking_copier_and_a_device_without_a_capture(sim: SimulatedDevice) ->
     assert copier.end() is None
     assert torch.equal(dst, torch.full((1024,), 5.0))
     copier.close()
+
+
+@pytest.mark.anyio
+async def test_a_capturing_stream_is_refused_on_the_simulated_device(
+    sim: SimulatedDevice, anyio_backend: Any
+) -> None:
+    from async_stager import UnsupportedError
+
+    x = sim.tensor(torch.ones(64))
+    async with Stager(backend=SimulatedBackend(sim)) as stager:
+        stream = sim.stream("graph")
+        with sim.using(stream):
+            stream.capturing = True
+            with pytest.raises(UnsupportedError, match="capturing a CUDA graph"):
+                stager.stage({"x": x})  # type: ignore[unused-coroutine]
+            with pytest.raises(UnsupportedError, match="thread_local"):
+                stager.fence()  # type: ignore[unused-coroutine]
+            stream.capturing = False
+            staged = await stager.stage({"x": x})
+        assert torch.equal(staged["x"], torch.ones(64))

@@ -423,6 +423,40 @@ async def test_simulated_device_budgeted_saves_reuse_streams_and_ring(tmp_path: 
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # about the device, not the loop
+async def test_concurrent_budgeted_saves_take_separate_lanes_and_trim_frees_them(tmp_path: Path) -> None:
+    with SimulatedDevice(seed=6) as sim:
+        backend = SimulatedBackend(sim, pin=True)
+        pinner = sim.pinner()
+        assert isinstance(pinner, SimulatedPinner)
+        a, b = _odd_device_state(sim), tensors(4)
+        async with Stager(backend=backend) as stager:
+            async with anyio.create_task_group() as tg:
+                for name, sd in (("a", a), ("b", b)):
+                    tg.start_soon(
+                        _await,
+                        adcp.save(
+                            sd,
+                            stager=stager,
+                            checkpoint_id=tmp_path / name,
+                            no_dist=True,
+                            host_budget_bytes=2 * PIECE,
+                        ),
+                    )
+            assert stager.lanes.made == 2 and len(pinner.registered) == 1  # one idle lane kept
+            assert await stager.trim() >= 2 * PIECE // 2
+            assert pinner.registered == {}
+            await adcp.save(
+                b, stager=stager, checkpoint_id=tmp_path / "c", no_dist=True, host_budget_bytes=2 * PIECE
+            )
+        for name, sd in (("a", a), ("c", b)):
+            got = load(tmp_path / name, sd)
+            for k, v in sd.items():
+                if isinstance(v, torch.Tensor):
+                    assert torch.equal(bits(got[k]), bits(v)), (name, k)
+        assert pinner.registered == {}
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # about the device, not the loop
 async def test_a_ring_a_copy_may_still_land_in_is_never_reused_nor_freed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

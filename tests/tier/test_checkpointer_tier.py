@@ -206,7 +206,9 @@ async def test_two_folders_of_one_job_never_mix(tmp_path: Path) -> None:
     own snapshots (the folder is the snapshots' namespace)."""
     with short_base() as base:
         async with agent_on_loop(base):
-            async with Checkpointer(tmp_path / "a", agent=AgentClient("ck", base=base), persist_every=100) as a:
+            async with Checkpointer(
+                tmp_path / "a", agent=AgentClient("ck", base=base), persist_every=100
+            ) as a:
                 assert await a.save(state_of(8), step=8)
                 await a.wait()
             async with Checkpointer(tmp_path / "b", agent=AgentClient("ck", base=base), persist_every=2) as b:
@@ -215,7 +217,9 @@ async def test_two_folders_of_one_job_never_mix(tmp_path: Path) -> None:
                 state = blank()
                 assert await b.restore(state) == 2
                 assert_same(values(state), values(state_of(2)))
-            async with Checkpointer(tmp_path / "a", agent=AgentClient("ck", base=base), persist_every=100) as a:
+            async with Checkpointer(
+                tmp_path / "a", agent=AgentClient("ck", base=base), persist_every=100
+            ) as a:
                 state = blank()
                 assert await a.restore(state) == 8
                 assert_same(values(state), values(state_of(8)))

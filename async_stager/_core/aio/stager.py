@@ -302,7 +302,8 @@ class Stager:
         cache (after any copies still in flight into it have landed), and its arenas
         are unpinned and unmapped. Sets holding
         a reachable or leased result are left alone (their result stays valid).
-        Returns the bytes released (``host_bytes`` drops by as much).
+        Returns the bytes released (``host_bytes`` drops by as much; a budgeted save's
+        ring kept for the next one, dropped too, is not in ``host_bytes``).
 
         Memory is otherwise kept for the next checkpoint (see docs/concepts.md,
         "Memory"): a checkpoint whose storages fit what is held pays no new mapping or

@@ -86,7 +86,18 @@ class CudaPrimitives(DevicePrimitives):
         return CudaPinner()
 
     def copy(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-        torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
+        plain_d: list[torch.Tensor] = []
+        plain_s: list[torch.Tensor] = []
+        for d, s in zip(dsts, srcs, strict=True):
+            if s.is_conj() or s.is_neg() or d.is_conj() or d.is_neg():
+                # One copy_ each: its kernel resolves the bits on the device (the
+                # copier only hands such pairs over device to device).
+                d.copy_(s, non_blocking=True)
+            else:
+                plain_d.append(d)
+                plain_s.append(s)
+        if plain_d:
+            torch._foreach_copy_(plain_d, plain_s, non_blocking=True)
 
     def capturing(self) -> bool:
         with torch.cuda.device(self.device):
