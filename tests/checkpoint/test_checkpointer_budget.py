@@ -181,6 +181,7 @@ def _rank_main(rank: int, world: int, port: int, directory: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.timeout(600)  # a hang guard, not a speed check (see CONTRIBUTING.md, "Tests")
 def test_two_ranks_budgeted_checkpointer_with_dtensors(tmp_path: Path) -> None:
     directory = str(tmp_path / "ckpt")
     mp.spawn(_rank_main, args=(2, _free_port(), directory), nprocs=2, join=True)

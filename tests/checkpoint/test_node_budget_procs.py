@@ -32,7 +32,7 @@ import pytest
 
 from async_stager._core.memory.ledger import NodeLedger
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(600)  # a hang guard, not a speed check (see CONTRIBUTING.md, "Tests")
 
 MiB = 1 << 20
 CHILD = str(Path(__file__).with_name("node_budget_child.py"))
@@ -120,7 +120,7 @@ def _spawn(cfg: dict[str, Any], rank: int) -> subprocess.Popen[str]:
 
 
 def _job(
-    cfg: dict[str, Any], *, timeout: float = 150.0, sampler: Sampler | None = None
+    cfg: dict[str, Any], *, timeout: float = 240.0, sampler: Sampler | None = None
 ) -> list[subprocess.Popen[str]]:
     procs = [_spawn(cfg, r) for r in range(cfg["world"])]
     if sampler is not None:
@@ -128,7 +128,7 @@ def _job(
     return procs
 
 
-def _wait(procs: list[subprocess.Popen[str]], timeout: float = 150.0) -> list[str]:
+def _wait(procs: list[subprocess.Popen[str]], timeout: float = 240.0) -> list[str]:
     deadline = time.monotonic() + timeout
     outs = []
     for p in procs:
@@ -227,7 +227,7 @@ def test_a_rank_killed_mid_save_leaves_the_others_going(tmp_path: Path) -> None:
     out = Path(cfg["out"])
     try:
         # Mid-save: it is saving and holds bytes of the node budget.
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             if (out / "saving-3").exists() and sampler.ledger.usage().by_pid.get(victim.pid, 0) > 0:
                 break
@@ -239,10 +239,10 @@ def test_a_rank_killed_mid_save_leaves_the_others_going(tmp_path: Path) -> None:
         victim.communicate()  # (closes its pipe)
         t0 = time.monotonic()
         while victim.pid in sampler.ledger.usage().by_pid:
-            assert time.monotonic() - t0 < 30, "the dead rank's bytes were never reclaimed"  # a hang guard
+            assert time.monotonic() - t0 < 120, "the dead rank's bytes were never reclaimed"  # a hang guard
             time.sleep(0.005)
         print(f"a dead rank's bytes reclaimed after {time.monotonic() - t0:.3f} s")
-        outs = _wait(procs[:3], timeout=120)  # none hangs
+        outs = _wait(procs[:3], timeout=240)  # none hangs
     finally:
         sampler.stop()
     assert sampler.max_reserved <= budget and sampler.peak <= budget

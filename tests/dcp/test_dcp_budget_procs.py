@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(600)  # a hang guard, not a speed check (see CONTRIBUTING.md, "Tests")
 
 MIB = 1 << 20
 #: What a budgeted save holds besides its ring (docs/concepts.md): DCP's plan and
@@ -70,7 +70,7 @@ def _growth(tmp_path: Path, mode: str, state_mib: int, budget: int) -> int:
         capture_output=True,
         text=True,
         env=env,
-        timeout=100,
+        timeout=240,
         check=False,
     )
     assert res.returncode == 0, res.stderr[-3000:]

@@ -27,7 +27,7 @@ from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig 
 
 from async_stager import CheckpointStagerConfig, DefaultStager  # noqa: E402
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(600)  # a hang guard, not a speed check (see CONTRIBUTING.md, "Tests")
 
 
 def payload(step: int) -> dict[str, Any]:
@@ -72,7 +72,7 @@ def manager_config(shared: bool) -> CheckpointManager.Config:
             staging_config=CheckpointStagerConfig(use_shared_memory=shared)  # type: ignore[arg-type]
         )
     )
-    config.save.wait_timeout_secs = 60  # type: ignore[union-attr]
+    config.save.wait_timeout_secs = 240  # type: ignore[union-attr]
     config.storage_config = LocalFileSystemStorageConfig(use_direct_io=False)
     return config
 
@@ -90,7 +90,7 @@ def save_and_load_twice(
         path = str(root / f"step{step}")
         write = manager.save(path, sd)
         assert write is not None
-        write.result(timeout=60)
+        write.result(timeout=240)
         written()  # (ranks: every rank's write done, rank 0 finalized the checkpoint)
         sd["model"]["w"].add_(1.0)  # optimizer.step() after the checkpoint
         loaded = manager.load(path, into=empty_like(expected))
@@ -140,9 +140,9 @@ def test_async_saver_with_our_stager(tmp_path: Path) -> None:
             expected["step"] = step
             items = {k: tc.CheckpointItem(value=v, requires_copy=True) for k, v in sd.items()}
             staged, written = saver.save(str(tmp_path / f"s{step}"), _DictCheckpoint(items))
-            staged.result(timeout=60)
+            staged.result(timeout=240)
             sd["model"]["w"].zero_()  # after staging: must not reach the checkpoint
-            written.result(timeout=60)
+            written.result(timeout=240)
             loaded = loader.load(str(tmp_path / f"s{step}"), into=empty_like(expected))
             assert_bit_exact(dict(loaded), expected)
     finally:
