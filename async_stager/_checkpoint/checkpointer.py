@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
 import os
 import time
 import warnings
@@ -26,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.abc
 import anyio.lowlevel
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from async_stager._checkpoint import commit as _commit, restore as _restore, tiered as _tiered
 from async_stager._checkpoint.formats import format_for
@@ -35,6 +33,7 @@ from async_stager._checkpoint.node_budget import CreditLedger, check_largest
 from async_stager._checkpoint.options import CheckpointerOptions, Format, Policy, SaveStats
 from async_stager._checkpoint.progress import SaveProgress, SaveRequest, progress_of, status_line
 from async_stager._checkpoint.ranks import Ranks
+from async_stager._checkpoint.saved import SavedStream, Subscribers
 from async_stager._checkpoint.saves import SaveQueue
 from async_stager._checkpoint.statefuls import resolve
 from async_stager._checkpoint.write import Writer
@@ -248,7 +247,7 @@ class Checkpointer:
         self._read_only = False
         self._saves = SaveQueue(self.options, self._ranks, sets, self._deliver)
         self._request: SaveRequest | None = None
-        self._streams: list[MemoryObjectSendStream[SaveStats]] = []
+        self._streams = Subscribers()  # saved()'s iterators, held weakly
         self._leave_at: float | None = None
         self._exit_code = 1
         self._closing = False
@@ -348,8 +347,7 @@ class Checkpointer:
             if scope.cancelled_caught:
                 self._abandon()
         finally:
-            for s in self._streams:
-                s.close()
+            self._streams.finish()
             await tg.__aexit__(None, None, None)  # nothing left in flight: returns at once
             self._tg = None
             if self._tier is not None:
@@ -585,20 +583,14 @@ class Checkpointer:
             request._finish(None)
         return accepted
 
-    def saved(self) -> MemoryObjectReceiveStream[SaveStats]:
+    def saved(self) -> SavedStream:
         """An async iterator of the SaveStats of every commit from now on; it ends when
         the Checkpointer closes. ``async for stats in ckpt.saved(): ...``"""
-        send, receive = anyio.create_memory_object_stream[SaveStats](math.inf)
-        self._streams.append(send)
-        return receive
+        return self._streams.new()
 
     def _deliver(self, stats: SaveStats) -> None:
         self.last = stats
-        for s in self._streams:
-            try:
-                s.send_nowait(stats)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                pass
+        self._streams.offer(stats)
         if self._on_saved is not None:
             try:
                 self._on_saved(stats)

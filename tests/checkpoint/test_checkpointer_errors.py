@@ -7,6 +7,7 @@ the torch format refuses a restore whose structure differs, as DCP does; an aban
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import shutil
 import subprocess
@@ -15,6 +16,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
@@ -180,3 +182,52 @@ async def test_a_state_of_another_structure_is_refused_in_both_formats(
         # An empty dict there names nothing to load: the saved value is taken (both formats).
         state = {"a": {}, "b": torch.zeros(2)}
         assert await ckpt.restore(state) == 1 and torch.equal(state["b"], torch.full((2,), 7.0))
+
+
+# -- saved(): an abandoned iterator holds nothing -----------------------------------------
+
+
+async def test_an_abandoned_saved_iterator_holds_nothing(anyio_backend: Any, tmp_path: Path) -> None:
+    """An iterator dropped after one commit kept receiving every later one (149 SaveStats
+    alive after 150 saves). Now the Checkpointer holds iterators weakly: after 150 saves
+    nothing but the live reader's own and ``ckpt.last`` is alive, and a reader that is
+    kept gets every commit, in order, and ends at the close."""
+    from async_stager import SaveStats
+
+    state = {"w": torch.arange(16.0)}
+    got: list[int] = []
+    async with Checkpointer(tmp_path, format="torch", keep=1, checksums=False) as ckpt:
+        live = ckpt.saved()
+        abandoned = ckpt.saved()
+        firsts: list[int] = []
+
+        async def first_only() -> None:
+            async for stats in ckpt.saved():  # abandoned by a break after one commit
+                firsts.append(stats.step)
+                break
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first_only)
+            await anyio.sleep(0)
+            await ckpt.save(state, step=1)
+            await ckpt.wait()
+        assert firsts == [1]
+        assert (await abandoned.receive()).step == 1
+        del abandoned
+        for step in range(2, 151):
+            await ckpt.save(state, step=step)
+            if step % 10 == 0:
+                await ckpt.wait()
+                while True:  # the live reader keeps up
+                    try:
+                        got.append(live.receive_nowait().step)
+                    except anyio.WouldBlock:
+                        break
+        await ckpt.wait()
+        gc.collect()
+        alive = [o for o in gc.get_objects() if type(o) is SaveStats]
+        assert len(alive) <= 2, f"{len(alive)} SaveStats alive after 150 saves"  # last, and one queued
+    got.extend([s.step async for s in live])  # what was left; then it ends at the close
+    assert got == list(range(1, 151))
+    live.close()
+    live.close()  # idempotent
