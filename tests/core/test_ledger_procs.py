@@ -24,6 +24,7 @@ import pytest
 
 import async_stager
 from async_stager._core.memory.ledger import NodeLedger
+from async_stager.errors import NodeBudgetError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -193,3 +194,32 @@ def test_a_forked_child_keeping_a_dead_parents_lock_does_not_keep_its_bytes(tmp_
         finally:
             os.kill(kids[0], signal.SIGKILL)
             parent.communicate(timeout=10)  # the pipes close with the child
+
+
+def test_a_damaged_slot_of_another_live_process_keeps_its_bytes_until_it_dies(tmp_path: Path) -> None:
+    """Another process holds 700 of 1000 and sits idle; its slot file is damaged (a byte
+    flipped, then truncated). This process's scans keep it and count it as holding all
+    the rest (nothing is granted, the wait's error says why); once the holder is
+    SIGKILLed, its damaged slot is a dead process's and is reclaimed at once."""
+    path, budget = str(tmp_path / "led"), 1000
+    with NodeLedger.open(budget, path=path) as led:
+        holder = spawn(path, budget, "hold", 700)
+        try:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+            [slot] = [p for p in Path(path).glob(f"slot-{holder.pid}-*")]
+            data = bytearray(slot.read_bytes())
+            data[40] ^= 0x01
+            slot.write_bytes(bytes(data))
+            assert led.try_reserve(400) is None and led.try_reserve(1) is None
+            u = led.usage()
+            assert u.damaged == (holder.pid,) and u.reserved == budget
+            slot.write_bytes(bytes(data[:10]))  # truncated
+            with pytest.raises(NodeBudgetError, match="damaged"):
+                led.reserve(300, timeout=0.3)
+            assert slot.exists()
+        finally:
+            os.kill(holder.pid, signal.SIGKILL)
+            holder.communicate(timeout=10)
+        wait_reclaimed(led, holder.pid)
+        assert led.usage().damaged == () and not slot.exists()
+        led.reserve(budget, timeout=5).release()
