@@ -141,7 +141,6 @@ class MemoryTier:
         self.retry_seconds = retry_seconds
         self._stager = stager
         self._own_stager = stager is None
-        self._maps = ArenaMaps()
         #: The newest ``keep`` complete snapshots' buffers (step, lease), oldest first.
         self._held: list[tuple[int, Lease[Any]]] = []
         #: This process's token: the agent tells our snapshots from a dead trainer's.
@@ -192,7 +191,6 @@ class MemoryTier:
             while self._busy is not None:
                 await self._busy.wait()
             self._release_held()
-            self._maps.close()
             await self.client.aclose()
             if self._own_stager and self._stager is not None:
                 await self._stager.aclose()
@@ -353,11 +351,16 @@ class MemoryTier:
         fds = [a.fd for a in handle.arenas]
         sizes = [a.nbytes for a in handle.arenas]
         regions = regions_of(handle.refs)
-        maps = self._maps
+        # Fresh mappings per snapshot: an arena the stager let go may leave its inode
+        # number to a new one, and a mapping kept by inode would then hash old bytes.
+        maps = ArenaMaps()
         try:
-            digests = await run_in_thread(
-                lambda: digests_of(maps, fds, sizes, regions), name="async-stager-tier-hash"
-            )
+            try:
+                digests = await run_in_thread(
+                    lambda: digests_of(maps, fds, sizes, regions), name="async-stager-tier-hash"
+                )
+            finally:
+                maps.close()
             kept = [s for s, _ in self._held][1 - self.keep :] if self.keep > 1 else []
             await self.client.commit(
                 self.rank,
@@ -388,8 +391,6 @@ class MemoryTier:
         self._held.append((step, lease))
         while len(self._held) > self.keep:
             self._held.pop(0)[1].release()
-        # Unmap arenas the stager no longer uses (it trims and remaps as sizes change).
-        maps.keep_only({(a.dev, a.ino) for a in handle.arenas})
         self._update(
             saved=self._stats.saved + 1,
             last_step=step,

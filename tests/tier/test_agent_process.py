@@ -49,7 +49,10 @@ def _kill_trainer_mid_snapshot(job: str, base: str, steps: int, mib: int) -> Non
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
-        assert line.strip() == "STAGED", (line, proc.stderr.read() if proc.stderr else "")
+        if line.strip() != "STAGED":
+            proc.kill()
+            print(proc.stderr.read() if proc.stderr else "")  # shown in full on failure
+        assert line.strip() == "STAGED", line
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
     finally:
