@@ -26,7 +26,7 @@ from async_stager._checkpoint.progress import SaveProgress
 from async_stager._checkpoint.ranks import Ranks
 from async_stager._checkpoint.statefuls import apply_loaded, check_matches, resolve
 from async_stager._core.aio.threads import run_in_thread
-from async_stager.errors import AgentError, CheckpointError, InvalidOptionError
+from async_stager.errors import InvalidOptionError, StagingError
 
 if TYPE_CHECKING:
     from async_stager._share.handoff import AttachedStateDict
@@ -150,7 +150,8 @@ async def restore(
             attached = await tier.load(chosen)
             check_matches(resolve(state), attached.state_dict, chosen)
             ok = True
-        except (AgentError, CheckpointError) as exc:  # IntegrityError is a CheckpointError
+        except (StagingError, OSError) as exc:  # AgentError, IntegrityError, a mapping that failed
+            # Never raised on one rank alone: the others would wait in the all-gather below.
             _log.warning("memory snapshot of step %d cannot be restored here: %s", chosen, exc)
     oks: list[Any] = await run_in_thread(lambda: ranks.all_gather(ok), name="async-stager-restore")
     if not all(oks):

@@ -39,6 +39,7 @@ from async_stager.errors import AgentError, AgentRefusedError, AgentUnavailableE
 
 __all__ = [
     "HEADER",
+    "MAGIC",
     "MAX_BLOB",
     "MAX_FDS",
     "MAX_JSON",
@@ -185,7 +186,10 @@ async def receive(stream: SocketStream) -> Message | None:
             kind_ = Kind(kind)
         except ValueError:
             raise AgentRefusedError(f"unknown message kind {kind}", reason="request") from None
-        body = json.loads(await _exactly(stream, jlen)) if jlen else {}
+        try:
+            body = json.loads(await _exactly(stream, jlen)) if jlen else {}
+        except ValueError as exc:  # UnicodeDecodeError too
+            raise AgentRefusedError(f"a message body is not JSON: {exc}", reason="request") from exc
         if not isinstance(body, dict):
             raise AgentRefusedError("a message body is not a JSON object", reason="request")
         blob = await _exactly(stream, blen) if blen else b""

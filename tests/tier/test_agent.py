@@ -358,3 +358,26 @@ def test_check_reports_the_agent() -> None:
     out = io.StringIO()
     assert not agent_report(1, 1, out, HostLimits(mem_available=8 << 30, memfd=False))
     assert "cannot run" in out.getvalue()
+
+
+async def test_garbage_never_stops_the_agent(served: Served) -> None:
+    """Another protocol, a bad body, a truncated message, an unknown kind: each
+    connection is refused or closed; the agent goes on serving."""
+    import struct
+
+    bad_json = wire.HEADER.pack(wire.MAGIC, wire.VERSION, int(wire.Kind.LIST), 0, 3, 0) + b"{x]"
+    unknown = wire.HEADER.pack(wire.MAGIC, wire.VERSION, 99, 0, 0, 0)
+    for payload in (
+        b"GET / HTTP/1.0\r\n\r\n" + b"x" * 40,
+        bad_json,
+        unknown,
+        b"ASTA\x01",
+        struct.pack("!4s", b"ASTA"),
+    ):
+        stream = await anyio.connect_unix(served.agent.path)
+        async with stream:
+            await stream.send(payload)
+            if len(payload) >= wire.HEADER.size:
+                answer = await wire.receive(stream)
+                assert answer is not None and answer.kind == wire.Kind.ERROR, payload
+    assert (await served.client.status()).job == "job-a"
