@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.abc
 
-from async_stager._checkpoint.disk import disk_full_in, write_failure
+from async_stager._checkpoint.disk import write_failure
 from async_stager._checkpoint.item import SaveItem, clear_frames
 from async_stager._checkpoint.node_budget import CreditLedger, admit, yield_idle
 from async_stager._checkpoint.options import CheckpointerOptions, SaveStats
@@ -27,6 +27,7 @@ from async_stager._checkpoint.ranks import Ranks
 from async_stager._checkpoint.write import GivenUp, Writer
 from async_stager._core.aio.threads import run_in_thread
 from async_stager._core.aio.waiting import threadsafe, wait_future
+from async_stager._dcp.files import disk_full_in
 from async_stager.errors import CheckpointError, ClosedError
 
 if TYPE_CHECKING:

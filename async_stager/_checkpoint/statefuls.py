@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from async_stager._checkpoint import integrity as _integrity
-from async_stager._checkpoint.disk import naming_file
 from async_stager._checkpoint.stored import HashingFile
 from async_stager._dcp.blocking import no_dist_quiet
+from async_stager._dcp.files import naming_file
 from async_stager.errors import CheckpointError, IntegrityError
 
 __all__ = [

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from async_stager._checkpoint import commit as _commit, holds as _holds, integrity as _integrity
-from async_stager._checkpoint.disk import disk_full_in, failure_reason, naming_file
+from async_stager._checkpoint.disk import failure_reason
 from async_stager._checkpoint.formats import CheckpointFormat
 from async_stager._checkpoint.manifest import MANIFEST
 from async_stager._checkpoint.options import CheckpointerOptions, SaveStats
@@ -37,6 +37,7 @@ from async_stager._checkpoint.ranks import Ranks
 from async_stager._checkpoint.statefuls import staged_bytes, typed_paths, write_typed_paths
 from async_stager._core.aio.threads import run_in_thread, start_thread
 from async_stager._core.checksum.digest import Checksums
+from async_stager._dcp.files import disk_full_in, naming_file
 from async_stager.errors import CheckpointError
 
 if TYPE_CHECKING:

@@ -73,9 +73,11 @@ def host_writer(storage_writer: StorageWriter | None, checkpoint_id: Any) -> Sto
         return storage_writer
     if "://" in os.fspath(checkpoint_id):
         return None
-    from torch.distributed.checkpoint import FileSystemWriter
+    from async_stager._dcp.files import naming_writer
 
-    return FileSystemWriter(checkpoint_id, per_thread_copy_ahead=0)
+    # DCP's FileSystemWriter, whose full-disk errors name the file (``_dcp.files``).
+    writer: StorageWriter = naming_writer(checkpoint_id, per_thread_copy_ahead=0)
+    return writer
 
 
 def _save_blocking(

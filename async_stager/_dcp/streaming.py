@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 
 from async_stager._dcp.budget_records import Marker, PipelineSide, Streamed
+from async_stager._dcp.files import naming_file_system
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.storage import WriteResult
@@ -71,8 +71,9 @@ class _StreamingStream:
         return getattr(self._raw, name)
 
 
-class _StreamingFileSystem(FileSystem):
-    """DCP's local file system whose write streams are ``_StreamingStream``s."""
+class _StreamingFileSystem(naming_file_system()):  # type: ignore[misc]
+    """DCP's local file system whose write streams are ``_StreamingStream``s (and name
+    their file in a full disk's error: ``_dcp.files``)."""
 
     def __init__(self, pipeline: PipelineSide) -> None:
         super().__init__()

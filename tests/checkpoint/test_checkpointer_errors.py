@@ -70,7 +70,9 @@ def _full_disk_error(error: BaseException, root: Path, file: str) -> None:
     assert cause.filename and cause.filename.endswith(file), cause.filename
 
 
-@pytest.mark.parametrize(("fmt", "file"), [("dcp", ".distcp"), ("torch", "state.pt")])
+@pytest.mark.parametrize(
+    ("fmt", "file"), [("dcp", ".distcp"), ("torch", "state.pt"), ("budgeted", ".distcp")]
+)
 @pytest.mark.parametrize("after", [0, 700, 5000])
 async def test_a_write_on_a_full_disk_says_so_and_names_the_file(
     anyio_backend: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str, file: str, after: int
@@ -80,7 +82,8 @@ async def test_a_write_on_a_full_disk_says_so_and_names_the_file(
     full and naming the file, the OSError chained; nothing is committed, the step's
     temporary folder is gone, and once there is room again saves work."""
     state = {"w": torch.arange(2000.0), "n": 3}
-    async with Checkpointer(tmp_path, format=fmt) as ckpt:  # type: ignore[arg-type]
+    opts: dict[str, Any] = {"host_budget_bytes": 1 << 20} if fmt == "budgeted" else {"format": fmt}
+    async with Checkpointer(tmp_path, **opts) as ckpt:
         await ckpt.save(state, step=1)
         await ckpt.wait()
         disk = full_disk(monkeypatch, tmp_path, after=after)
@@ -231,3 +234,23 @@ async def test_an_abandoned_saved_iterator_holds_nothing(anyio_backend: Any, tmp
     assert got == list(range(1, 151))
     live.close()
     live.close()  # idempotent
+
+
+async def test_dcp_save_on_a_full_disk_names_the_file_in_its_chain(
+    anyio_backend: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sibling: ``async_stager.dcp.save`` keeps DCP's own exception (its documented
+    behaviour), but the rank's error in it is the OSError naming the file."""
+    import async_stager.dcp as adcp
+    from async_stager import Stager
+
+    async with Stager() as stager:
+        full_disk(monkeypatch, tmp_path)
+        with pytest.raises(BaseException) as e:  # DCP's CheckpointException (a BaseException)
+            await adcp.save(
+                {"w": torch.arange(100.0)}, stager=stager, checkpoint_id=str(tmp_path / "x"), no_dist=True
+            )
+        failures = getattr(e.value, "failures", {})
+        [(error, _)] = failures.values()
+        assert isinstance(error, OSError) and error.errno == errno.ENOSPC
+        assert error.filename and error.filename.endswith(".distcp")
