@@ -418,11 +418,21 @@ class SimulatedDevice(DevicePrimitives):
                 block.uses = []
                 if not block.pinned and self._blocks.get(block.start) is block:
                     del self._blocks[block.start]
-                    self._free.append((block.start, block.nbytes))
-                    self._free.sort()
+                    self._give(block.start, block.nbytes)
             else:
                 keep.append(block)
         self._releases = keep
+
+    def _give(self, start: int, nbytes: int) -> None:
+        """Return a range to the free list, merged with its free neighbours."""
+        free = sorted([*self._free, (start, nbytes)])
+        merged: list[tuple[int, int]] = []
+        for a, n in free:
+            if merged and merged[-1][0] + merged[-1][1] == a:
+                merged[-1] = (merged[-1][0], merged[-1][1] + n)
+            else:
+                merged.append((a, n))
+        self._free = merged
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype)
