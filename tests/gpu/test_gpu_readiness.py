@@ -32,6 +32,8 @@ def test_gpu_check_dry_run(tmp_path: Path) -> None:
         "OUT": str(tmp_path),
         "PYTHON": sys.executable,
         "GPU_CHECK_DEVICE": "sim",
+        # Hang guards for a loaded CI machine: each step starts Python and torch.
+        "GPU_CHECK_SLACK": "4",
         "GPU_CHECK_SCALE": "0.0005",
         "GPU_CHECK_RUNS": "1",
         "GPU_CHECK_TESTS": "tests/gpu/test_cuda.py",
