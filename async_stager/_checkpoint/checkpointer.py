@@ -493,15 +493,22 @@ class Checkpointer:
         Cancellation: only the wait."""
         stager_fence = self.stager.fence()
         pending = [i.read for i in self._saves.items if not i.read.is_set()]
+        tier_fence = self._tier.fence() if self._tier is not None else None
 
         async def fenced() -> None:
             # Always one turn of the loop, even with nothing to wait for (the writes
             # run in threads of their own and need none; the loop-side ends of a
             # write, which hand the staged copy back, get theirs here).
             await anyio.lowlevel.cancel_shielded_checkpoint()
-            await stager_fence
-            for read in pending:
-                await read.wait()
+            try:
+                await stager_fence
+                for read in pending:
+                    await read.wait()
+                if tier_fence is not None:
+                    await tier_fence  # the memory snapshots' stages
+            finally:
+                if tier_fence is not None:
+                    tier_fence.close()  # (not awaited if cancelled before: no warning)
 
         return fenced()
 

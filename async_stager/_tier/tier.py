@@ -152,6 +152,8 @@ class MemoryTier:
         self._progress: tuple[int, str, float, float | None] | None = None
         #: Steps not taken: skipped by the policy or while the agent was away.
         self.dropped: list[int] = []
+        #: Calls whose stage has not read its sources yet (``fence``).
+        self._unread: set[anyio.Event] = set()
         self._tg: anyio.abc.TaskGroup | None = None
         self._down_until = 0.0
         self._stats = MemoryStats()
@@ -256,16 +258,36 @@ class MemoryTier:
             stage = self.stager.lease(sd)  # submitted now: the snapshot point
             sd = {}
         started = [False]
-        coro = self._finish(stage, sd, step, called, started)
-        if busy is not None:
-            # Never awaited: the slot must not stay busy for ever.
-            weakref.finalize(coro, self._abandon, busy, started)
+        read = anyio.Event()  # set once this call read its sources, or never will
+        self._unread.add(read)
+        coro = self._finish(stage, sd, step, called, started, read)
+        # Never awaited: the slot must not stay busy for ever, nor a fence wait for it.
+        weakref.finalize(coro, self._abandon, busy, started, read)
         return coro
 
-    def _abandon(self, busy: anyio.Event, started: list[bool]) -> None:
-        if not started[0] and self._busy is busy:
+    def _abandon(self, busy: anyio.Event | None, started: list[bool], read: anyio.Event) -> None:
+        if started[0]:
+            return
+        self._unread.discard(read)
+        read.set()
+        if busy is not None and self._busy is busy:
             self._busy = None
             busy.set()
+
+    def fence(self) -> Coroutine[Any, Any, None]:
+        """Wait until every snapshot called so far has read its sources (its stage,
+        also one still waiting for a busy slot): after this they may change. The
+        stager's ordering points are read at this call. Cancellation: only the wait."""
+        stager_fence = self._stager.fence() if self._stager is not None else None
+        pending = [e for e in self._unread if not e.is_set()]
+
+        async def fenced() -> None:
+            if stager_fence is not None:
+                await stager_fence
+            for e in pending:
+                await e.wait()
+
+        return fenced()
 
     async def _skip(self, step: int) -> bool:
         self._update(skipped=self._stats.skipped + 1)
@@ -280,8 +302,18 @@ class MemoryTier:
         step: int,
         called: float,
         started: list[bool],
+        read: anyio.Event,
     ) -> bool:
         started[0] = True
+        try:
+            return await self._stage_and_commit(stage, sd, step, called)
+        finally:
+            self._unread.discard(read)
+            read.set()
+
+    async def _stage_and_commit(
+        self, stage: Coroutine[Any, Any, Lease[Any]] | None, sd: dict[str, Any], step: int, called: float
+    ) -> bool:
         # This call's slot: set at the call when staged there, else once it is free.
         busy = self._busy if stage is not None else None
         try:

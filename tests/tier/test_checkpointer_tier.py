@@ -223,3 +223,32 @@ async def test_two_folders_of_one_job_never_mix(tmp_path: Path) -> None:
                 state = blank()
                 assert await a.restore(state) == 8
                 assert_same(values(state), values(state_of(8)))
+
+
+async def test_fence_covers_memory_snapshots(tmp_path: Path) -> None:
+    """``create_task(ckpt.save(...))`` then ``await ckpt.fence()``: the sources may
+    change after the fence, and the memory snapshot still holds the values as of the
+    call, also for a save that waited for a busy slot."""
+
+    async def run(coro: Any) -> None:
+        await coro
+
+    with short_base() as base:
+        async with (
+            agent_on_loop(base),
+            Checkpointer(tmp_path, agent=AgentClient("ck", base=base), persist_every=100) as ckpt,
+        ):
+            state = {"t": torch.zeros(1 << 20)}
+            async with anyio.create_task_group() as tg:
+                for step in (1, 2):
+                    state["t"].fill_(step)
+                    tg.start_soon(run, ckpt.save(dict(state), step=step))  # (the second waits for a slot)
+                    await ckpt.fence()
+                    state["t"].fill_(-1.0)  # training goes on
+            await ckpt.wait()
+            got = {"t": torch.zeros(1 << 20)}
+            assert await ckpt.restore(got) == 2
+            assert bool((got["t"] == 2.0).all())
+            got = {"t": torch.zeros(1 << 20)}
+            assert await ckpt.restore(got, step=1) == 1
+            assert bool((got["t"] == 1.0).all())
