@@ -235,3 +235,26 @@ async def test_a_capturing_stream_is_refused_on_the_simulated_device(
             stream.capturing = False
             staged = await stager.stage({"x": x})
         assert torch.equal(staged["x"], torch.ones(64))
+
+
+@pytest.mark.anyio
+async def test_device_hash_falls_back_to_the_host_copy_when_device_memory_runs_out(
+    anyio_backend: Any,
+) -> None:
+    from async_stager._core.checksum.digest import Checksums
+
+    with SimulatedDevice(seed=8, capacity=64) as sim:
+        full = sim.tensor(torch.zeros(16))  # the device's 64 bytes taken: no hash buffer
+        big = torch.randn(1 << 18)  # 1 MiB: hashed on the device if it could be
+        backend = SimulatedBackend(sim)
+        async with Stager(backend=backend) as stager:
+            lease = await stager.lease({"big": big}, checksums=True)
+            staged = lease.state_dict["big"]
+            sums = lease.checksums
+            assert sums is not None and sums.algorithm_of(staged) != "wsum64"
+            assert torch.equal(staged, big)
+            if sums.get(staged) is not None:
+                assert sums.get(staged) == Checksums.compute(staged, sums.algorithm_of(staged))
+            lease.release()
+        assert [c.hash_fallbacks for c in backend.made] == [1]
+        del full
