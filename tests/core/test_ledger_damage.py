@@ -18,12 +18,14 @@ import textwrap
 import threading
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import anyio
 import pytest
 import torch
 
 from async_stager import Checkpointer, InvalidOptionError, Stager
+from async_stager._core.memory import ledger as ledger_mod, ledger_files
 from async_stager._core.memory.ledger import NodeLedger, job_identity
 from async_stager._core.memory.ledger_files import Record
 from async_stager.errors import HostAllocationError, NodeBudgetError
@@ -284,6 +286,53 @@ def test_a_finalizer_run_while_the_node_lock_is_held_is_deferred(where: str) -> 
         assert done.is_set(), "the finalizer re-entered the node lock: self-deadlock"
         assert led.usage().reserved == 0  # applied on the way out
         led.reserve(4 * MiB, timeout=1).release()
+
+
+def test_a_finalizer_of_one_handle_inside_another_handles_section(where: str) -> None:
+    """The same across two handles of one ledger in one process (a Checkpointer's ledger
+    beside a DefaultStager's): handle A's arena finalizer runs while this thread is in
+    handle B's node-lock section (or opening a third handle): the flock is this
+    process's already, so A's release is deferred and applied once B's section ends."""
+    import weakref
+
+    with NodeLedger.open(4 * MiB, path=where) as a, NodeLedger.open(4 * MiB, path=where) as b:
+
+        class Arena:
+            pass
+
+        def garbage(r: Any) -> None:
+            arena = Arena()
+            weakref.finalize(arena, r.release)
+            cycle: list[Any] = [arena]
+            cycle.append(cycle)
+
+        outcome: list[Any] = []
+        real_scan = ledger_files.scan
+
+        def collecting_scan(path: str, own: str) -> Any:
+            gc.collect()  # a collection while the node lock is held (the scan runs under it)
+            return real_scan(path, own)
+
+        def run() -> None:
+            try:
+                garbage(a.reserve(3 * MiB, timeout=1, what="a's arena"))
+                with b._locked():
+                    gc.collect()  # a's finalizer, inside b's section
+                outcome.append(b.usage().reserved)
+                garbage(a.reserve(2 * MiB, timeout=1, what="a's arena"))
+                with mock.patch.object(ledger_mod, "scan", collecting_scan):
+                    c = NodeLedger.open(4 * MiB, path=where)  # a's finalizer runs in its scan
+                c.close()
+                outcome.append(b.usage().reserved)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                outcome.append(exc)
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(20)
+        assert not t.is_alive(), "a finalizer took the node lock its thread held: self-deadlock"
+        assert outcome == [0, 0], outcome
+        assert a.held == 0 and b.usage().reserved == 0
 
 
 def test_finalizers_in_many_threads_give_every_byte_back_once(where: str) -> None:

@@ -76,6 +76,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -103,6 +104,56 @@ _POLL_MIN = 0.0005
 _POLL_MAX = 0.02
 
 _instances = itertools.count(1)
+
+#: Per thread: the ledgers (by real path) whose node lock this thread holds or is taking,
+#: with how many sections deep (``_node_section``).
+_tls = threading.local()
+#: Handles whose releases were deferred because their thread held their ledger's node
+#: lock (``NodeLedger._give_back``), by ledger; applied when a section of it ends.
+#: Re-entrant: a finalizer may run (and register) while this thread holds it.
+_waiting_lock = threading.RLock()
+_waiting: dict[str, weakref.WeakSet[NodeLedger]] = {}
+
+
+def _held() -> dict[str, int]:
+    held: dict[str, int] | None = getattr(_tls, "held", None)
+    if held is None:
+        held = _tls.held = {}
+    return held
+
+
+def _holds_node_lock(key: str) -> bool:
+    """This thread holds (or is taking) the node lock of the ledger ``key``."""
+    return key in _held()
+
+
+def _defer(ledger: NodeLedger) -> None:
+    with _waiting_lock:
+        _waiting.setdefault(ledger._key, weakref.WeakSet()).add(ledger)
+
+
+@contextlib.contextmanager
+def _node_section(path: str, key: str, *, remove_if_last: str | None = None) -> Iterator[None]:
+    """``node_lock(path)``, with this thread marked as holding it from before the flock
+    is taken until after it is dropped: a finalizer run by a GC in this thread at any
+    point in between defers its release instead of taking the flock a second time.
+    When the outermost section ends normally, the releases deferred meanwhile (of any
+    handle on this ledger) are applied."""
+    held = _held()
+    held[key] = held.get(key, 0) + 1
+    try:
+        with node_lock(path, remove_if_last=remove_if_last):
+            yield
+    finally:
+        held[key] -= 1
+        if not held[key]:
+            del held[key]
+    if key not in held:
+        with _waiting_lock:
+            handles = list(_waiting.pop(key, ()))
+        for h in handles:
+            h._flush()
+
 
 #: A slot record's fields with no ticket (``NodeLedger._store``).
 _NO_TICKET: dict[str, Any] = {"ticket": 0, "ticket_bytes": 0, "since": 0.0, "what": ""}
@@ -185,13 +236,14 @@ class NodeLedger:
         self._slot = _slot
         self._rec = _record
         self._pid = os.getpid()
+        self._key = os.path.realpath(path)  # the ledger's identity in this process
         # Guards _rec and the node lock within this process. Re-entrant because a GC run
-        # may call an arena's finalizer (Reservation.release) in a thread that holds it:
-        # such a release is deferred (_deferred) instead of taking the node lock twice
-        # (a second flock of this process on the lock file would wait for itself).
+        # may call an arena's finalizer (Reservation.release) in a thread that holds it.
         self._mutex = threading.RLock()
-        self._in_node_lock = False  # this handle's thread is inside the node lock (under _mutex)
-        self._deferred: deque[int] = deque()  # bytes released while _in_node_lock
+        # Bytes released while this thread held this ledger's node lock (through any
+        # handle): a second flock of this process on the lock file would wait for itself,
+        # so such a release waits here until the section ends (see _give_back).
+        self._deferred: deque[int] = deque()
         self._turn = threading.Lock()  # one waiting thread at a time (see the module doc)
         self._closed = False
         #: Seconds this handle's reservations waited in all, and how many had to wait
@@ -232,7 +284,7 @@ class NodeLedger:
         pid = os.getpid()
         rec = Record(pid=pid, start=start_time(pid), budget=budget_bytes)
         slot = os.path.join(path, f"slot-{pid}-{rec.start}-{next(_instances)}")
-        with node_lock(path):
+        with _node_section(path, os.path.realpath(path)):
             # No live slot: whatever the directory holds is a finished job's (the same
             # identity run again): its budget and peak go.
             check_budget(path, budget_bytes, scan(path, ""))
@@ -379,16 +431,14 @@ class NodeLedger:
             if os.getpid() != self._pid:  # a forked child: the slot is the parent's
                 os.close(self._slot_fd)
                 return
-            self._in_node_lock = True
             try:
                 with (
                     ledger_io(self.path, self.budget, "drop this process's slot"),
-                    node_lock(self.path, remove_if_last=self._slot),
+                    _node_section(self.path, self._key, remove_if_last=self._slot),
                     contextlib.suppress(FileNotFoundError),
                 ):
                     os.unlink(self._slot)
             finally:
-                self._in_node_lock = False
                 os.close(self._slot_fd)
 
     def __enter__(self) -> NodeLedger:
@@ -448,17 +498,25 @@ class NodeLedger:
         return True
 
     def _give_back(self, nbytes: int) -> None:
-        """A reservation ends (``Reservation.release``). Called inside this handle's own
-        node-lock section (an arena finalizer in a GC run), it is deferred: the section
-        applies it on its way out."""
+        """A reservation ends (``Reservation.release``). Called while this thread holds
+        this ledger's node lock (an arena finalizer in a GC run, inside a section of
+        this handle or of another handle on the same ledger), it is deferred: applied
+        when that section ends. Nothing here may wait for a lock then: another thread
+        holding this handle's mutex may itself wait for the node lock this thread holds."""
+        if self._closed or os.getpid() != self._pid:
+            return
+        self._deferred.append(nbytes)  # atomic: a finalizer may run between any two steps
+        if _holds_node_lock(self._key):
+            _defer(self)
+            return
+        self._flush()
+
+    def _flush(self) -> None:
+        """Apply the releases deferred so far (a section of its own)."""
         with self._mutex:
-            if self._closed or os.getpid() != self._pid:
-                return
-            self._deferred.append(nbytes)  # atomic: a finalizer may run between any two steps
-            if self._in_node_lock:
-                return
-            with self._locked():
-                pass  # the section applies what was deferred, this release included
+            if self._deferred and not self._closed:
+                with self._locked():
+                    pass  # the section applies what was deferred
 
     def _apply_deferred(self) -> None:
         """Under the node lock: apply the releases deferred so far to this slot."""
@@ -522,27 +580,19 @@ class NodeLedger:
         while the lock was held (see ``_give_back``) are applied before it is dropped,
         and any that come while it is being dropped, in another round."""
         with self._mutex, ledger_io(self.path, self.budget, "be updated"):
-            # Not re-entered by this thread's own finalizers (they defer), so this is the
-            # outermost section of this thread: nothing else of this process holds the lock.
-            assert not self._in_node_lock, "the node ledger's lock section was re-entered"
-            self._in_node_lock = True
-            try:
-                with node_lock(self.path):
-                    self._heal()
-                    try:
-                        yield scan(self.path, self._slot)
-                    finally:
-                        self._apply_deferred()
-            finally:
-                self._in_node_lock = False
+            # Never re-entered by this thread's finalizers (they defer): a nested section
+            # would take the flock twice and wait for itself.
+            assert not _holds_node_lock(self._key), "the node ledger's lock section was re-entered"
+            with _node_section(self.path, self._key):
+                self._heal()
+                try:
+                    yield scan(self.path, self._slot)
+                finally:
+                    self._apply_deferred()
             # A GC run while the node lock was dropped may have deferred more.
             while self._deferred and not self._closed:
-                self._in_node_lock = True
-                try:
-                    with node_lock(self.path):
-                        self._apply_deferred()
-                finally:
-                    self._in_node_lock = False
+                with _node_section(self.path, self._key):
+                    self._apply_deferred()
 
     def _heal(self) -> None:
         """Under the node lock: this handle's slot holds its record. Only its owner writes
