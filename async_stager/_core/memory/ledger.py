@@ -76,7 +76,6 @@ import logging
 import os
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -87,9 +86,11 @@ from async_stager._core.memory.ledger_files import (
     Record,
     check_budget,
     default_path,
+    defer_until_released,
+    holds_node_lock,
     job_identity,
     ledger_io,
-    node_lock,
+    node_section,
     read_peak,
     scan,
     start_time,
@@ -104,55 +105,6 @@ _POLL_MIN = 0.0005
 _POLL_MAX = 0.02
 
 _instances = itertools.count(1)
-
-#: Per thread: the ledgers (by real path) whose node lock this thread holds or is taking,
-#: with how many sections deep (``_node_section``).
-_tls = threading.local()
-#: Handles whose releases were deferred because their thread held their ledger's node
-#: lock (``NodeLedger._give_back``), by ledger; applied when a section of it ends.
-#: Re-entrant: a finalizer may run (and register) while this thread holds it.
-_waiting_lock = threading.RLock()
-_waiting: dict[str, weakref.WeakSet[NodeLedger]] = {}
-
-
-def _held() -> dict[str, int]:
-    held: dict[str, int] | None = getattr(_tls, "held", None)
-    if held is None:
-        held = _tls.held = {}
-    return held
-
-
-def _holds_node_lock(key: str) -> bool:
-    """This thread holds (or is taking) the node lock of the ledger ``key``."""
-    return key in _held()
-
-
-def _defer(ledger: NodeLedger) -> None:
-    with _waiting_lock:
-        _waiting.setdefault(ledger._key, weakref.WeakSet()).add(ledger)
-
-
-@contextlib.contextmanager
-def _node_section(path: str, key: str, *, remove_if_last: str | None = None) -> Iterator[None]:
-    """``node_lock(path)``, with this thread marked as holding it from before the flock
-    is taken until after it is dropped: a finalizer run by a GC in this thread at any
-    point in between defers its release instead of taking the flock a second time.
-    When the outermost section ends normally, the releases deferred meanwhile (of any
-    handle on this ledger) are applied."""
-    held = _held()
-    held[key] = held.get(key, 0) + 1
-    try:
-        with node_lock(path, remove_if_last=remove_if_last):
-            yield
-    finally:
-        held[key] -= 1
-        if not held[key]:
-            del held[key]
-    if key not in held:
-        with _waiting_lock:
-            handles = list(_waiting.pop(key, ()))
-        for h in handles:
-            h._flush()
 
 
 #: A slot record's fields with no ticket (``NodeLedger._store``).
@@ -284,7 +236,7 @@ class NodeLedger:
         pid = os.getpid()
         rec = Record(pid=pid, start=start_time(pid), budget=budget_bytes)
         slot = os.path.join(path, f"slot-{pid}-{rec.start}-{next(_instances)}")
-        with _node_section(path, os.path.realpath(path)):
+        with node_section(path, os.path.realpath(path)):
             # No live slot: whatever the directory holds is a finished job's (the same
             # identity run again): its budget and peak go.
             check_budget(path, budget_bytes, scan(path, ""))
@@ -434,7 +386,7 @@ class NodeLedger:
             try:
                 with (
                     ledger_io(self.path, self.budget, "drop this process's slot"),
-                    _node_section(self.path, self._key, remove_if_last=self._slot),
+                    node_section(self.path, self._key, remove_if_last=self._slot),
                     contextlib.suppress(FileNotFoundError),
                 ):
                     os.unlink(self._slot)
@@ -506,13 +458,14 @@ class NodeLedger:
         if self._closed or os.getpid() != self._pid:
             return
         self._deferred.append(nbytes)  # atomic: a finalizer may run between any two steps
-        if _holds_node_lock(self._key):
-            _defer(self)
+        if holds_node_lock(self._key):
+            defer_until_released(self._key, self)
             return
-        self._flush()
+        self.flush_deferred()
 
-    def _flush(self) -> None:
-        """Apply the releases deferred so far (a section of its own)."""
+    def flush_deferred(self) -> None:
+        """Apply the releases deferred so far (a section of its own); called when a
+        section of this ledger ends in the thread that deferred them."""
         with self._mutex:
             if self._deferred and not self._closed:
                 with self._locked():
@@ -582,8 +535,8 @@ class NodeLedger:
         with self._mutex, ledger_io(self.path, self.budget, "be updated"):
             # Never re-entered by this thread's finalizers (they defer): a nested section
             # would take the flock twice and wait for itself.
-            assert not _holds_node_lock(self._key), "the node ledger's lock section was re-entered"
-            with _node_section(self.path, self._key):
+            assert not holds_node_lock(self._key), "the node ledger's lock section was re-entered"
+            with node_section(self.path, self._key):
                 self._heal()
                 try:
                     yield scan(self.path, self._slot)
@@ -591,7 +544,7 @@ class NodeLedger:
                     self._apply_deferred()
             # A GC run while the node lock was dropped may have deferred more.
             while self._deferred and not self._closed:
-                with _node_section(self.path, self._key):
+                with node_section(self.path, self._key):
                     self._apply_deferred()
 
     def _heal(self) -> None:

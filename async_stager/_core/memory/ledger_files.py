@@ -16,9 +16,12 @@ import os
 import re
 import struct
 import tempfile
+import threading
+import weakref
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from async_stager.errors import HostAllocationError, InvalidOptionError
 
@@ -27,9 +30,12 @@ __all__ = [
     "Record",
     "check_budget",
     "default_path",
+    "defer_until_released",
+    "holds_node_lock",
     "job_identity",
     "ledger_io",
     "node_lock",
+    "node_section",
     "read_peak",
     "scan",
     "slot_owner",
@@ -213,6 +219,59 @@ def node_lock(path: str, *, remove_if_last: str | None = None) -> Iterator[None]
                 os.rmdir(path)
     finally:
         os.close(fd)  # drops the flock
+
+
+#: Per thread: the ledgers (by real path) whose node lock this thread holds or is taking,
+#: with how many sections deep (``node_section``).
+_tls = threading.local()
+#: Ledger handles whose releases were deferred because their thread held their ledger's
+#: node lock (``NodeLedger._give_back``), by ledger; ``flush_deferred()`` is called on
+#: each when a section of it ends. Re-entrant: a finalizer may register while this
+#: thread holds it.
+_waiting_lock = threading.RLock()
+_waiting: dict[str, weakref.WeakSet[Any]] = {}
+
+
+def _held() -> dict[str, int]:
+    held: dict[str, int] | None = getattr(_tls, "held", None)
+    if held is None:
+        held = _tls.held = {}
+    return held
+
+
+def holds_node_lock(key: str) -> bool:
+    """This thread holds (or is taking) the node lock of the ledger ``key`` (its real
+    path)."""
+    return key in _held()
+
+
+def defer_until_released(key: str, handle: Any) -> None:
+    """Call ``handle.flush_deferred()`` when this thread's section of ``key`` ends."""
+    with _waiting_lock:
+        _waiting.setdefault(key, weakref.WeakSet()).add(handle)
+
+
+@contextlib.contextmanager
+def node_section(path: str, key: str, *, remove_if_last: str | None = None) -> Iterator[None]:
+    """``node_lock(path)``, with this thread marked as holding it (``key``: the ledger's
+    real path) from before the flock is taken until after it is dropped: a finalizer run
+    by a garbage collection in this thread at any point in between defers its release
+    (a second flock of this process would wait for itself). When the outermost section
+    ends normally, the releases deferred meanwhile (of any handle) are applied."""
+    held = _held()
+    held[key] = held.get(key, 0) + 1
+    try:
+        with node_lock(path, remove_if_last=remove_if_last):
+            yield
+    finally:
+        held[key] -= 1
+        if not held[key]:
+            del held[key]
+    if key not in held:
+        with _waiting_lock:
+            handles = list(_waiting.pop(key, ()))
+        for h in handles:
+            h.flush_deferred()
 
 
 def scan(path: str, own: str) -> dict[str, Record]:
