@@ -49,7 +49,7 @@
 # Dry run on a CPU machine: every step's logic on the simulated device (timings there
 # mean nothing; correctness checks hold), the benchmark on the CPU:
 #   GPU_CHECK_DEVICE=sim GPU_CHECK_SCALE=0.01 scripts/gpu_check.sh
-# (GPU_CHECK_SLACK=N multiplies the bounds of steps 3-11, for a loaded machine.)
+# (GPU_CHECK_SLACK=N multiplies every step's bound, for a loaded machine.)
 # (GPU_CHECK_DEVICE=cuda without a GPU reports steps 3-11 "skipped: no CUDA".)
 # GPU_CHECK_BLOCK="trio uvloop pytest_asyncio hypothesis matplotlib" makes those
 # modules unimportable (a sitecustomize first on PYTHONPATH), as on the GPU machine;
@@ -160,7 +160,7 @@ if ! has pytest_timeout; then
     # @pytest.mark.timeout is then an unknown marker: drop --strict-markers (from
     # addopts) and let the outer `timeout` bound the run instead.
     pytest_args+=(-o "addopts=-ra")
-    note "pytest-timeout missing: per-test timeouts off, the run is bounded at 75 s"
+    note "pytest-timeout missing: per-test timeouts off, the run is bounded at $((75 * SLACK)) s"
 fi
 deselect=()
 for m in trio uvloop; do
@@ -174,10 +174,10 @@ if [ "${#deselect[@]}" -gt 0 ]; then
     for d in "${deselect[@]:1}"; do expr="$expr and $d"; done
     pytest_args+=(-k "$expr")
 fi
-timeout 75 "$PY" -m pytest "${pytest_args[@]}" > "$OUT_DIR/pytest.txt" 2>&1
+timeout "$((75 * SLACK))" "$PY" -m pytest "${pytest_args[@]}" > "$OUT_DIR/pytest.txt" 2>&1
 rc=$?
 # The cuda-marked tests among them (collection only: a few seconds), one id a line.
-timeout 30 "$PY" -m pytest "${tests[@]}" "${common_args[@]}" -m cuda --collect-only -q -o "addopts=" \
+timeout "$((30 * SLACK))" "$PY" -m pytest "${tests[@]}" "${common_args[@]}" -m cuda --collect-only -q -o "addopts=" \
     2>/dev/null | grep '::' > "$OUT_DIR/cuda_tests.txt"
 # Counts from pytest's JUnit report (absent if pytest did not get that far).
 counts=$("$PY" - "$OUT_DIR/pytest.xml" "$OUT_DIR/cuda_tests.txt" <<'EOF' 2>/dev/null
@@ -224,7 +224,7 @@ fi
 
 # -- 2. benchmark -------------------------------------------------------------------------
 t0=$(now)
-timeout 45 "$PY" -m async_stager bench --device "$BENCH_DEVICE" --scale "$SCALE" --runs "$BENCH_RUNS" --warmup 1 --quiet \
+timeout "$((45 * SLACK))" "$PY" -m async_stager bench --device "$BENCH_DEVICE" --scale "$SCALE" --runs "$BENCH_RUNS" --warmup 1 --quiet \
     --workloads "${GPU_CHECK_WORKLOADS:-transformer,small20k,large1g,fresh}" ${GPU_CHECK_BENCH_ARGS:-} --json "$OUT_DIR/bench_${BENCH_DEVICE}.json" > "$OUT_DIR/bench_${BENCH_DEVICE}.txt" 2>&1
 rc=$?
 if [ "$rc" -eq 0 ]; then
