@@ -77,6 +77,8 @@ PROCESS_MODULES = {
     "test_share_views",
     "test_agent_process",
     "test_service_example",
+    "test_checkpointer_paths",
+    "test_reliability_faults",
 }
 
 #: Modules whose tests share one module-scoped child process or run (spawning a writer
