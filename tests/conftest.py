@@ -22,6 +22,11 @@ import torch
 # are imported by their plain names, as the child processes import them.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+# A coroutine garbage-collected unawaited warns when the collector runs, which may be in
+# a later test on the same worker (an error there, under -W error). Recording where each
+# coroutine was made puts the test that made it into that warning's text.
+sys.set_coroutine_origin_tracking_depth(12)
+
 HAS_CUDA = torch.cuda.is_available()
 #: Stress runs are on when ASYNC_STAGER_STRESS is set to anything but "" or "0".
 STRESS = os.environ.get("ASYNC_STAGER_STRESS", "") not in ("", "0")
