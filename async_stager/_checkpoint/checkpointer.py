@@ -348,6 +348,7 @@ class Checkpointer:
                 self._abandon()
         finally:
             self._streams.finish()
+            self._saves.stop_waker()
             await tg.__aexit__(None, None, None)  # nothing left in flight: returns at once
             self._tg = None
             if self._tier is not None:
@@ -475,7 +476,10 @@ class Checkpointer:
         # Both tiers: the memory snapshot's stage is submitted first (its snapshot
         # point), the disk save's right after, from the same resolved state.
         memory = self._tier.save(sd, step) if to_memory and self._tier is not None else None
-        item = saves.submit(sd, step, t0, largest=largest)
+        # The snapshot point is this call, on the caller's current streams, whenever
+        # the policy lets the save stage (a deferred one stages from it later).
+        point = self.stager.snapshot_point(sd)
+        item = saves.submit(sd, step, t0, largest=largest, point=point)
         coro = saves.await_save(item)
         # A coroutine never awaited must not hold a buffer set or a place in the
         # commit order: it is abandoned when it dies, unless its write has started.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import traceback
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -17,6 +17,7 @@ import anyio
 if TYPE_CHECKING:
     from async_stager._core.aio.lease import Lease
     from async_stager._dcp.budget import BudgetStats
+    from async_stager._dcp.budget_save import BudgetedJob
 
 __all__ = ["SaveItem", "clear_frames"]
 
@@ -43,8 +44,16 @@ class SaveItem:
     #: The submitted stage (``stager.lease`` coroutine), until it is awaited.
     stage: Coroutine[Any, Any, Lease[dict[str, Any]]] | None = None
     lease: Lease[dict[str, Any]] | None = None
-    #: A budgeted save: its ``dcp.save`` pipeline, until the write runs it.
-    pipeline: Coroutine[Any, Any, Any] | None = None
+    #: Its snapshot point, taken at the ``save`` call on the caller's streams
+    #: (``Stager.snapshot_point``): a deferred save stages from it, whenever it stages.
+    point: Any = None
+    #: A budgeted save: its ``dcp.save`` job (``BudgetedJob``), run by its write's
+    #: thread; and the wait that its fence points, read at the call, order.
+    job: BudgetedJob | None = None
+    fence_wait: Callable[[], Awaitable[None]] | None = None
+    #: Its write's loop-side tasks were started (a write a thread started, when an
+    #: earlier one ended, gets them at the loop's next turn).
+    tasks: bool = False
     digests: dict[str, dict[str, Any]] = field(default_factory=dict)
     budget: list[BudgetStats] = field(default_factory=list)
     queued: float = 0.0
@@ -97,6 +106,11 @@ class SaveItem:
     #: and the event its thread sets once the staged copy is free.
     future: Future[Any] | None = None
     freed: anyio.Event | None = None
+    #: Sets ``freed`` from any thread (made on the loop once it is staged).
+    on_freed: Callable[[], None] | None = None
+    #: A given-up budgeted save's wait for its thread (cancelled at a missed exit
+    #: deadline: the thread is then left to the process's end).
+    thread_wait: anyio.CancelScope | None = None
 
     def wait_earlier(self) -> None:
         """Block until every earlier save ended (from a write's thread)."""

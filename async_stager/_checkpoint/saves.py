@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -61,7 +62,6 @@ class SaveQueue:
         self.deliver = deliver
         self.items: list[SaveItem] = []
         self.seq = 0
-        self.writing = 0
         #: Failed writes not yet raised, (call order, error): raised oldest call first.
         self.failures: list[tuple[int, BaseException]] = []
         self.dropped: list[int] = []
@@ -73,6 +73,16 @@ class SaveQueue:
         self._writer: Writer | None = None
         self._stager: Stager | None = None
         self._ledger: CreditLedger | None = None
+        #: Guards what a write's thread may change when it ends (``_next_in_thread``)
+        #: against the loop: a queued save's phase, the items' order of writes.
+        self._lock = threading.RLock()
+        self._wake: Callable[[], None] | None = None
+        self._waker_scope: anyio.CancelScope | None = None
+
+    @property
+    def writing(self) -> int:
+        """Writes holding a slot: started, their thread not ended."""
+        return sum(1 for i in self.items if i.phase == "writing" and not i.finished.is_set())
 
     def open(
         self, tg: anyio.abc.TaskGroup, writer: Writer, stager: Stager, ledger: CreditLedger | None = None
@@ -80,6 +90,27 @@ class SaveQueue:
         self._tg, self._writer, self._stager, self._ledger = tg, writer, stager, ledger
         self._changed = anyio.Event()
         self.abandoned = False
+        # A write's thread that started the next write asks the loop to start its
+        # tasks. Hazard: a thread-safe callback runs outside any task, where anyio
+        # cannot start tasks, so it only sets an event that this task waits on.
+        woken = anyio.Event()
+        scope = self._waker_scope = anyio.CancelScope()
+        self._wake = threadsafe(lambda: woken.set())
+
+        async def waker() -> None:
+            nonlocal woken
+            with scope:
+                while True:
+                    await woken.wait()
+                    woken = anyio.Event()
+                    self.advance()
+
+        tg.start_soon(waker)
+
+    def stop_waker(self) -> None:
+        """Before the task group ends (the Checkpointer's close)."""
+        if self._waker_scope is not None:
+            self._waker_scope.cancel()
 
     def close(self) -> None:
         self._tg = None
@@ -115,10 +146,25 @@ class SaveQueue:
 
     # -- accepting -----------------------------------------------------------------------
 
-    def submit(self, sd: dict[str, Any], step: int, called: float, *, largest: int = 0) -> SaveItem:
-        item = SaveItem(self.seq, step, anyio.Event(), anyio.Event(), sd=sd, called=called, largest=largest)
+    def submit(
+        self, sd: dict[str, Any], step: int, called: float, *, largest: int = 0, point: Any = None
+    ) -> SaveItem:
+        """Accept a save; ``point``: its snapshot point, taken at the call on the
+        caller's streams (every stage or pipeline of it starts from there)."""
+        item = SaveItem(
+            self.seq, step, anyio.Event(), anyio.Event(), sd=sd, called=called, largest=largest, point=point
+        )
         self.seq += 1
-        self.items.append(item)
+        if self.options.host_budget_bytes is not None and not self._make_job(item):
+            # Refused at its start (raised to the save's caller): never queued.
+            item.phase = "done"
+            for event in (item.settled, item.finished):
+                event.set()
+            item.read.set()
+            item.done.set()
+            return item
+        with self._lock:
+            self.items.append(item)
         self.advance()
         return item
 
@@ -142,9 +188,16 @@ class SaveQueue:
         free, strictly in call order (a save never starts writing before an older one,
         so a commit never waits for a save that waits for its slot). Runs in background
         tasks and at each call: a save progresses whether or not its caller awaits."""
+        with self._lock:
+            self._advance()
+
+    def _advance(self) -> None:
         tg = self._tg
         if tg is None or self.abandoned:
             return
+        for item in self.items:
+            if item.phase == "writing" and not item.tasks:
+                self._start_tasks(tg, item)  # its write a thread started
         opts = self.options
         budgeted = opts.host_budget_bytes is not None
         if not budgeted:
@@ -159,7 +212,9 @@ class SaveQueue:
                     item.admitting = True
                     tg.start_soon(self._admit_task, item)
                 else:
-                    item.stage = self.stager.lease(item.sd, checksums=self._checksums_while_staging())
+                    item.stage = self.stager.lease(
+                        item.sd, checksums=self._checksums_while_staging(), at=item.point
+                    )
                     item.sd = None
                     item.phase = "staging"
                     item.queued = time.monotonic() - item.called
@@ -187,25 +242,61 @@ class SaveQueue:
         return False
 
     def _start_write(self, tg: anyio.abc.TaskGroup, item: SaveItem) -> None:
+        self._begin_write(item)
+        self._start_tasks(tg, item)
+
+    def _begin_write(self, item: SaveItem) -> None:
+        """Start ``item``'s write in a thread of its own, now (holding ``_lock``; on the
+        loop, or in the thread of a write that just ended): not in a task, which would
+        run only at the loop's next turn, which a training loop that does not yield
+        never gives. Its loop-side tasks follow (``_start_tasks``)."""
         item.phase = "writing"
         item.phase_detail = "writing"
         item.wrote = True
         if not item.awaited:
             item.settled.set()  # nobody waits in save(): nobody can give it up now
         item.earlier = [i.finished for i in self.items if i.seq < item.seq]
-        self.writing += 1
         if item.lease is not None:
-            # A staged save's thread starts here, not in its task: a task runs only at
-            # the loop's next turn. Its thread sets ``freed`` once the staged copy is
-            # written and hashed; a task then gives the copy back. Hazard: a
-            # thread-safe callback runs outside any task, where anyio cannot start
-            # tasks, so the thread only sets an event that a task waits on.
-            freed = anyio.Event()
-            item.freed = freed
-            item.future = self.writer.start(item, item.lease, threadsafe(freed.set))
-            tg.start_soon(self._release_when, item, freed)
+            # Its thread calls ``on_freed`` once the staged copy is written and hashed;
+            # a task then gives the copy back. Hazard: a thread-safe callback runs
+            # outside any task, where anyio cannot start tasks, so the thread only sets
+            # an event that a task waits on.
+            assert item.on_freed is not None
+            item.future = self.writer.start(item, item.lease, item.on_freed, then=self._next_in_thread)
+        elif item.job is not None:
+            item.future = self.writer.start_budgeted(item, then=self._next_in_thread)
+
+    def _start_tasks(self, tg: anyio.abc.TaskGroup, item: SaveItem) -> None:
+        """The loop-side part of a started write: its end, the moment its staged copy is
+        free, its progress records, and (budgeted) the moment its sources were read."""
+        item.tasks = True
+        if item.freed is not None:
+            tg.start_soon(self._release_when, item, item.freed)
         tg.start_soon(self._write_task, item)
         tg.start_soon(self._report, item)
+        if item.job is not None:
+            tg.start_soon(self._budget_fence_task, item)
+
+    def _next_in_thread(self) -> None:
+        """A write's thread ended (in that thread): start the next queued staged save's
+        write at once, if a slot is free and every older save is writing or ended (the
+        order ``advance`` keeps), so a queued save (``"coalesce"``, ``"wait"``) does not
+        wait for the loop's next turn. Its loop-side tasks start at that turn."""
+        started = False
+        with self._lock:
+            if self._tg is None or self.abandoned:
+                return
+            for item in list(self.items):
+                if self.writing >= self.options.max_in_flight:
+                    break
+                if item.phase == "writing":
+                    continue
+                if item.phase != "queued" or item.on_freed is None:
+                    break
+                self._begin_write(item)
+                started = True
+        if started and self._wake is not None:
+            self._wake()
 
     async def _report(self, item: SaveItem) -> None:
         """Log a long save's progress every ``PROGRESS_SECONDS`` until it ends, then its
@@ -228,28 +319,31 @@ class SaveQueue:
 
     def end(self, item: SaveItem, *, dropped: bool = False) -> None:
         """An item leaves: committed, failed, dropped or abandoned (idempotent)."""
-        if item.phase == "done":
-            return
-        if item.phase == "writing":
-            self.writing -= 1
-        item.phase = "done"
-        item.release()
-        item.settled.set()
-        item.finished.set()
-        item.read.set()
-        item.done.set()
-        if item in self.items:
-            self.items.remove(item)
-        if dropped:
-            item.superseded = True
-            self.dropped.append(item.step)
-        if item.request is not None:
-            item.request._finish(item.stats if item.committed else None, item.failure)
-        self.advance()
+        with self._lock:
+            if item.phase == "done":
+                return
+            item.phase = "done"
+            item.release()
+            item.settled.set()
+            item.finished.set()
+            item.read.set()
+            item.done.set()
+            if item in self.items:
+                self.items.remove(item)
+            if dropped:
+                item.superseded = True
+                self.dropped.append(item.step)
+            if item.request is not None:
+                item.request._finish(item.stats if item.committed else None, item.failure)
+            self.advance()
         self.notify()
 
     def cancel(self, item: SaveItem) -> None:
         """The caller gave the save up before it returned: nothing is saved for it."""
+        with self._lock:  # a queued save's write may start in another's thread
+            self._cancel(item)
+
+    def _cancel(self, item: SaveItem) -> None:
         item.cancelled = True
         item.settled.set()  # after ``cancelled``: the write's thread reads it next
         if item.phase == "staging":
@@ -265,12 +359,16 @@ class SaveQueue:
         """The exit deadline passed: stop waiting for the saves in flight (their
         threads go on until the process exits, and commit nothing: the Checkpointer
         that owned them has closed, and a later one may own the folder)."""
-        self.abandoned = True
+        with self._lock:
+            self.abandoned = True
         for item in list(self.items):
             if item.phase == "writing":
                 item.cancelled = True  # its thread checks it before it commits
                 item.settled.set()
                 item.scope.cancel()
+                item.stage_scope.cancel()  # (a budgeted save's wait for its last piece)
+                if item.thread_wait is not None:
+                    item.thread_wait.cancel()
             else:
                 item.stage_scope.cancel()
                 self.end(item)
@@ -359,7 +457,10 @@ class SaveQueue:
             return
         item.lease = lease
         item.staged = time.monotonic() - t1
-        item.phase = "queued"
+        freed = item.freed = anyio.Event()
+        item.on_freed = threadsafe(freed.set)
+        with self._lock:
+            item.phase = "queued"
         item.read.set()
         self.advance()
         self.coalesce()
@@ -372,6 +473,10 @@ class SaveQueue:
         order, and an older one finishing last must not stay queued beside a newer."""
         if self.options.policy != "coalesce":
             return
+        with self._lock:
+            self._coalesce()
+
+    def _coalesce(self) -> None:
         kept = [i.seq for i in self.items if i.phase == "queued" and i.returned]
         if not kept:
             return
@@ -379,41 +484,54 @@ class SaveQueue:
         for older in [i for i in self.items if i.phase == "queued" and i.seq < newest]:
             self.end(older, dropped=True)
 
-    def _start_budgeted(self, tg: anyio.abc.TaskGroup, item: SaveItem) -> None:
-        """Build a budgeted save's pipeline (its snapshot point) and start its write;
-        a task of its own waits until the last piece is copied (``item.read``)."""
-        from async_stager._dcp.budget_save import budgeted_save
+    def _make_job(self, item: SaveItem) -> bool:
+        """Build a budgeted save's job (``dcp.save``'s checks and pipeline) from its
+        snapshot point; its fence points are read now (the caller's streams, when
+        called at ``save()``). A refusal is raised to the save's caller."""
+        from async_stager._dcp.budget_save import budgeted_save_job
 
-        ranks = self.ranks
-        item.queued = time.monotonic() - item.called
-        ledger = self._ledger
-        if ledger is not None and item.admission is None:
-            item.admission = "streamed"
+        ranks, ledger = self.ranks, self._ledger
         try:
-            item.pipeline = budgeted_save(
+            job = budgeted_save_job(
                 item.sd or {},
                 stager=self.stager,
                 budget=self.options.host_budget_bytes or (ledger.budget if ledger is not None else 0),
                 checkpoint_id=str(self.writer.tmp(item)),
-                storage_writer=None,
-                planner=None,
                 process_group=ranks.group,
                 no_dist=not ranks.distributed,
                 on_stats=item.budget.append,
                 digests=item.digests if self.options.checksums else None,
                 ledger=ledger,
+                captures=item.point,
             )
         except Exception as exc:  # noqa: BLE001 - refused at its start: raised to the save's caller
             item.error = exc
+            return False
+        item.job = job
+        item.fence_wait = job.pipeline.fence()
+        return True
+
+    def _start_budgeted(self, tg: anyio.abc.TaskGroup, item: SaveItem) -> None:
+        """Start a budgeted save's write (building its job first if a node budget's
+        admission chose it); a task of its own waits until its last piece is copied
+        (``item.read``)."""
+        item.queued = time.monotonic() - item.called
+        ledger = self._ledger
+        if ledger is not None and item.admission is None:
+            item.admission = "streamed"
+        if item.job is None and not self._make_job(item):
             self.end(item)
             return
         self._start_write(tg, item)
-        tg.start_soon(self._budget_fence_task, item)
 
     async def _budget_fence_task(self, item: SaveItem) -> None:
         t1 = time.monotonic()
         try:
-            await self.stager.fence()  # covers the pipeline's last piece (its fence hook)
+            if item.fence_wait is not None:
+                # Its last piece enqueued, and the streams read at its call ordered
+                # after its copies (no host wait). Cancelled at a missed exit deadline.
+                with item.stage_scope:
+                    await item.fence_wait()
         finally:
             item.staged = time.monotonic() - t1
             item.read.set()
@@ -491,23 +609,31 @@ class SaveQueue:
         return None  # its scope was cancelled (a budgeted save given up): nothing committed
 
     async def _write(self, writer: Writer, item: SaveItem) -> SaveStats:
+        fut, item.future = item.future, None
+        if fut is None:
+            if item.job is not None:
+                item.job.forget()  # never started: its fence hook must go now
+            raise GivenUp
         try:
-            if item.future is None:
-                return await writer.run_budgeted(item)
-            fut, item.future = item.future, None
-            try:
-                return await wait_future(fut)  # cancelled only at a missed exit deadline
-            finally:
-                if item.freed is not None:
-                    item.freed.set()  # the write ended (or failed) before it said so
+            return await wait_future(fut)
+        except BaseException:
+            if item.job is not None and not fut.done():
+                # A budgeted save given up before its last piece (its scope cancelled):
+                # stop its copies and wait for its thread, unless the exit deadline
+                # passed (then the thread is left to the process's end).
+                item.job.abort()
+                if not self.abandoned:
+                    # Shielded, but not past a missed exit deadline (``abandon``
+                    # cancels it): a value's serialization may ignore the abort.
+                    with anyio.CancelScope(shield=True) as item.thread_wait:
+                        try:
+                            await wait_future(fut)
+                        except BaseException:  # noqa: BLE001 - its failure (DCP's CheckpointException is one): given up
+                            pass
+            raise
         finally:
-            if item.pipeline is not None:
-                # Never started (failed or cancelled before): its fence hook must go
-                # now, or a save waiting in fence() would wait for ever.
-                from async_stager._dcp.budget_save import abandon
-
-                abandon(item.pipeline)
-                item.pipeline = None
+            if item.freed is not None:
+                item.freed.set()  # the write ended (or failed) before it said so
 
     async def _release_when(self, item: SaveItem, freed: anyio.Event) -> None:
         await freed.wait()

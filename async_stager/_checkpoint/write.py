@@ -91,17 +91,41 @@ class Writer:
     # -- a staged save, in its thread ------------------------------------------------
 
     def start(
-        self, item: SaveItem, lease: Lease[dict[str, Any]], written: Callable[[], None]
+        self,
+        item: SaveItem,
+        lease: Lease[dict[str, Any]],
+        written: Callable[[], None],
+        then: Callable[[], None] = lambda: None,
     ) -> Future[SaveStats]:
-        """Start ``write_and_commit`` in a daemon thread of its own, now (on the loop,
-        where the write is decided: it must not wait for the loop's next turn, which a
-        training loop that does not yield would never give). Its Future gives the
-        stats or the error."""
+        """Start ``write_and_commit`` in a daemon thread of its own, now (where the
+        write is decided: it must not wait for the loop's next turn, which a training
+        loop that does not yield would never give). ``then`` is called in that thread
+        once it ended (the next queued write may start). Its Future gives the stats or
+        the error."""
         return start_thread(
-            lambda: self.write_and_commit(item, lease, written),
+            lambda: self._ending(then, self.write_and_commit, item, lease, written),
             name=f"async-stager-{self.format.name}-save",
             daemon=True,
         )
+
+    def start_budgeted(self, item: SaveItem, then: Callable[[], None] = lambda: None) -> Future[SaveStats]:
+        """Start a budgeted save's whole write (``write_budgeted``) in a daemon thread
+        of its own, now, as ``start`` does for a staged one."""
+        return start_thread(
+            lambda: self._ending(then, self.write_budgeted, item),
+            name="async-stager-budgeted-save",
+            daemon=True,
+        )
+
+    @staticmethod
+    def _ending(
+        then: Callable[[], None], fn: Callable[..., SaveStats], item: SaveItem, *args: Any
+    ) -> SaveStats:
+        try:
+            return fn(item, *args)
+        finally:
+            item.finished.set()  # later saves' threads may commit now, without the loop
+            then()
 
     def write_and_commit(
         self, item: SaveItem, lease: Lease[dict[str, Any]], written: Callable[[], None]
@@ -109,10 +133,7 @@ class Writer:
         """The background part of a staged save (blocking). ``written`` is called (from
         this thread) once the staged copy is no longer read; it must only schedule
         work on the loop. Raises GivenUp if the caller gave the save up in time."""
-        try:
-            return self._write_and_commit(item, lease, written)
-        finally:
-            item.finished.set()  # later saves' threads may commit now, without the loop
+        return self._write_and_commit(item, lease, written)
 
     def _write_and_commit(
         self, item: SaveItem, lease: Lease[dict[str, Any]], written: Callable[[], None]
@@ -218,35 +239,39 @@ class Writer:
 
     # -- a budgeted save, from the loop ----------------------------------------------
 
-    async def run_budgeted(self, item: SaveItem) -> SaveStats:
-        """A budgeted save: its folder, its pipeline (awaited: it stages piece by piece
-        from the loop), then its commit in a thread. Cancellation: a budgeted save's
-        scope is cancelled only to drop it before its last piece (nothing committed)."""
-        if self.ranks.distributed:
-            await self._in_thread(item.wait_earlier, "async-stager-wait")  # one save at a time
-        t0 = time.monotonic()
-        await self._in_thread(lambda: self.begin(item), "async-stager-start")
-        pipeline, item.pipeline = item.pipeline, None
-        assert pipeline is not None
-        if self.ranks.coordinator and item.sd is not None:
-            sd, tmp = item.sd, self.tmp(item)
-            await self._in_thread(lambda: write_typed_paths(tmp, typed_paths(sd)), "async-stager-keys")
-        item.sd = None
-        item.phase_detail = "writing"
-        await pipeline
-        stats = item.budget[0] if item.budget else None
-        nbytes = stats.tensor_bytes if stats is not None else 0
-        item.bytes = nbytes
-        t1 = time.monotonic()
-        item.phase_detail = "committing"
-        await self._in_thread(item.wait_earlier, "async-stager-wait")
-        if item.cancelled:
-            raise GivenUp
-        await self._in_thread(lambda: self.commit(item, item.digests, None), "async-stager-commit")
-        return self.stats(item, nbytes, 0.0, t0, t1)
-
-    async def _in_thread(self, fn: Callable[[], T], name: str) -> T:
-        return await run_in_thread(fn, name=name, daemon=True, abandon_on_cancel=True)
+    def write_budgeted(self, item: SaveItem) -> SaveStats:
+        """A budgeted save's write, blocking (its own thread): its folder, its job (the
+        pipeline stages piece by piece and DCP writes them), then its commit, all
+        without the event loop. Raises GivenUp if the caller gave the save up in time
+        (its job is then aborted by the loop, or never run)."""
+        job = item.job
+        assert job is not None
+        try:
+            if self.ranks.distributed:
+                item.wait_earlier()  # one save at a time: the collectives in call order
+            t0 = time.monotonic()
+            if item.cancelled:
+                raise GivenUp
+            self.begin(item)
+            sd, item.sd = item.sd, None
+            if self.ranks.coordinator and sd is not None:
+                write_typed_paths(self.tmp(item), typed_paths(sd))
+            del sd
+            item.phase_detail = "writing"
+            job.run()
+            stats = item.budget[0] if item.budget else None
+            nbytes = stats.tensor_bytes if stats is not None else 0
+            item.bytes = nbytes
+            t1 = time.monotonic()
+            item.phase_detail = "committing"
+            item.wait_earlier()
+            item.settled.wait()  # its caller may still give it up (see write_and_commit)
+            if item.cancelled:
+                raise GivenUp
+            self.commit(item, item.digests, None)
+            return self.stats(item, nbytes, 0.0, t0, t1)
+        finally:
+            job.forget()  # never run (given up before): its fence hook goes
 
     async def discard(self, item: SaveItem) -> None:
         """Remove a save's folder after it failed or was cancelled (coordinator).

@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from async_stager._core.aio.stager import Stager
     from async_stager._core.memory.ledger import NodeLedger
 
-__all__ = ["abandon", "budgeted_save", "largest_tensor", "survey"]
+__all__ = ["BudgetedJob", "abandon", "budgeted_save", "budgeted_save_job", "largest_tensor", "survey"]
 
 
 #: Nodes the call's look inside non-tensor values may visit, per save (the event loop
@@ -329,7 +329,7 @@ def budgeted_save(
     ``budget`` in one piece. The coroutine raises BudgetTooSmallError itself (not DCP's
     CheckpointException around it) for a value found too big when serialized."""
     try:
-        return _budgeted_save(
+        job = _budgeted_save(
             state_dict,
             stager=stager,
             budget=budget,
@@ -347,6 +347,44 @@ def budgeted_save(
         if owns_ledger and ledger is not None:
             ledger.close()
         raise
+    coro = _run(job)
+    # Never awaited: nothing was staged; the fence must not wait for it.
+    _ABANDON[coro] = weakref.finalize(coro, job.forget)
+    return coro
+
+
+def budgeted_save_job(
+    state_dict: dict[str, Any],
+    *,
+    stager: Stager,
+    budget: int,
+    checkpoint_id: str | os.PathLike[str],
+    process_group: Any,
+    no_dist: bool,
+    on_stats: Callable[[BudgetStats], None] | None,
+    digests: dict[str, dict[str, Any]] | None = None,
+    ledger: NodeLedger | None = None,
+    captures: Mapping[torch.device, Any] | None = None,
+) -> BudgetedJob:
+    """``budgeted_save``'s checks and snapshot point at the call, as a ``BudgetedJob``
+    whose ``run()`` (blocking, any thread) is the save. ``captures``: a snapshot point
+    taken earlier on the caller's streams (``Stager.snapshot_point``, for a save its
+    caller's policy deferred) instead of one taken now; its generator states too."""
+    return _budgeted_save(
+        state_dict,
+        stager=stager,
+        budget=budget,
+        checkpoint_id=checkpoint_id,
+        storage_writer=None,
+        planner=None,
+        process_group=process_group,
+        no_dist=no_dist,
+        on_stats=on_stats,
+        digests=digests,
+        ledger=ledger,
+        owns_ledger=False,
+        captures=captures,
+    )
 
 
 def _budgeted_save(
@@ -363,7 +401,8 @@ def _budgeted_save(
     digests: dict[str, dict[str, Any]] | None,
     ledger: NodeLedger | None,
     owns_ledger: bool,
-) -> Coroutine[Any, Any, Metadata]:
+    captures: Mapping[torch.device, Any] | None = None,
+) -> BudgetedJob:
     t0 = time.perf_counter()
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < ALIGN:
         raise InvalidOptionError(
@@ -406,10 +445,16 @@ def _budgeted_save(
     # save). The stager's own copiers belong to its worker.
     lane = lanes.take(devices)
     try:
-        captures = {d: lane.copiers[d].capture() for d in devices}
+        if captures is None:
+            taken = {d: lane.copiers[d].capture() for d in devices}
+        else:
+            # Taken at the caller's earlier call (an event on its stream, which any
+            # stream may wait on), with the generator states read then.
+            taken = {d: captures.get(d) for d in devices}
+            generators = {**generators, **getattr(captures, "generators", {})}
         pipeline = Pipeline(
             budget,
-            captures=captures,
+            captures=taken,
             t0=t0,
             lanes=lanes,
             lane=lane,
@@ -427,19 +472,88 @@ def _budgeted_save(
         lanes.give_back(lane, settled=True)
         raise
     remove = stager.add_fence_hook(pipeline.fence)
-    coro = _run(
-        pipeline,
-        remove,
+    save = functools.partial(
+        _save_blocking_lazy,
         state_dict,
-        checkpoint_id=checkpoint_id,
-        process_group=process_group,
         no_dist=no_dist,
         cuda_device=caller_cuda_device(),
-        on_stats=on_stats,
+        storage_writer=PipelineWriter(checkpoint_id, pipeline),
+        planner=PipelinePlanner(pipeline),
+        process_group=process_group,
     )
-    # Never awaited: nothing was staged; the fence must not wait for it.
-    _ABANDON[coro] = weakref.finalize(coro, _forget, pipeline, remove)
-    return coro
+    return BudgetedJob(pipeline, remove, save, on_stats)
+
+
+def _save_blocking_lazy(state_dict: dict[str, Any], **kwargs: Any) -> Any:
+    from async_stager._dcp.blocking import _save_blocking
+
+    return _save_blocking(state_dict, **kwargs)
+
+
+class BudgetedJob:
+    """A budgeted save made at the call (its checks, its snapshot point, its fence
+    hook), run later by one blocking ``run()`` in any thread: a caller that runs it in
+    a thread of its own (the Checkpointer's write) needs no event loop turn for the
+    whole save. ``abort()`` stops it from any thread (DCP then fails it before writing
+    metadata); ``forget()`` drops one never run (its fence hook goes at once)."""
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        remove: Callable[[], None],
+        save: Callable[[], Any],
+        on_stats: Callable[[BudgetStats], None] | None,
+    ) -> None:
+        self.pipeline = pipeline
+        self._remove = remove
+        self._save = save
+        self._on_stats = on_stats
+
+    @property
+    def started(self) -> bool:
+        return self.pipeline.started
+
+    def run(self) -> Metadata:
+        """The whole save, blocking: DCP's save through the ring. Raises its failure (a
+        BudgetTooSmallError found when serializing is raised as itself)."""
+        pipeline = self.pipeline
+        pipeline.started = True
+        try:
+            result: Any = None
+            error: BaseException | None = None
+            try:
+                result = self._save()
+            except BaseException as e:  # noqa: BLE001 - raised below, once the ring is freed
+                error = e
+                own = pipeline.error
+                if isinstance(own, StagingError) and own is not e:
+                    # DCP wraps what failed in its writer (CheckpointException); a
+                    # refusal of ours (a value beyond the budget, found when
+                    # serialized) is raised as itself.
+                    error = own
+            # Before the waiter wakes: the ring is freed and the stats are delivered.
+            pipeline.finish()  # also when DCP failed before write_data
+            if self._on_stats is not None:
+                try:
+                    self._on_stats(pipeline.stats(time.perf_counter() - pipeline.t0))
+                except Exception as e:  # noqa: BLE001 - a failing callback fails the save
+                    error = error or e
+            if error is not None:
+                raise error
+            metadata: Metadata = result
+            return metadata
+        finally:
+            self._remove()
+
+    def abort(self) -> None:
+        """Stop the save (any thread): its copies stop, DCP fails it."""
+        self.pipeline.abort()
+
+    def forget(self) -> None:
+        """Drop it if it never ran (idempotent; nothing once it started)."""
+        if not self.pipeline.started:
+            self.pipeline.started = True  # it never runs now
+            _forget(self.pipeline, self._remove)
 
 
 def _ring_pinner(pinner: Pinner | None, devices_in_use: bool) -> Pinner | None:
@@ -463,7 +577,8 @@ def abandon(coro: Coroutine[Any, Any, Any]) -> None:
     would keep every later ``fence()`` waiting. No-op for a save already started."""
     fin = _ABANDON.pop(coro, None)
     info = fin.peek() if fin is not None else None
-    if info is None or info[2][0].started:
+    job = getattr(info[1], "__self__", None) if info is not None else None
+    if not isinstance(job, BudgetedJob) or job.started:
         return  # running (or done): it cleans up after itself
     coro.close()
     assert fin is not None
@@ -476,70 +591,26 @@ def _forget(pipeline: Pipeline, remove: Callable[[], None]) -> None:
     pipeline.finish()
 
 
-async def _run(
-    pipeline: Pipeline,
-    remove: Callable[[], None],
-    state_dict: dict[str, Any],
-    *,
-    checkpoint_id: str | os.PathLike[str],
-    process_group: Any,
-    no_dist: bool,
-    cuda_device: int | None,
-    on_stats: Callable[[BudgetStats], None] | None,
-) -> Metadata:
-    from async_stager._dcp.blocking import _save_blocking
-
-    pipeline.started = True
-    fn = functools.partial(
-        _save_blocking,
-        state_dict,
-        no_dist=no_dist,
-        cuda_device=cuda_device,
-        storage_writer=PipelineWriter(checkpoint_id, pipeline),
-        planner=PipelinePlanner(pipeline),
-        process_group=process_group,
-    )
-
-    def run() -> Metadata:
-        result: Any = None
-        error: BaseException | None = None
-        try:
-            result = fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
-            error = e
-            own = pipeline.error
-            if isinstance(own, StagingError) and own is not e:
-                # DCP wraps what failed in its writer (CheckpointException); a refusal
-                # of ours (a value beyond the budget, found when serialized) is raised
-                # as itself.
-                error = own
-        # Before the waiter wakes: the ring is freed and the stats are delivered.
-        pipeline.finish()  # also when DCP failed before write_data
-        if on_stats is not None:
-            try:
-                on_stats(pipeline.stats(time.perf_counter() - pipeline.t0))
-            except Exception as e:  # noqa: BLE001 - a failing callback fails the save
-                error = error or e
-        if error is not None:
-            raise error
-        metadata: Metadata = result
-        return metadata
-
+async def _run(job: BudgetedJob) -> Metadata:
+    """``dcp.save``'s coroutine: the job in a thread of its own. Cancellation: the
+    copies stop, DCP fails the save before any metadata is written, and the thread is
+    waited for (shielded: the ring must not be in use after)."""
+    pipeline = job.pipeline
+    pipeline.started = True  # (before the thread: abandon() leaves it alone now)
     try:
-        fut = start_thread(run, name="async-stager-dcp-save")
-        try:
-            return await wait_future(fut)
-        except BaseException:
-            if not fut.done():
-                # Cancelled mid-stream: stop the copies; DCP's writer then raises
-                # SaveAborted and DCP fails the save before writing any metadata. The
-                # thread is waited for (shielded): the ring must not be in use after.
-                pipeline.abort()
-                with anyio.CancelScope(shield=True):
-                    try:
-                        await wait_future_uninterrupted(fut)
-                    except BaseException:  # noqa: BLE001 - DCP's CheckpointException is one; the cancellation is raised
-                        pass
-            raise
-    finally:
-        remove()
+        fut = start_thread(job.run, name="async-stager-dcp-save")
+    except BaseException:
+        pipeline.started = False
+        job.forget()
+        raise
+    try:
+        return await wait_future(fut)
+    except BaseException:
+        if not fut.done():
+            pipeline.abort()
+            with anyio.CancelScope(shield=True):
+                try:
+                    await wait_future_uninterrupted(fut)
+                except BaseException:  # noqa: BLE001 - DCP's CheckpointException is one; the cancellation is raised
+                    pass
+        raise

@@ -176,7 +176,6 @@ def _big(value: float) -> dict[str, Any]:
     return {f"w{i}": torch.full((MiB // 4,), value) for i in range(4)}
 
 
-@pytest.mark.xfail(strict=True, reason="issue 36 section 1 item 3: being fixed on this branch")
 @pytest.mark.parametrize("how", ["host_budget", "node_budget_streamed"])
 async def test_a_budgeted_save_commits_while_the_loop_never_yields(tmp_path: Path, how: str) -> None:
     opts: dict[str, Any] = (
@@ -210,7 +209,6 @@ async def test_plain_saves_commit_while_the_loop_never_yields(tmp_path: Path, fm
         await ckpt.wait()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 36 section 1 item 3: being fixed on this branch")
 @pytest.mark.parametrize("fmt", ["dcp", "torch"])
 async def test_coalesce_writes_the_queued_save_when_the_write_ends_without_the_loop(
     tmp_path: Path, fmt: Any
@@ -244,9 +242,7 @@ class Slow:
         return (int, (self.key,))
 
 
-@pytest.mark.parametrize(
-    "how", ["staged", pytest.param("budgeted", marks=pytest.mark.xfail(strict=True, reason="item 3 first"))]
-)
+@pytest.mark.parametrize("how", ["staged", "budgeted"])
 async def test_leaving_after_a_missed_final_checkpoint_is_prompt(tmp_path: Path, how: str) -> None:
     """``async with Checkpointer(...), Shutdown()``: final_checkpoint misses its deadline
     behind a slow write; leaving the block then does not wait for that write, and the
@@ -308,7 +304,6 @@ async def test_a_node_budget_save_dropped_before_its_admission_is_just_not_saved
 # -- issue 35, finding 1: a deferred save's snapshot point is its call -------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 35 finding 1: being fixed on this branch")
 async def test_a_deferred_save_captures_on_the_callers_stream_at_the_call(tmp_path: Path) -> None:
     """``"wait"`` with a staged save already queued: the third save waits for a buffer
     set. Its capture is taken at the call, on the caller's current (side) stream: work

@@ -44,7 +44,7 @@ from async_stager._core.copy.device import Backend
 from async_stager._core.memory.arena import Arena, Pinner
 from async_stager._core.memory.ledger import NodeLedger
 from async_stager._core.options import AUTO, StagerOptions
-from async_stager._core.run.engine import StageRecord, build_engine
+from async_stager._core.run.engine import Captures, StageRecord, build_engine
 from async_stager._core.run.jobs import StageJob, drop, job_done, log_stage_end, logged_run
 from async_stager._core.run.lanes import Lanes
 from async_stager._core.run.worker import Worker, WorkerForked, WorkerStopped
@@ -201,12 +201,14 @@ class Stager:
         _refuse_sync_dcp(sys._getframe(1))
         return self._start(sd, lease=False)
 
-    def _start(self, sd: Any, *, lease: bool, checksums: bool = False) -> Coroutine[Any, Any, Any]:
-        """Submit the stage now (the snapshot point) and return the coroutine that
-        finishes it: the result (``lease=False``) or a Lease."""
+    def _start(
+        self, sd: Any, *, lease: bool, checksums: bool = False, at: Captures | None = None
+    ) -> Coroutine[Any, Any, Any]:
+        """Submit the stage now (the snapshot point, or ``at``) and return the coroutine
+        that finishes it: the result (``lease=False``) or a Lease."""
         if checksums:
             hasher()  # a missing xxhash fails here, at the call, not in a copy thread
-        job = self._submit(sd, lease=lease, copy=True, checksums=checksums)
+        job = self._submit(sd, lease=lease, copy=True, checksums=checksums, at=at)
         coro = self._leased(job) if lease else self._result(job)
         # A coroutine never awaited (or whose task was cancelled before it started)
         # must stop the job like a cancelled one: abandon it when the coroutine dies.
@@ -220,7 +222,9 @@ class Stager:
         result, staged.result = staged.result, None
         return result
 
-    def lease(self, sd: T, *, checksums: bool = False) -> Coroutine[Any, Any, Lease[T]]:
+    def lease(
+        self, sd: T, *, checksums: bool = False, at: Captures | None = None
+    ) -> Coroutine[Any, Any, Lease[T]]:
         """Stage ``sd`` and hold its buffers: await for a ``Lease`` whose
         ``state_dict`` is the staged copy, protected until ``release()``.
 
@@ -242,9 +246,22 @@ class Stager:
         keeps its values and holds the set, as a ``stage()`` result does (see
         ``Lease``).
 
+        ``at``: internal (for a Checkpointer's deferred save): the snapshot point taken
+        earlier by ``snapshot_point(sd)``, instead of this call.
+
         Cancellation: as for ``stage()``; a cancelled call leaves no lease behind.
         """
-        return self._start(sd, lease=True, checksums=checksums)
+        return self._start(sd, lease=True, checksums=checksums, at=at)
+
+    def snapshot_point(self, sd: Any) -> Captures:
+        """Internal (for a Checkpointer save that its policy defers): the snapshot point
+        of a stage of ``sd`` taken now (an event on the caller's current stream of each
+        device, and the generators' states, as ``stage()`` takes at its call), for a
+        later ``lease(sd, at=...)`` or budgeted save. Raises as ``stage()`` does at its
+        call (ClosedError, UnsupportedError while a CUDA graph captures)."""
+        if self._closed:
+            raise ClosedError("the stager is closed")
+        return self._engine.capture(sd)
 
     async def _leased(self, job: StageJob) -> Any:
         staged = await self._complete(job)
@@ -393,10 +410,12 @@ class Stager:
 
     # -- internals --------------------------------------------------------------------
 
-    def _submit(self, sd: Any, *, lease: bool, copy: bool, checksums: bool = False) -> StageJob:
+    def _submit(
+        self, sd: Any, *, lease: bool, copy: bool, checksums: bool = False, at: Captures | None = None
+    ) -> StageJob:
         if self._closed:
             raise ClosedError("the stager is closed")
-        captures = self._engine.capture(sd)
+        captures = self._engine.capture(sd) if at is None else at
         job = StageJob(self._engine, self._abandoned)
         run = functools.partial(
             logged_run,
