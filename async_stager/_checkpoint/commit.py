@@ -74,6 +74,7 @@ __all__ = [
     "retain",
     "step_dir",
     "step_name",
+    "steps_for_reading",
     "tmp_dir",
     "unordered_steps",
 ]
@@ -320,6 +321,20 @@ def reading(root: Path, step: int) -> Iterator[tuple[int, bool]]:
     finally:
         if hold is not None:
             os.close(hold)
+
+
+def steps_for_reading(root: Path) -> list[int]:
+    """``committed_steps`` as one moment of the folder: listed holding ``DIR/.lock``
+    (when the folder has one to take), so a step being replaced (two renames) is never
+    missed. Blocking (a worker thread); waits only for a commit in progress."""
+    lock = _holds.open_lock_file(root / ".lock") if root.is_dir() else None
+    try:
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        return committed_steps(root)
+    finally:
+        if lock is not None:
+            os.close(lock)
 
 
 def commit_number(root: Path, step: int) -> int | None:

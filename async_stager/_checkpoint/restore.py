@@ -51,7 +51,7 @@ async def restore(
     failed: set[int] = set()
     for _ in range(_RELISTS):
         listed: list[int] = await run_in_thread(
-            lambda: ranks.broadcast(_commit.committed_steps(root)), name="async-stager-restore"
+            lambda: ranks.broadcast(_commit.steps_for_reading(root)), name="async-stager-restore"
         )
         candidates = [s for s in reversed(listed) if (step is None or s == step) and s not in failed]
         if step is not None and not candidates and not failed:
