@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -349,10 +350,13 @@ def test_finalizers_in_many_threads_give_every_byte_back_once(where: str) -> Non
             pass
 
         def churn(i: int) -> None:
-            while not stop.is_set():
+            while not stop.is_set() and sum(grants) < 48:
                 r = led.try_reserve(MiB)
                 if r is None:
                     gc.collect()  # the garbage below holds the budget until collected
+                    # A pause: threads spinning on try_reserve would keep taking the
+                    # handle's mutex, and a finalizer's release (which needs it) starves.
+                    time.sleep(0.001)
                     continue
                 grants[i] += 1
                 b = Box()
@@ -367,7 +371,11 @@ def test_finalizers_in_many_threads_give_every_byte_back_once(where: str) -> Non
         try:
             for t in threads:
                 t.start()
-            stop.wait(1.5)
+            # Until the budget went round three times (a count, not a time: collections
+            # in a big heap are slow on a loaded machine), within a hang guard.
+            deadline = time.monotonic() + 60
+            while sum(grants) < 48 and time.monotonic() < deadline:
+                time.sleep(0.05)
             stop.set()
             for t in threads:
                 t.join(30)
