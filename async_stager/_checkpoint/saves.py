@@ -78,6 +78,8 @@ class SaveQueue:
         self._lock = threading.RLock()
         self._wake: Callable[[], None] | None = None
         self._waker_scope: anyio.CancelScope | None = None
+        self._loop_thread = -1
+        self._forgotten: list[SaveItem] = []
 
     @property
     def writing(self) -> int:
@@ -96,6 +98,7 @@ class SaveQueue:
         woken = anyio.Event()
         scope = self._waker_scope = anyio.CancelScope()
         self._wake = threadsafe(lambda: woken.set())
+        self._loop_thread = threading.get_ident()
 
         async def waker() -> None:
             nonlocal woken
@@ -103,6 +106,8 @@ class SaveQueue:
                 while True:
                     await woken.wait()
                     woken = anyio.Event()
+                    while self._forgotten:
+                        self.forget(self._forgotten.pop(0))
                     self.advance()
 
         tg.start_soon(waker)
@@ -169,7 +174,15 @@ class SaveQueue:
         return item
 
     def forget(self, item: SaveItem) -> None:
-        """A save's coroutine died never awaited: abandoned unless its write started."""
+        """A save's coroutine died never awaited: abandoned unless its write started.
+        Its finalizer runs wherever the coroutine died: the cyclic collector may run
+        it in any thread, where nothing of the loop's may be touched (a task started,
+        a scope cancelled), so there it is handed to the loop."""
+        if threading.get_ident() != self._loop_thread:
+            self._forgotten.append(item)
+            if self._wake is not None:
+                self._wake()
+            return
         if not item.awaited and item.phase in ("deferred", "staging", "queued"):
             self.cancel(item)
 

@@ -301,6 +301,30 @@ async def test_a_node_budget_save_dropped_before_its_admission_is_just_not_saved
         assert await ckpt.restore(out) == 2 and torch.equal(out["t"], full(2))
 
 
+async def test_a_save_coroutine_that_dies_in_another_thread_is_just_not_saved(tmp_path: Path) -> None:
+    """Sibling of the dropped save: a coroutine collected in a worker thread (the cyclic
+    collector runs wherever it runs) must not touch the loop's tasks from there."""
+    gate, release = held(5)
+    async with Checkpointer(tmp_path, keep=5) as ckpt, anyio.create_task_group() as tg:
+        await ckpt.save({"t": full(1), "g": gate}, step=1)  # writing, held
+        tg.start_soon(functools.partial(ckpt.save, {"t": full(2)}, step=2))  # staged, queued
+        await anyio.sleep(0.2)
+        box = [ckpt.save({"t": full(3)}, step=3)]  # deferred: no buffer set is free
+
+        def drop() -> None:
+            coro = box.pop()
+            coro.close()
+            del coro  # dies here, in a worker thread
+
+        await anyio.to_thread.run_sync(drop)
+        release.set()
+        await ckpt.wait()
+        assert ckpt.steps() == [1, 2]
+        assert await ckpt.save({"t": full(4)}, step=4)
+        await ckpt.wait()
+        assert ckpt.steps() == [1, 2, 4]
+
+
 # -- issue 35, finding 1: a deferred save's snapshot point is its call -------------------
 
 
