@@ -11,7 +11,6 @@ write goes on in its thread whether or not the event loop gets turns.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import time
@@ -27,10 +26,18 @@ import anyio.abc
 import anyio.lowlevel
 
 from async_stager._checkpoint import commit as _commit, restore as _restore, tiered as _tiered
+from async_stager._checkpoint.exiting import exit_fast_if_abandoned
 from async_stager._checkpoint.formats import format_for
 from async_stager._checkpoint.item import SaveItem
 from async_stager._checkpoint.node_budget import CreditLedger, check_largest
-from async_stager._checkpoint.options import CheckpointerOptions, Format, Policy, SaveStats
+from async_stager._checkpoint.options import (
+    CheckpointerOptions,
+    Format,
+    Policy,
+    SaveStats,
+    buffer_sets_needed,
+    check_stager,
+)
 from async_stager._checkpoint.progress import SaveProgress, SaveRequest, progress_of, status_line
 from async_stager._checkpoint.ranks import Ranks
 from async_stager._checkpoint.saved import SavedStream, Subscribers
@@ -51,39 +58,6 @@ if TYPE_CHECKING:
 __all__ = ["Checkpointer", "CheckpointerOptions", "SaveStats"]
 
 _log = logging.getLogger("async_stager.checkpoint")
-
-
-_exit_hook: list[int] = []
-
-
-def _exit_fast_if_abandoned(code: int) -> None:
-    """At interpreter exit, if an abandoned write's thread is still inside torch (a
-    daemon thread), leave with ``os._exit(code)`` after flushing stdio: finalizing the
-    interpreter under it aborts the process ("terminate called without an active
-    exception", status 134), so the exit status a scheduler reads would be lost."""
-    if _exit_hook:
-        _exit_hook[0] = code
-        return
-    _exit_hook.append(code)
-
-    def hook() -> None:
-        import sys
-        import threading
-
-        busy = [
-            t
-            for t in threading.enumerate()
-            if t.daemon and t.is_alive() and t.name.startswith("async-stager-")
-        ]
-        if busy:
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except (OSError, ValueError):
-                    pass
-            os._exit(_exit_hook[0])
-
-    atexit.register(hook)
 
 
 async def _returns(value: bool) -> bool:
@@ -202,30 +176,10 @@ class Checkpointer:
             os.fspath(node_budget_path) if isinstance(node_budget_path, os.PathLike) else node_budget_path,
             node_budget_job,
         )
-        if stager is not None and not isinstance(stager, Stager):
-            raise InvalidOptionTypeError(
-                f"stager must be an async_stager.Stager (or None), got {type(stager).__name__}"
-            )
-        if node_budget_bytes is not None and stager is not None:
-            raise InvalidOptionError(
-                "node_budget_bytes is for the Checkpointer's own Stager; with stager=..., give that "
-                "Stager the node budget (Stager(node_budget_bytes=...)) or leave stager out"
-            )
+        check_stager(self.options, stager)
         self._format = format_for(format)
         self._ranks = Ranks.resolve(process_group)
-        if self._ranks.distributed and policy != "wait":
-            raise InvalidOptionError(f"policy must be 'wait' on several ranks, got {policy!r}")
-        if self._ranks.distributed and not self._format.several_ranks:
-            raise InvalidOptionError(f"format {format!r} is for one process; use 'dcp' on several ranks")
-        # Buffer sets a save needs: one per write in flight, one for the save staging
-        # next, and with "coalesce" one for the queued save it may replace.
-        sets = max_in_flight + (2 if policy == "coalesce" else 1)
-        if stager is not None and host_budget_bytes is None and stager.options.max_buffer_sets < sets:
-            raise InvalidOptionError(
-                f"the stager has max_buffer_sets={stager.options.max_buffer_sets}; a Checkpointer with "
-                f"max_in_flight={max_in_flight} and policy {policy!r} needs {sets} "
-                f"(Stager(max_buffer_sets={sets}))"
-            )
+        sets = buffer_sets_needed(self.options, self._format.several_ranks, self._ranks.distributed, stager)
         self._sets = sets
         # The memory tier (agent=...): its own Stager and the schedule (``tiered``).
         self._tier, self._schedule = _tiered.make_tier(
@@ -397,7 +351,7 @@ class Checkpointer:
         threads go on until the process exits; their folders are left for the next
         open to remove (their writer lock is released when this Checkpointer closes)."""
         if self._saves.items:
-            _exit_fast_if_abandoned(self._exit_code)
+            exit_fast_if_abandoned(self._exit_code)
         self._saves.abandon()
         _log.warning("left the Checkpointer with saves unfinished (a shutdown deadline passed)")
 

@@ -67,3 +67,19 @@ def dcp_writer(path: str | os.PathLike[str]) -> Any:
     ``FileSystemWriter`` with the host loader (``per_thread_copy_ahead=0``, as
     ``_dcp.blocking.host_writer``), whose full-disk errors name their file."""
     return naming_writer(path, per_thread_copy_ahead=0)
+
+
+def checkpoint_failure(
+    step: int, exc: BaseException, folder: str | os.PathLike[str] | None = None
+) -> BaseException:
+    """The error a failed write of ``step`` is raised as: ``exc`` itself when it is a
+    CheckpointError that is not a full disk, else a CheckpointError saying what failed
+    (``write_failure``), caused by the full disk's OSError (which names the file) or by
+    ``exc``."""
+    from async_stager.errors import CheckpointError
+
+    if isinstance(exc, CheckpointError) and disk_full_in(exc) is None:
+        return exc
+    failure = CheckpointError(write_failure(step, exc, folder), step=step)
+    failure.__cause__ = disk_full_in(exc) or exc
+    return failure

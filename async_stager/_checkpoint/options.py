@@ -7,12 +7,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from async_stager.errors import InvalidOptionError
+from async_stager.errors import InvalidOptionError, InvalidOptionTypeError
 
 if TYPE_CHECKING:
+    from async_stager._core.aio.stager import Stager
     from async_stager._dcp.budget import BudgetStats
 
-__all__ = ["CheckpointerOptions", "Format", "Policy", "SaveStats"]
+__all__ = ["CheckpointerOptions", "Format", "Policy", "SaveStats", "buffer_sets_needed", "check_stager"]
 
 Policy = Literal["wait", "skip", "coalesce"]
 Format = Literal["dcp", "torch"]
@@ -138,3 +139,40 @@ class SaveStats:
     def bytes_per_second(self) -> float:
         """Written bytes over write seconds (0.0 if unmeasurably fast)."""
         return self.bytes / self.write_seconds if self.write_seconds > 0 else 0.0
+
+
+def check_stager(options: CheckpointerOptions, stager: Stager | None) -> None:
+    """A given ``stager`` is a Stager, and not given with a node budget (which is for
+    the Checkpointer's own Stager). Checked before anything collective runs."""
+    from async_stager._core.aio.stager import Stager
+
+    if stager is not None and not isinstance(stager, Stager):
+        raise InvalidOptionTypeError(
+            f"stager must be an async_stager.Stager (or None), got {type(stager).__name__}"
+        )
+    if options.node_budget_bytes is not None and stager is not None:
+        raise InvalidOptionError(
+            "node_budget_bytes is for the Checkpointer's own Stager; with stager=..., give that "
+            "Stager the node budget (Stager(node_budget_bytes=...)) or leave stager out"
+        )
+
+
+def buffer_sets_needed(
+    options: CheckpointerOptions, several_ranks_format: bool, distributed: bool, stager: Stager | None
+) -> int:
+    """The buffer sets a Checkpointer's saves need: one per write in flight, one for the
+    save staging next, and with ``"coalesce"`` one for the queued save it may replace.
+    Refuses what several ranks cannot do and a given stager with fewer sets."""
+    policy, max_in_flight = options.policy, options.max_in_flight
+    if distributed and policy != "wait":
+        raise InvalidOptionError(f"policy must be 'wait' on several ranks, got {policy!r}")
+    if distributed and not several_ranks_format:
+        raise InvalidOptionError(f"format {options.format!r} is for one process; use 'dcp' on several ranks")
+    sets = max_in_flight + (2 if policy == "coalesce" else 1)
+    if stager is not None and options.host_budget_bytes is None and stager.options.max_buffer_sets < sets:
+        raise InvalidOptionError(
+            f"the stager has max_buffer_sets={stager.options.max_buffer_sets}; a Checkpointer with "
+            f"max_in_flight={max_in_flight} and policy {policy!r} needs {sets} "
+            f"(Stager(max_buffer_sets={sets}))"
+        )
+    return sets

@@ -9,7 +9,9 @@ never touches the state, and the training loop never tracks who asked.
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +21,20 @@ if TYPE_CHECKING:
     from async_stager._checkpoint.item import SaveItem
     from async_stager._checkpoint.options import SaveStats
 
-__all__ = ["SaveProgress", "SaveRequest", "describe", "progress_of", "status_line"]
+__all__ = [
+    "PROGRESS_SECONDS",
+    "SaveProgress",
+    "SaveRequest",
+    "describe",
+    "progress_of",
+    "report_progress",
+    "status_line",
+]
+
+_log = logging.getLogger("async_stager.checkpoint")
+#: Seconds between the progress records of a save still writing (at most one record
+#: per save per interval: a long save is visible in the logs, a short one is quiet).
+PROGRESS_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -83,6 +98,23 @@ def describe(item: SaveItem, rate: float | None = None) -> str:
     if p.eta_seconds is not None:
         parts.append(f"about {p.eta_seconds:.0f} s left")
     return ", ".join(parts)
+
+
+async def report_progress(item: SaveItem, rate: Callable[[], float | None]) -> None:
+    """Log a long save's progress every ``PROGRESS_SECONDS`` until it ends, then its
+    outcome once if it was long (INFO on ``async_stager.checkpoint``); ``rate`` gives
+    the newest commit's write rate for the ETA. Cancellation: it stops logging."""
+    long = False
+    while True:
+        with anyio.move_on_after(PROGRESS_SECONDS):
+            await item.done.wait()
+        if item.done.is_set():
+            break
+        long = True
+        _log.info("checkpoint step %d: %s", item.step, describe(item, rate()))
+    if long:
+        outcome = "committed" if item.committed else "not committed"
+        _log.info("checkpoint step %d: %s after %.1f s", item.step, outcome, time.monotonic() - item.called)
 
 
 class SaveRequest:

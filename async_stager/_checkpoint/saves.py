@@ -10,7 +10,6 @@ staged copy is free, so the loop-side state here changes only on the loop.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -20,16 +19,15 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.abc
 
-from async_stager._checkpoint.disk import write_failure
+from async_stager._checkpoint.disk import checkpoint_failure
 from async_stager._checkpoint.item import SaveItem, clear_frames
-from async_stager._checkpoint.node_budget import CreditLedger, admit, yield_idle
+from async_stager._checkpoint.node_budget import CreditLedger, admit_item, yield_idle
 from async_stager._checkpoint.options import CheckpointerOptions, SaveStats
+from async_stager._checkpoint.progress import report_progress
 from async_stager._checkpoint.ranks import Ranks
 from async_stager._checkpoint.write import GivenUp, Writer
-from async_stager._core.aio.threads import run_in_thread
 from async_stager._core.aio.waiting import threadsafe, wait_future
-from async_stager._dcp.files import disk_full_in
-from async_stager.errors import CheckpointError, ClosedError
+from async_stager.errors import ClosedError
 
 if TYPE_CHECKING:
     from async_stager._core.aio.stager import Stager
@@ -37,9 +35,6 @@ if TYPE_CHECKING:
 __all__ = ["SaveQueue"]
 
 _log = logging.getLogger("async_stager.checkpoint")
-#: Seconds between the progress records of a save still writing (at most one record
-#: per save per interval: a long save is visible in the logs, a short one is quiet).
-PROGRESS_SECONDS = 10.0
 
 
 class SaveQueue:
@@ -80,6 +75,10 @@ class SaveQueue:
         self._waker_scope: anyio.CancelScope | None = None
         self._loop_thread = -1
         self._forgotten: list[SaveItem] = []
+        #: Commits whose stats wait for an earlier save to end: delivered in call order
+        #: (= commit order). Hazard: writes end in their threads, so the loop may see a
+        #: later write's end first.
+        self._undelivered: dict[int, SaveStats] = {}
 
     @property
     def writing(self) -> int:
@@ -286,7 +285,7 @@ class SaveQueue:
         if item.freed is not None:
             tg.start_soon(self._release_when, item, item.freed)
         tg.start_soon(self._write_task, item)
-        tg.start_soon(self._report, item)
+        tg.start_soon(report_progress, item, lambda: self.rate)
         if item.job is not None:
             tg.start_soon(self._budget_fence_task, item)
 
@@ -311,25 +310,6 @@ class SaveQueue:
         if started and self._wake is not None:
             self._wake()
 
-    async def _report(self, item: SaveItem) -> None:
-        """Log a long save's progress every ``PROGRESS_SECONDS`` until it ends, then its
-        outcome once if it was long (INFO on ``async_stager.checkpoint``)."""
-        from async_stager._checkpoint.progress import describe
-
-        long = False
-        while True:
-            with anyio.move_on_after(PROGRESS_SECONDS):
-                await item.done.wait()
-            if item.done.is_set():
-                break
-            long = True
-            _log.info("checkpoint step %d: %s", item.step, describe(item, self.rate))
-        if long:
-            outcome = "committed" if item.committed else "not committed"
-            _log.info(
-                "checkpoint step %d: %s after %.1f s", item.step, outcome, time.monotonic() - item.called
-            )
-
     def end(self, item: SaveItem, *, dropped: bool = False) -> None:
         """An item leaves: committed, failed, dropped or abandoned (idempotent)."""
         with self._lock:
@@ -349,6 +329,8 @@ class SaveQueue:
             if item.request is not None:
                 item.request._finish(item.stats if item.committed else None, item.failure)
             self.advance()
+        if threading.get_ident() == self._loop_thread:
+            self._flush_deliveries()  # an earlier save that ended uncommitted frees later commits
         self.notify()
 
     def cancel(self, item: SaveItem) -> None:
@@ -389,54 +371,16 @@ class SaveQueue:
     # -- the node budget ------------------------------------------------------------------
 
     async def _admit_task(self, item: SaveItem) -> None:
-        """On the loop: decide how ``item`` meets the node budget (``admit``, in a thread:
-        it may wait up to ``ADMIT_SECONDS`` in the node's ticket order), say so in the log
-        (INFO on ``async_stager.checkpoint`` when it waited or streams), then move it on:
-        it stages (the granted bytes are the ledger's credit for its stage), or it streams
-        (this rank's idle staging memory is given back first, for its share). A failure is
-        raised to the save's caller. Cancellation: deferred until the thread returns (it
-        is bounded); the save then stays in the queue."""
-        sd = item.sd
-        if sd is None or item.phase == "done":
-            # Given up (a coroutine dropped unawaited, a caller cancelled) before this
-            # task ran: the save simply does not happen.
-            item.admitting = False
-            return
-        stager = self.stager
+        """How a save meets the node budget (``node_budget.admit_item``), then on with
+        it: a failure ends it (raised to its caller), a save given up meanwhile is not
+        saved, else it stages or streams. Cancellation: as ``admit_item``."""
         assert self._ledger is not None
-        ledger = self._ledger
-        try:
-            adm = await run_in_thread(
-                functools.partial(admit, ledger, stager, sd, item.largest), name="async-stager-admit"
-            )
-        except Exception as exc:  # noqa: BLE001 - raised to the save's caller
-            item.admitting = False
-            item.error = exc
+        outcome = await admit_item(self._ledger, self.stager, item)
+        if outcome == "failed":
             self.end(item)
-            return
-        item.admitting = False
-        item.admission, item.node_wait = adm.path, adm.waited
-        if item.phase == "done" or item.cancelled:
-            ledger.drop_credit()
-            return
-        if adm.path == "streamed" or adm.waited >= 0.01:
-            _log.info(
-                "checkpoint step %d: %s after %.3f s at the node budget (%d bytes): %s",
-                item.step,
-                adm.path,
-                adm.waited,
-                ledger.budget,
-                adm.why,
-            )
-        if adm.path == "streamed":
-            item.stream = True
-            released = await stager.trim()
-            if released:
-                _log.info(
-                    "checkpoint step %d: gave back %d idle staging bytes to stream", item.step, released
-                )
-        self.advance()
-        self.notify()
+        elif outcome == "admitted":
+            self.advance()
+            self.notify()
 
     async def _yield_idle(self) -> None:
         if self._ledger is not None:
@@ -605,7 +549,19 @@ class SaveQueue:
             self.end(item)
         if stats is not None:
             self.rate = stats.bytes_per_second or self.rate
-            self.deliver(stats)
+            self._undelivered[item.seq] = stats
+        self._flush_deliveries()
+
+    def _flush_deliveries(self) -> None:
+        """On the loop: deliver the commits no earlier save is still ahead of, in call
+        order."""
+        if not self._undelivered:
+            return
+        ahead = min((i.seq for i in self.items), default=None)
+        for seq in sorted(self._undelivered):
+            if ahead is not None and seq > ahead:
+                break
+            self.deliver(self._undelivered.pop(seq))
 
     async def _write_outcome(self, writer: Writer, item: SaveItem) -> SaveStats | BaseException | None:
         """Run the write: its stats, its failure (returned, not raised), or None when
@@ -661,14 +617,7 @@ class SaveQueue:
         while len(getattr(exc, "exceptions", ())) == 1:  # a task group's wrapper
             exc = exc.exceptions[0]  # type: ignore[attr-defined]
         clear_frames(exc)
-        failure = (
-            exc
-            if isinstance(exc, CheckpointError) and disk_full_in(exc) is None
-            else CheckpointError(write_failure(item.step, exc, self.options.directory), step=item.step)
-        )
-        if failure is not exc:
-            # A full disk: its OSError (naming the file; the rest of the chain behind it).
-            failure.__cause__ = disk_full_in(exc) or exc
+        failure = checkpoint_failure(item.step, exc, self.options.directory)
         _log.error("%s", failure)
         item.failure = failure
         self.failures.append((item.seq, failure))  # each raised once, oldest call first

@@ -179,7 +179,7 @@ async def test_a_long_save_logs_its_progress_at_a_bounded_rate(
     outcome once; a short save logs nothing."""
     import time
 
-    from async_stager._checkpoint import formats as write_mod, saves as module
+    from async_stager._checkpoint import formats as write_mod, progress as module
 
     # A short save is one that ends within PROGRESS_SECONDS: an hour, so that a loaded
     # machine cannot make it long (0.05 s was a speed check: it failed under load).
