@@ -91,26 +91,22 @@ class Ring:
                     self._cond.wait(0.05)
                     start = self._fit(size)
                 self.blocked_seconds += time.perf_counter() - t0
-            if start is None:
-                return None
-            self._live.append((start, size))
-            self._tail = start + size
-            self.used += size
-            self.peak = max(self.peak, self.used)
-            return start
+            return None if start is None else self._take(start, size)
 
     def try_alloc(self, nbytes: int) -> int | None:
         """``alloc`` without waiting: None when the piece does not fit now."""
         size = padded(max(nbytes, 1))
         with self._cond:
             start = self._fit(size) if size <= self.capacity else None
-            if start is None:
-                return None
-            self._live.append((start, size))
-            self._tail = start + size
-            self.used += size
-            self.peak = max(self.peak, self.used)
-            return start
+            return None if start is None else self._take(start, size)
+
+    def _take(self, start: int, size: int) -> int:
+        """Under the lock: the piece ``[start, start + size)`` is live; returns ``start``."""
+        self._live.append((start, size))
+        self._tail = start + size
+        self.used += size
+        self.peak = max(self.peak, self.used)
+        return start
 
     def view(self, start: int, nbytes: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
         """The piece at ``start`` as a contiguous tensor of ``shape`` and ``dtype`` whose
