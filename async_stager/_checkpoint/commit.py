@@ -266,16 +266,10 @@ def _write_latest(root: Path, step: int) -> None:
     fsync_dir(root)
 
 
-@contextlib.contextmanager
-def folder_lock(root: Path) -> Iterator[None]:
+def folder_lock(root: Path) -> contextlib.AbstractContextManager[None]:
     """Hold ``DIR/.lock`` exclusively (blocking): commits, retention and cleaning of
     every process on the folder run one at a time. Call from a worker thread."""
-    fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # drops the lock
+    return _holds.flock_exclusive(root / ".lock")
 
 
 class StepGone(Exception):

@@ -15,7 +15,7 @@ from typing import Any
 
 from async_stager._dcp.files import disk_full_in, naming_writer
 
-__all__ = ["dcp_writer", "failure_reason", "write_failure"]
+__all__ = ["checkpoint_failure", "dcp_writer", "failure_reason", "write_failure"]
 
 
 def _first_line(text: str, limit: int = 200) -> str:

@@ -31,7 +31,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["HOLD_PREFIX", "exclusive", "hold_path", "open_lock_file", "shared_now", "try_exclusive"]
+__all__ = ["HOLD_PREFIX", "exclusive", "flock_exclusive", "hold_path", "open_lock_file", "shared_now", "try_exclusive"]
 
 HOLD_PREFIX = ".hold-"
 _READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
@@ -60,15 +60,21 @@ def open_lock_file(path: Path) -> int | None:
 
 
 @contextlib.contextmanager
-def exclusive(root: Path, name: str) -> Iterator[None]:
-    """Writer, before ``DIR/.lock``: wait until no reader holds ``name`` and keep new
-    readers off it for the block (blocking; a worker thread)."""
-    fd = os.open(hold_path(root, name), os.O_RDWR | os.O_CREAT, 0o644)
+def flock_exclusive(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold ``path`` (created if missing) under an exclusive ``flock`` for the block,
+    waiting for it (blocking; a worker thread)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # drops the lock
+
+
+def exclusive(root: Path, name: str) -> contextlib.AbstractContextManager[None]:
+    """Writer, before ``DIR/.lock``: wait until no reader holds ``name`` and keep new
+    readers off it for the block (blocking; a worker thread)."""
+    return flock_exclusive(hold_path(root, name))
 
 
 def try_exclusive(root: Path, name: str) -> int | bool | None:

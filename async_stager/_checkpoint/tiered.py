@@ -145,14 +145,13 @@ async def restore(
         return None  # the same on every rank: they all saw the same lists
     attached: AttachedStateDict | None = None
     ok = False
-    if chosen is not None:
-        try:
-            attached = await tier.load(chosen)
-            check_matches(resolve(state), attached.state_dict, chosen)
-            ok = True
-        except (StagingError, OSError) as exc:  # AgentError, IntegrityError, a mapping that failed
-            # Never raised on one rank alone: the others would wait in the all-gather below.
-            _log.warning("memory snapshot of step %d cannot be restored here: %s", chosen, exc)
+    try:
+        attached = await tier.load(chosen)
+        check_matches(resolve(state), attached.state_dict, chosen)
+        ok = True
+    except (StagingError, OSError) as exc:  # AgentError, IntegrityError, a mapping that failed
+        # Never raised on one rank alone: the others would wait in the all-gather below.
+        _log.warning("memory snapshot of step %d cannot be restored here: %s", chosen, exc)
     oks: list[Any] = await run_in_thread(lambda: ranks.all_gather(ok), name="async-stager-restore")
     if not all(oks):
         if attached is not None:

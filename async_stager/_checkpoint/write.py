@@ -133,11 +133,6 @@ class Writer:
         """The background part of a staged save (blocking). ``written`` is called (from
         this thread) once the staged copy is no longer read; it must only schedule
         work on the loop. Raises GivenUp if the caller gave the save up in time."""
-        return self._write_and_commit(item, lease, written)
-
-    def _write_and_commit(
-        self, item: SaveItem, lease: Lease[dict[str, Any]], written: Callable[[], None]
-    ) -> SaveStats:
         if self.ranks.distributed:
             # One save at a time on several ranks: the collectives in call order.
             item.wait_earlier()
@@ -214,7 +209,7 @@ class Writer:
             # The coordinator chains its own error (a full disk's OSError first).
             raise CheckpointError(
                 f"checkpoint step {item.step} was not committed: {error}", step=item.step
-            ) from (disk_full_in(local) or local if local is not None else None)
+            ) from ((disk_full_in(local) or local) if local is not None else None)
         item.committed = True
 
     def _commit(self, item: SaveItem, manifests: list[Table], entry: dict[str, Any] | None) -> None:
