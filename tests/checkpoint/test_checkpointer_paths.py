@@ -266,7 +266,8 @@ async def test_leaving_after_a_missed_final_checkpoint_is_prompt(tmp_path: Path,
             assert code == 1
             t0 = time.monotonic()
         left = time.monotonic() - t0
-        assert left < 2.0, f"leaving the block took {left:.1f} s (the abandoned write's)"
+        # A hang guard: a block that waited for the abandoned write would take its 60 s.
+        assert left < 30, f"leaving the block took {left:.1f} s (the abandoned write's)"
         assert ckpt.steps() == []
     finally:
         release.set()

@@ -10,6 +10,7 @@ copier and check the bytes. Seeds are fixed: a failure replays.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -193,11 +194,13 @@ async def test_device_hashes_read_the_sources_as_of_the_call(
 
 def test_close_waits_for_the_streams_bounded(sim: SimulatedDevice) -> None:
     copier = AcceleratorCopier(sim, non_blocking=True, wait_seconds=0.05)
-    gate = time.monotonic() + 0.25
+    # Wedged until released (an event, not a time: a loaded machine cannot unwedge it).
+    gate = threading.Event()
     with sim.using(copier.stream):
-        sim.launch(lambda: time.sleep(max(0.0, gate - time.monotonic())))
+        sim.launch(lambda: gate.wait(60))
     with pytest.raises(CopyError, match="wedged"):
         copier.close()  # bounded: a wedged stream is an error, not a hang
+    gate.set()
     sim.synchronize()
     copier.close()  # idle now
 

@@ -520,13 +520,18 @@ async def test_values_are_read_as_of_the_call_on_the_copy_stream(tmp_path: Path)
 
 
 class _TimedDevice(SimulatedDevice):
-    """Records when the first copy is enqueued."""
+    """Records when the first copy is enqueued, and says so (``first``)."""
 
     first_copy: float | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.first = threading.Event()
 
     def copy(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
         if self.first_copy is None:
             self.first_copy = time.monotonic()
+            self.first.set()
         super().copy(dsts, srcs)
 
 
@@ -544,7 +549,9 @@ async def test_small_items_are_copied_in_batches_without_a_host_wait(tmp_path: P
         done_at: list[float] = []
 
         def producer() -> None:
-            time.sleep(0.3)
+            # Runs until the first copy is enqueued (a hang guard of 60 s: a copier
+            # that waited on the host for this producer would enqueue it only after).
+            sim.first.wait(60)
             done_at.append(time.monotonic())
 
         backend = SimulatedBackend(sim)
