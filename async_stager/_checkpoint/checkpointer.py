@@ -490,8 +490,9 @@ class Checkpointer:
     # -- what a service sees and asks for ------------------------------------------
 
     def in_flight(self) -> list[SaveProgress]:
-        """The saves not yet ended (committed, failed or dropped), oldest call first:
-        step, phase, seconds since the call. A snapshot; cheap (no I/O)."""
+        """The saves not yet ended (committed, failed or dropped): the disk saves, oldest
+        call first, then the memory snapshot in flight (``agent=``): step, phase,
+        seconds since the call. A snapshot; cheap (no I/O)."""
         now = time.monotonic()
         # A write that ended in its thread has ended, even before the loop saw it.
         return [

@@ -42,7 +42,8 @@ class SaveProgress:
     """One save in flight. ``phase``: ``"deferred"`` (waits for a buffer set or a write
     slot), ``"staging"``, ``"queued"`` (staged, waits for its write), ``"writing"``
     (its files written and checksummed, in its thread), ``"committing"`` (written;
-    waits for the earlier saves, then commits). ``seconds`` since ``save()`` was
+    waits for the earlier saves, then commits); a memory snapshot (``agent=``):
+    ``"memory-staging"``, ``"memory-committing"``. ``seconds`` since ``save()`` was
     called; ``staged_seconds`` the stage took (None before it ended); ``bytes`` its
     tensor bytes (None before its write knows them); ``eta_seconds`` a guess of the
     seconds left to its commit from the previous commit's write rate (None without
