@@ -31,7 +31,15 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["HOLD_PREFIX", "exclusive", "flock_exclusive", "hold_path", "open_lock_file", "shared_now", "try_exclusive"]
+__all__ = [
+    "HOLD_PREFIX",
+    "exclusive",
+    "flock_exclusive",
+    "hold_path",
+    "open_lock_file",
+    "shared_now",
+    "try_exclusive",
+]
 
 HOLD_PREFIX = ".hold-"
 _READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
