@@ -100,20 +100,20 @@ class ScratchCopier(Copier):
 
     @abstractmethod
     def copy_now(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-        """Enqueue ``dsts[i].copy_(srcs[i])`` (no scratch routing)."""
+        """Enqueue ``dsts[i].copy_(srcs[i])`` (no scratch routing), as bytes where
+        ``bytewise`` allows (a gather hands its pairs here unconverted)."""
 
     def copy(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
         if not dsts:
             return
         key = _storage_key(dsts[0])
         if key in self._bases:
-            # A gather into a run's scratch.
-            # Bytes, not values: a gather is a bit copy whatever the dtype.
-            bd, bs = bytewise(dsts, srcs)
+            # A gather into a run's scratch. Bytes, not values: a gather is a bit copy
+            # whatever the dtype (``copy_now`` makes the pairs bytewise itself).
             if key not in self._direct and self._materialize(key):
-                self.copy_now(bd, bs)
+                self.copy_now(dsts, srcs)
             else:
-                self._direct.setdefault(key, []).append((bd, bs))
+                self._direct.setdefault(key, []).append(bytewise(dsts, srcs))
             return
         if len(srcs) == 1:
             key = _storage_key(srcs[0])
