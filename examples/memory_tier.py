@@ -33,6 +33,13 @@ from async_stager import Checkpointer
 WIDTH = 64
 
 
+def say(text: str) -> None:
+    """One line to stdout in one write: the ranks share the pipe, and print() writes the
+    text and its newline separately, so two ranks' lines could run together."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def make(seed: int = 0) -> dict[str, Any]:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh(), torch.nn.Linear(WIDTH, 1))
@@ -86,7 +93,7 @@ async def rank_main(out: str, job: str, steps: int, kill_at: int) -> None:
         assert stats is not None
         where = "memory" if resumed is not None and stats.restored == resumed else "disk"
         if resumed is not None:
-            print(f"rank {rank} attempt {attempt}: resumed from step {resumed} ({where})", flush=True)
+            say(f"rank {rank} attempt {attempt}: resumed from step {resumed} ({where})")
         while state["step"]["n"] < steps:
             train_step(state, rank)
             n = state["step"]["n"]
@@ -105,10 +112,9 @@ async def rank_main(out: str, job: str, steps: int, kill_at: int) -> None:
         fresh = make(seed=1)
         got = await ckpt.restore(fresh)
         assert got == steps and same(fresh, state), got
-        print(
+        say(
             f"rank {rank}: restored step {steps}: model, optimizer (exp_avg, exp_avg_sq, step, "
-            "param_groups) and step counter bit-exact; the resumed run matches an uninterrupted one",
-            flush=True,
+            "param_groups) and step counter bit-exact; the resumed run matches an uninterrupted one"
         )
     dist.destroy_process_group()
 
