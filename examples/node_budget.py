@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from typing import Any
 
 import torch
@@ -31,6 +32,13 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from async_stager import Checkpointer
 
 MiB = 1 << 20
+
+
+def say(text: str) -> None:
+    """One line to stdout in one write: the ranks share the pipe, and print() writes the
+    text and its newline separately, so two ranks' lines could run together."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 def make_state(width: int, layers: int, mesh: Any, *, zeros: bool = False) -> dict[str, Any]:
@@ -82,17 +90,16 @@ async def main(args: argparse.Namespace) -> None:
                 await ckpt.wait()
                 st = ckpt.last
                 assert st is not None
-                print(
+                say(
                     f"rank {rank}: step {st.step} {st.admission}, waited {st.node_wait_seconds:.3f} s "
-                    f"for the node budget, wrote {st.bytes / MiB:.1f} MiB",
-                    flush=True,
+                    f"for the node budget, wrote {st.bytes / MiB:.1f} MiB"
                 )
     fresh = make_state(args.width, args.layers, mesh, zeros=True)
     async with Checkpointer(args.out) as ckpt:
         step = await ckpt.restore(fresh)
     if step != state["step"] or not same(state, fresh):
         raise SystemExit(f"rank {rank}: the restored state differs from the trained one")
-    print(f"rank {rank}: restored step {step} bit-exact", flush=True)
+    say(f"rank {rank}: restored step {step} bit-exact")
 
 
 if __name__ == "__main__":
