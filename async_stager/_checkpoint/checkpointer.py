@@ -37,6 +37,7 @@ from async_stager._checkpoint.options import (
     SaveStats,
     buffer_sets_needed,
     check_stager,
+    local_directory,
 )
 from async_stager._checkpoint.progress import SaveProgress, SaveRequest, progress_of, status_line
 from async_stager._checkpoint.ranks import Ranks
@@ -163,8 +164,9 @@ class Checkpointer:
             checksums = checksum
 
         threads = checksum_threads if checksum_threads is not None else hash_threads()
+        directory = local_directory(directory)
         self.options = CheckpointerOptions(
-            Path(directory),
+            directory,
             keep,
             format,
             max_in_flight,
@@ -190,7 +192,7 @@ class Checkpointer:
             ranks=self._ranks,
             agent_timeout=agent_timeout,
             keep=memory_keep,
-            namespace=str(Path(directory).resolve()),
+            namespace=str(directory.resolve()),
         )
         self._stager = stager
         self._own_stager = stager is None

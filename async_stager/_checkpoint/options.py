@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import os
+import re
+import urllib.parse
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from async_stager.errors import InvalidOptionError, InvalidOptionTypeError
+
+#: ``scheme://`` at the start of a directory given as a string (RFC 3986's scheme).
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 if TYPE_CHECKING:
     from async_stager._core.aio.stager import Stager
@@ -139,6 +144,35 @@ class SaveStats:
     def bytes_per_second(self) -> float:
         """Written bytes over write seconds (0.0 if unmeasurably fast)."""
         return self.bytes / self.write_seconds if self.write_seconds > 0 else 0.0
+
+
+def local_directory(directory: str | os.PathLike[str]) -> Path:
+    """The local folder a Checkpointer's ``directory`` names.
+
+    A ``file://`` URL names a local folder. Any other URL is refused: ``Path`` would
+    turn ``s3://bucket/run`` into a relative folder ``s3:/bucket/run``, and the
+    checkpoints a user believes are in the bucket would die with the machine.
+    """
+    raw = os.fspath(directory)
+    if isinstance(raw, bytes):
+        raise InvalidOptionTypeError(f"directory must be a str or os.PathLike[str], got bytes {raw!r}")
+    match = _URL.match(raw)
+    if match is None:
+        return Path(raw)
+    scheme = match.group(1).lower()
+    if scheme == "file":
+        parsed = urllib.parse.urlsplit(raw)
+        if parsed.netloc not in ("", "localhost") or parsed.query or parsed.fragment:
+            raise InvalidOptionError(
+                f"directory {raw!r}: a file:// URL must name a local path "
+                "(file:///abs/path or file://localhost/abs/path)"
+            )
+        return Path(urllib.parse.unquote(parsed.path))
+    raise InvalidOptionError(
+        f"directory {raw!r} is a {scheme}:// URL: the Checkpointer writes to a local folder "
+        "(a path or a file:// URL); object stores are not supported, and a folder named "
+        f"{scheme + ':'!r} in the working directory would take the checkpoints instead"
+    )
 
 
 def check_stager(options: CheckpointerOptions, stager: Stager | None) -> None:

@@ -76,7 +76,15 @@ def _directory(text: str) -> Path:
     the current folder."""
     if not text:
         raise argparse.ArgumentTypeError("DIR is empty; give a Checkpointer directory or a step folder")
-    return Path(text)
+    from async_stager._checkpoint.options import local_directory
+    from async_stager.errors import InvalidOptionError
+
+    try:
+        return local_directory(text)  # a file:// URL names a folder; another scheme is refused
+    except InvalidOptionError as exc:
+        raise argparse.ArgumentTypeError(
+            str(exc).replace("the Checkpointer writes to", "verify reads")
+        ) from None
 
 
 class UsageProblem(Exception):
