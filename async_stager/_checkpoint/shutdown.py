@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 
 if TYPE_CHECKING:
     from async_stager._checkpoint.checkpointer import Checkpointer
@@ -34,7 +35,9 @@ class Shutdown:
             code = await stop.final_checkpoint(ckpt, state, step=step, deadline=25.0)
         sys.exit(code)
 
-    Outside the block the previous handlers are back. An exception raised in the block
+    Outside the block the previous handlers are back. Blocks may be open at once (one
+    inside another, or in sibling tasks): a signal reaches every open block that
+    catches it, and one leaving never leaves the others deaf. An exception raised in the block
     comes out of it as raised (not in an ExceptionGroup), as from a Checkpointer's.
     """
 
@@ -47,8 +50,9 @@ class Shutdown:
         """How long ``final_checkpoint`` took (None before it ran)."""
         self._event: anyio.Event | None = None
         self._tg: anyio.abc.TaskGroup | None = None
-        self._receiver: Any = None
-        self._previous: dict[signal.Signals, Any] = {}
+        #: Per signal, the receiver this one catches it with and its listener's scope.
+        self._receivers: dict[signal.Signals, tuple[Any, anyio.CancelScope]] = {}
+        self._loop: Any = None
 
     @property
     def requested(self) -> bool:
@@ -69,22 +73,43 @@ class Shutdown:
 
     async def __aenter__(self) -> Shutdown:
         self._event = anyio.Event()
-        # anyio on asyncio puts SIG_DFL back on exit, not the handler that was there:
-        # the previous handlers are saved here and put back in __aexit__.
-        self._previous = {s: signal.getsignal(s) for s in self.signals}
-        self._receiver = anyio.open_signal_receiver(*self.signals)
-        signals = self._receiver.__enter__()
+        self._loop = anyio.lowlevel.current_token()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
+        try:
+            _join(self)
+        except BaseException:
+            tg, self._tg = self._tg, None
+            tg.cancel_scope.cancel()
+            await tg.__aexit__(None, None, None)
+            raise
+        return self
+
+    def _caught(self, signum: int) -> None:
+        """A caught signal (this one's receiver, or another open Shutdown's)."""
+        self.signal = signal.Signals(signum)
+        assert self._event is not None
+        self._event.set()
+
+    def _listen(self, sig: signal.Signals) -> None:
+        """Catch ``sig`` from now on (a receiver of its own, replacing any this one
+        had for it: the newest handler installed is the one the signal reaches)."""
+        assert self._tg is not None
+        old = self._receivers.pop(sig, None)
+        if old is not None:
+            old[1].cancel()
+            old[0].__exit__(None, None, None)
+        receiver = anyio.open_signal_receiver(sig)
+        signals = receiver.__enter__()
+        scope = anyio.CancelScope()
 
         async def listen() -> None:
-            async for signum in signals:
-                self.signal = signal.Signals(signum)
-                assert self._event is not None
-                self._event.set()
+            with scope:
+                async for signum in signals:
+                    _deliver(self, signum)
 
+        self._receivers[sig] = (receiver, scope)
         self._tg.start_soon(listen)
-        return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -95,14 +120,11 @@ class Shutdown:
         try:
             # The block's own exception is not handed to the task group: it would come out
             # wrapped in an ExceptionGroup (``except ValueError`` around the block would
-            # miss it). The listener is cancelled and ends at once; the block's exception
+            # miss it). The listeners are cancelled and end at once; the block's exception
             # (a cancellation included) then propagates as it was raised.
             await tg.__aexit__(None, None, None)
         finally:
-            self._receiver.__exit__(None, None, None)
-            for s, handler in self._previous.items():
-                if handler is not None and signal.getsignal(s) != handler:
-                    signal.signal(s, handler)
+            _leave(self)
         return None
 
     async def final_checkpoint(
@@ -129,3 +151,66 @@ class Shutdown:
         self.seconds = time.monotonic() - t0
         ckpt._leave_by(anyio.current_time(), EXIT_MISSED)
         return EXIT_MISSED
+
+
+# -- several Shutdowns at once ------------------------------------------------------------
+#
+# Hazard: a signal has one handler. On asyncio a receiver's exit removes the loop's
+# handler for its signals (the loop keeps one per signal, and puts SIG_DFL back), so an
+# inner block's exit left an outer one deaf: a SIGTERM was swallowed (asyncio's
+# do-nothing handler stayed installed) and the process was never terminated. So the
+# Shutdowns open on this thread are known here: a caught signal reaches every one that
+# catches it (an outer loop sees a notice an inner block caught), a block that leaves
+# hands each of its signals to the newest remaining one that catches it (which
+# installs its handler again), and the handler from before the first one is put back
+# when the last one catching that signal leaves (asyncio puts SIG_DFL back, not it).
+
+_open: list[Shutdown] = []
+#: Per signal caught by an open Shutdown: its handler from before the first of them.
+_before: dict[signal.Signals, Any] = {}
+
+
+def _join(stop: Shutdown) -> None:
+    for sig in stop.signals:
+        if not any(sig in s.signals for s in _open):
+            _before[sig] = signal.getsignal(sig)
+    try:
+        for sig in dict.fromkeys(stop.signals):
+            stop._listen(sig)
+    except BaseException:
+        _close(stop)
+        _restore(stop.signals)
+        raise
+    _open.append(stop)
+
+
+def _deliver(caught_by: Shutdown, signum: int) -> None:
+    for stop in [caught_by, *(s for s in _open if s is not caught_by and signum in s.signals)]:
+        stop._caught(signum)
+
+
+def _close(stop: Shutdown) -> None:
+    for receiver, scope in reversed(list(stop._receivers.values())):
+        scope.cancel()
+        receiver.__exit__(None, None, None)
+    stop._receivers.clear()
+
+
+def _restore(signals: tuple[signal.Signals, ...]) -> None:
+    for sig in signals:
+        if any(sig in s.signals for s in _open) or sig not in _before:
+            continue
+        handler = _before.pop(sig)
+        if handler is not None and signal.getsignal(sig) != handler:
+            signal.signal(sig, handler)
+
+
+def _leave(stop: Shutdown) -> None:
+    _close(stop)
+    if stop in _open:
+        _open.remove(stop)
+    for sig in dict.fromkeys(stop.signals):
+        heirs = [s for s in _open if sig in s.signals and s._tg is not None and s._loop == stop._loop]
+        if heirs:
+            heirs[-1]._listen(sig)
+    _restore(stop.signals)
