@@ -20,7 +20,9 @@ class StageStats:
     on the CPU, the copies); ``wait_seconds`` is the part spent polling the completion
     event from the event loop. ``fast_path``: the last plan was reused as it was (the
     same tensors, or new ones of its layout that took its memory over), no new plan
-    made; its storages then count as cache hits.
+    made; its storages then count as cache hits. ``buffer_set``: the index of the
+    buffer set the result lives in; -1 for a stage that copied no tensor (it takes no
+    set, so it never waits for one).
     """
 
     tensors: int

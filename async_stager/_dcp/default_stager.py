@@ -374,7 +374,7 @@ class DefaultStager(CheckpointStager):
             staged.storages,
             staged.misses,
             staged.fast_path,
-            staged.bufset.index,
+            -1 if staged.bufset is None else staged.bufset.index,
             len(passed),
             self._engine.host_bytes,
             staged.worker_seconds,

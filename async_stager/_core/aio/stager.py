@@ -186,7 +186,8 @@ class Stager:
         done, so the next stage can reuse its buffers. While every one of the
         ``max_buffer_sets`` sets holds a reachable or leased result, a stage waits
         (cancellably) for one to be dropped, and raises BuffersHeldError after
-        ``buffer_wait_timeout`` seconds.
+        ``buffer_wait_timeout`` seconds. A state dict holding no tensor (``{"step":
+        3}``) needs no set: its stage never waits (``stats.buffer_set`` is -1).
 
         Cancellation: a cancelled stage returned nothing. If the worker had not yet
         enqueued the copies, it stops; copies already in flight finish in the
@@ -492,7 +493,7 @@ class Stager:
             cache_hits=staged.hits,
             cache_misses=staged.misses,
             fast_path=staged.fast_path,
-            buffer_set=staged.bufset.index,
+            buffer_set=-1 if staged.bufset is None else staged.bufset.index,
             host_bytes=self._engine.host_bytes,
             seconds=now - job.t0,
             worker_seconds=staged.worker_seconds,

@@ -240,11 +240,22 @@ class BufferSets:
         without the lock: a hint, which a concurrent stage may make stale at once."""
         return max((s.pool.host_bytes for s in self.all() if not s.leases and not s.busy), default=0)
 
-    def select(self, sig: Any, lease: bool, stop: Callable[[], None]) -> tuple[BufferSet, Lease[Any] | None]:
+    def select(
+        self,
+        sig: Any,
+        lease: bool,
+        stop: Callable[[], None],
+        spare: Callable[[], bool] | None = None,
+    ) -> tuple[BufferSet | None, Lease[Any] | None]:
         """A buffer set no result of which is reachable or leased (``BufferSet.held``)
         and that no stage is writing, marked busy; a new one while fewer than
         ``max_sets`` exist; otherwise waits for one to be dropped or released. With
         ``lease``, also a Lease on it (its one release path).
+
+        ``spare``: asked once (outside the lock, before a new set is made or a wait
+        begins) whether this stage can do without a set (one that copies no tensor);
+        when it says True, no set is taken: ``(None, None)``. It is not asked while an
+        existing set is free, so a stage that finds one pays nothing for the question.
 
         ``stop`` is called under the lock on every round and raises to end the wait
         (a cancelled job). A lease given back (from any thread) or a stage done
@@ -259,12 +270,13 @@ class BufferSets:
         t0 = time.monotonic()
         delay = 0.001
         collected = warned = False
+        asked = spare is None
         while True:
             with self.cond:
                 if self.closed:
                     raise ClosedError("the stager is closed")
                 stop()
-                pick = self._pick(sig)
+                pick = self._pick(sig, make=asked)
                 if pick is not None:
                     pick.busy = True
                     if not lease:
@@ -273,6 +285,13 @@ class BufferSets:
                     return pick, Lease(functools.partial(self._give_back, pick))
                 seen = self._events
                 held = self._describe_held()
+            if not asked:
+                assert spare is not None
+                asked = True
+                if spare():
+                    return None, None
+                t0 = time.monotonic()  # the question was no wait
+                continue
             waited = time.monotonic() - t0
             expired = timeout is not None and waited >= timeout
             # The warning comes first, also when the wait ends at once in an error (a
@@ -304,15 +323,15 @@ class BufferSets:
                     self.cond.wait(delay)
             delay = min(delay * 2, 0.05)
 
-    def _pick(self, sig: Any) -> BufferSet | None:
+    def _pick(self, sig: Any, *, make: bool = True) -> BufferSet | None:
         """Under the lock: the free set to write into (one with a plan for ``sig``
-        first, then the most recent), or a new one, or None."""
+        first, then the most recent), or a new one (with ``make``), or None."""
         cands = [s for s in self._sets if not s.leases and not s.busy]
         cands.sort(key=lambda s: (sig not in s.plans, s is not self.recent))
         for s in cands:
             if not s.held():
                 return s
-        if len(self._sets) < self.max_sets:
+        if make and len(self._sets) < self.max_sets:
             reserve = None if self.ledger is None else functools.partial(self._reserve, len(self._sets))
             s = BufferSet(len(self._sets), shared=self.shared, pinner=self.pinner, reserve=reserve)
             self._sets.append(s)

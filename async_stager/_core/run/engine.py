@@ -44,7 +44,7 @@ from async_stager._core.run.enqueue import diagnose_copy_error, enqueue, no_torc
 from async_stager._core.run.interp import gc_paused, gil_interval
 from async_stager._core.run.lanes import Lanes
 from async_stager._core.walk.objects import GeneratorStates, generator_states
-from async_stager._core.walk.tree import Interrupt, Walk
+from async_stager._core.walk.tree import Interrupt, Walk, tensorless_copy
 from async_stager.errors import ClosedError, InvalidOptionError, StagingError
 
 __all__ = ["Captures", "Cancelled", "Engine", "StageRecord", "build_engine"]
@@ -93,13 +93,27 @@ class _Built:
 
 
 @dataclass(eq=False)
+class _Tensorless:
+    """What a stage's walk built when the state dict holds no tensor: the whole staged
+    copy, which needs no buffer set."""
+
+    result: Any
+
+
+def _nothing_to_give_back() -> None:
+    """The release of a lease on a stage that took no buffer set."""
+
+
+@dataclass(eq=False)
 class StageRecord:
     """The worker's half of a stage: the result and what is still in flight."""
 
     #: The staged structure; whoever hands it on sets this to None, so the stager
     #: itself never keeps a result reachable (which would hold its buffer set).
     result: Any
-    bufset: BufferSet
+    #: The set the result lives in; None for a stage that copied no tensor (it took no
+    #: set: nothing of its result is host memory of the stager).
+    bufset: BufferSet | None
     completions: list[Completion]
     #: The hold on ``bufset`` when the stage was leased (released exactly once).
     lease: Lease[Any] | None
@@ -295,20 +309,41 @@ class Engine:
     ) -> StageRecord:
         """One attempt at a stage, in its steps: take a buffer set, build the result
         (``_reuse``: the set's plan for this signature still holds, one walk; else
-        ``_replan``: a new plan, two walks), then enqueue the copies (``_copy``)."""
+        ``_replan``: a new plan, two walks), then enqueue the copies (``_copy``).
+
+        A state dict that holds no tensor takes no set (``_setless``): it never waits
+        for one, never makes one, and a set it took while one was free is given back
+        untouched (no plan, no cache entry, not marked the most recent)."""
         t0 = time.perf_counter()
         tick = CancelCheck(cancel, self)
         # Generator states taken at the call (``capture``); none: read as the walk goes.
         gens: GeneratorStates | None = getattr(captures, "generators", None)
         sig = signature_of(sd)
-        bufset, held = self.sets.select(sig, lease, tick.check_cancelled)
+        found: list[Any] = []
+
+        def spare() -> bool:
+            # Asked only when no existing set is free: walks up to the first tensor.
+            empty, result = tensorless_copy(sd, tick=tick, generators=gens)
+            if empty:
+                found.append(result)
+            return empty
+
+        bufset, held = self.sets.select(sig, lease, tick.check_cancelled, spare)
+        if bufset is None:
+            return self._setless(found.pop(), lease, checksums and copy, t0)
         succeeded = False
         try:
             bufset.wait_inflight()
             plan = bufset.plan_for(sig) if allow_fast else None
-            built = self._reuse(plan, sd, bufset, tick, gens) if plan is not None else None
-            if built is None:
-                built = self._replan(sd, sig, bufset, tick, gens, captures, copy)
+            reused = self._reuse(plan, sd, bufset, tick, gens) if plan is not None else None
+            built = (
+                reused if reused is not None else self._replan(sd, sig, bufset, tick, gens, captures, copy)
+            )
+            del reused
+            if isinstance(built, _Tensorless):
+                if held is not None:
+                    held.release()
+                return self._setless(built.result, lease, checksums and copy, t0)
             tick()
             completions, devices, digests = self._copy(
                 built, sd, sig, bufset, captures, tick, copy, checksums
@@ -336,6 +371,25 @@ class Engine:
             raise
         finally:
             self.sets.done_writing(bufset, succeeded=succeeded)
+
+    def _setless(self, result: Any, lease: bool, checksums: bool, t0: float) -> StageRecord:
+        """The record of a stage that copied no tensor: its result is the walk's copy
+        of the structure, in no buffer set; a lease on it holds nothing."""
+        return StageRecord(
+            result=result,
+            bufset=None,
+            completions=[],
+            lease=Lease(_nothing_to_give_back) if lease else None,
+            tensors=0,
+            storages=0,
+            nbytes=0,
+            hits=0,
+            misses=0,
+            fast_path=False,
+            worker_seconds=time.perf_counter() - t0,
+            devices=[],
+            checksums=Checksums() if checksums else None,
+        )
 
     def _reuse(
         self, plan: Plan, sd: Any, bufset: BufferSet, tick: CancelCheck, gens: GeneratorStates | None
@@ -367,18 +421,22 @@ class Engine:
         gens: GeneratorStates | None,
         captures: dict[torch.device, Any],
         copy: bool,
-    ) -> _Built:
+    ) -> _Built | _Tensorless:
         """The slow path, two walks: the first collects and validates every leaf, a new
         plan is made from them (storage cache lookups, allocation), the second builds
         the result around the new plan's host tensors. Raises StagingError if the state
-        dict changed between the walks."""
+        dict changed between the walks. A state dict with no tensor: the first walk's
+        copy is the whole result (``_Tensorless``), and the set is left as it was."""
         # The cyclic GC paused for the whole slow path, not only make_plan: the walks
         # and checks make objects per leaf too, and collections scanning a heap that
         # grows with every plan doubled the first stage of 20k tensors in a process
         # already holding other plans.
         with gc_paused():
             collect = Walk((), validate=True, tick=tick, generators=gens)
-            collect.rebuild(sd)
+            collected = collect.rebuild(sd)
+            if not collect.leaves:
+                return _Tensorless(collected)
+            del collected
             with no_torch_function():
                 plan, hits, misses = make_plan(
                     self._copier,
@@ -485,7 +543,8 @@ class Engine:
 
     def settle(self, staged: StageRecord) -> None:
         """The stage's completions have been observed: the set has nothing in flight."""
-        self.sets.settle(staged.bufset, staged.completions)
+        if staged.bufset is not None:
+            self.sets.settle(staged.bufset, staged.completions)
 
     def fence(self) -> Callable[[], None]:
         """Caller's thread, at the call: read the caller's current stream of every

@@ -41,7 +41,7 @@ from async_stager._core.walk.objects import (
 )
 from async_stager.errors import Attr, NestingError, Nth, StagingError, UnsupportedTensorError
 
-__all__ = ["REDUCE", "Interrupt", "Walk", "check_tensor", "path_of_leaf", "wrap_like"]
+__all__ = ["REDUCE", "Interrupt", "Walk", "check_tensor", "path_of_leaf", "tensorless_copy", "wrap_like"]
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -485,6 +485,22 @@ def path_of_leaf(sd: Any, index: int) -> tuple[Any, ...] | None:
     except StagingError:
         return None
     return None
+
+
+def tensorless_copy(
+    sd: Any, *, tick: Callable[[], None], generators: GeneratorStates | None
+) -> tuple[bool, Any]:
+    """``(True, copy)`` when ``sd`` holds no tensor: ``copy`` is its staged copy (the
+    walk copies every container and object, as a stage does); ``(False, None)`` as soon
+    as the walk meets a tensor leaf (the first one: the rest is not walked). Errors of
+    the structure before that leaf are raised as a stage raises them, with their path."""
+    walk = Walk((), validate=True, tick=tick, generators=generators)
+    walk.stop_at = 0
+    try:
+        result = walk.rebuild(sd)
+    except _LeafFound:
+        return False, None
+    return True, result
 
 
 def _no_tick() -> None:
