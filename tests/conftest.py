@@ -78,6 +78,7 @@ PROCESS_MODULES = {
     "test_reliability_input",
     "test_cli_check",
     "test_checkpointer_trust",
+    "test_compare_edges",
     "test_budget_objects",
     "test_share_views",
     "test_agent_process",
