@@ -5,6 +5,7 @@ and the progress view all read, below all of them so none imports another's modu
 
 from __future__ import annotations
 
+import enum
 import threading
 import traceback
 from collections.abc import Awaitable, Callable, Coroutine
@@ -19,24 +20,42 @@ if TYPE_CHECKING:
     from async_stager._dcp.budget import BudgetStats
     from async_stager._dcp.budget_save import BudgetedJob
 
-__all__ = ["SaveItem", "clear_frames"]
+__all__ = ["Phase", "SaveItem", "clear_frames"]
+
+
+class Phase(enum.Enum):
+    """Where a save is; ``value`` is the phase ``SaveProgress`` shows (public strings).
+
+    The queue's phases: ``DEFERRED`` (waits for a buffer set, or for a write slot when
+    it streams), ``STAGING``, ``QUEUED`` (staged, waits for a write slot), ``WRITING``
+    (holds a write slot until its thread ends), ``DONE``. Within ``WRITING`` a save's
+    progress shows ``WRITING`` (its files) or ``COMMITTING`` (waits for the earlier
+    saves, then commits). A memory snapshot shows ``MEMORY_STAGING`` or
+    ``MEMORY_COMMITTING``."""
+
+    DEFERRED = "deferred"
+    STAGING = "staging"
+    QUEUED = "queued"
+    WRITING = "writing"
+    COMMITTING = "committing"
+    DONE = "done"
+    MEMORY_STAGING = "memory-staging"
+    MEMORY_COMMITTING = "memory-committing"
 
 
 @dataclass(eq=False)
 class SaveItem:
-    """One accepted ``save`` call. ``phase``: ``deferred`` (waits for a buffer set, or
-    for a write slot when budgeted), ``staging``, ``queued`` (staged, waits for a write
-    slot), ``writing``, ``done``. ``read`` is set once its sources were read (or it
+    """One accepted ``save`` call. ``phase``: see ``Phase``. ``read`` is set once its sources were read (or it
     ended without reading them); ``done`` once it is committed, failed or dropped."""
 
     seq: int
     step: int
     read: anyio.Event
     done: anyio.Event
-    phase: str = "deferred"
-    #: Within ``writing``: ``"writing"`` (its files) or ``"committing"`` (waits for the
+    phase: Phase = Phase.DEFERRED
+    #: Within ``WRITING``: ``WRITING`` (its files) or ``COMMITTING`` (waits for the
     #: earlier saves, then commits). Set by the write's thread.
-    phase_detail: str = ""
+    phase_detail: Phase | None = None
     #: Its tensor bytes, once known (at its write).
     bytes: int | None = None
     #: The resolved state, until its stage is submitted (or its pipeline built).
@@ -111,6 +130,12 @@ class SaveItem:
     #: A given-up budgeted save's wait for its thread (cancelled at a missed exit
     #: deadline: the thread is then left to the process's end).
     thread_wait: anyio.CancelScope | None = None
+
+    @property
+    def ended(self) -> bool:
+        """It left the queue (committed, failed, dropped or abandoned); read after an
+        await, where the phase may have changed meanwhile."""
+        return self.phase is Phase.DONE
 
     def wait_earlier(self) -> None:
         """Block until every earlier save ended (from a write's thread)."""

@@ -308,7 +308,7 @@ async def admit_item(
     given up (a coroutine dropped unawaited, a caller cancelled) and is not saved.
     Cancellation: deferred until the thread returns (it is bounded)."""
     sd = item.sd
-    if sd is None or item.phase == "done":
+    if sd is None or item.ended:
         item.admitting = False
         return "dropped"
     try:
@@ -321,7 +321,7 @@ async def admit_item(
         return "failed"
     item.admitting = False
     item.admission, item.node_wait = adm.path, adm.waited
-    if item.phase == "done" or item.cancelled:
+    if item.ended or item.cancelled:
         ledger.drop_credit()
         return "dropped"
     if adm.path == "streamed" or adm.waited >= 0.01:

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from async_stager._checkpoint.item import Phase
+
 if TYPE_CHECKING:
     from async_stager._checkpoint.item import SaveItem
     from async_stager._checkpoint.options import SaveStats
@@ -80,12 +82,12 @@ def status_line(saves: list[SaveProgress]) -> str:
 def progress_of(item: SaveItem, now: float | None = None, rate: float | None = None) -> SaveProgress:
     """``item`` as a SaveProgress; ``rate``: the previous commit's bytes per second."""
     now = time.monotonic() if now is None else now
-    staged = item.staged if item.phase in ("queued", "writing") else None
-    phase = item.phase_detail or item.phase if item.phase == "writing" else item.phase
+    staged = item.staged if item.phase in (Phase.QUEUED, Phase.WRITING) else None
+    phase = item.phase_detail or item.phase if item.phase is Phase.WRITING else item.phase
     eta = None
-    if rate and item.bytes is not None and phase == "writing":
+    if rate and item.bytes is not None and phase is Phase.WRITING:
         eta = max(0.0, item.bytes / rate - (now - item.called - (staged or 0.0)))
-    return SaveProgress(item.step, phase, now - item.called, staged, item.bytes, eta)
+    return SaveProgress(item.step, phase.value, now - item.called, staged, item.bytes, eta)
 
 
 def describe(item: SaveItem, rate: float | None = None) -> str:

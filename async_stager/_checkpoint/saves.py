@@ -20,7 +20,7 @@ import anyio
 import anyio.abc
 
 from async_stager._checkpoint.disk import checkpoint_failure
-from async_stager._checkpoint.item import SaveItem, clear_frames
+from async_stager._checkpoint.item import Phase, SaveItem, clear_frames
 from async_stager._checkpoint.node_budget import CreditLedger, admit_item, yield_idle
 from async_stager._checkpoint.options import CheckpointerOptions, SaveStats
 from async_stager._checkpoint.progress import report_progress
@@ -83,7 +83,7 @@ class SaveQueue:
     @property
     def writing(self) -> int:
         """Writes holding a slot: started, their thread not ended."""
-        return sum(1 for i in self.items if i.phase == "writing" and not i.finished.is_set())
+        return sum(1 for i in self.items if i.phase is Phase.WRITING and not i.finished.is_set())
 
     def open(
         self, tg: anyio.abc.TaskGroup, writer: Writer, stager: Stager, ledger: CreditLedger | None = None
@@ -161,7 +161,7 @@ class SaveQueue:
         self.seq += 1
         if self.options.host_budget_bytes is not None and not self._make_job(item):
             # Refused at its start (raised to the save's caller): never queued.
-            item.phase = "done"
+            item.phase = Phase.DONE
             for event in (item.settled, item.finished):
                 event.set()
             item.read.set()
@@ -182,7 +182,7 @@ class SaveQueue:
             if self._wake is not None:
                 self._wake()
             return
-        if not item.awaited and item.phase in ("deferred", "staging", "queued"):
+        if not item.awaited and item.phase in (Phase.DEFERRED, Phase.STAGING, Phase.QUEUED):
             self.cancel(item)
 
     def in_flight(self) -> int:
@@ -192,7 +192,7 @@ class SaveQueue:
     def _holders(self) -> int:
         """Buffer sets held or about to be: saves staging, and staged copies not yet
         released (queued, or being written)."""
-        return sum(1 for i in self.items if i.phase == "staging" or i.lease is not None or i.admitting)
+        return sum(1 for i in self.items if i.phase is Phase.STAGING or i.lease is not None or i.admitting)
 
     def advance(self) -> None:
         """Move the saves forward, oldest first: submit stages while buffer sets are
@@ -208,7 +208,7 @@ class SaveQueue:
         if tg is None or self.abandoned:
             return
         for item in self.items:
-            if item.phase == "writing" and not item.tasks:
+            if item.phase is Phase.WRITING and not item.tasks:
                 self._start_tasks(tg, item)  # its write a thread started
         opts = self.options
         budgeted = opts.host_budget_bytes is not None
@@ -217,7 +217,7 @@ class SaveQueue:
             for item in self.items:
                 if free <= 0:
                     break
-                if item.phase != "deferred" or item.sd is None or item.stream or item.admitting:
+                if item.phase is not Phase.DEFERRED or item.sd is None or item.stream or item.admitting:
                     continue
                 if self._ledger is not None and item.admission is None:
                     # The node budget first (a worker thread): staged or streamed.
@@ -228,18 +228,18 @@ class SaveQueue:
                         item.sd, checksums=self._checksums_while_staging(), at=item.point
                     )
                     item.sd = None
-                    item.phase = "staging"
+                    item.phase = Phase.STAGING
                     item.queued = time.monotonic() - item.called
                     tg.start_soon(self._stage_task, item)
                 free -= 1
         for item in self.items:
             if self.writing >= opts.max_in_flight:
                 break
-            if item.phase == "queued":
+            if item.phase is Phase.QUEUED:
                 self._start_write(tg, item)
-            elif (budgeted or item.stream) and item.phase == "deferred":
+            elif (budgeted or item.stream) and item.phase is Phase.DEFERRED:
                 self._start_budgeted(tg, item)
-            elif item.phase != "writing":
+            elif item.phase is not Phase.WRITING:
                 break
         self.notify()
 
@@ -262,8 +262,8 @@ class SaveQueue:
         loop, or in the thread of a write that just ended): not in a task, which would
         run only at the loop's next turn, which a training loop that does not yield
         never gives. Its loop-side tasks follow (``_start_tasks``)."""
-        item.phase = "writing"
-        item.phase_detail = "writing"
+        item.phase = Phase.WRITING
+        item.phase_detail = Phase.WRITING
         item.wrote = True
         if not item.awaited:
             item.settled.set()  # nobody waits in save(): nobody can give it up now
@@ -301,9 +301,9 @@ class SaveQueue:
             for item in list(self.items):
                 if self.writing >= self.options.max_in_flight:
                     break
-                if item.phase == "writing":
+                if item.phase is Phase.WRITING:
                     continue
-                if item.phase != "queued" or item.on_freed is None:
+                if item.phase is not Phase.QUEUED or item.on_freed is None:
                     break
                 self._begin_write(item)
                 started = True
@@ -313,9 +313,9 @@ class SaveQueue:
     def end(self, item: SaveItem, *, dropped: bool = False) -> None:
         """An item leaves: committed, failed, dropped or abandoned (idempotent)."""
         with self._lock:
-            if item.phase == "done":
+            if item.phase is Phase.DONE:
                 return
-            item.phase = "done"
+            item.phase = Phase.DONE
             item.release()
             item.settled.set()
             item.finished.set()
@@ -341,11 +341,11 @@ class SaveQueue:
     def _cancel(self, item: SaveItem) -> None:
         item.cancelled = True
         item.settled.set()  # after ``cancelled``: the write's thread reads it next
-        if item.phase == "staging":
+        if item.phase is Phase.STAGING:
             item.stage_scope.cancel()  # the stage task ends it
-        elif item.phase in ("deferred", "queued"):
+        elif item.phase in (Phase.DEFERRED, Phase.QUEUED):
             self.end(item)
-        elif item.phase == "writing" and item.lease is None and not item.read.is_set():
+        elif item.phase is Phase.WRITING and item.lease is None and not item.read.is_set():
             item.scope.cancel()  # a budgeted save before its last piece: nothing committed
         # A staged save already handed its write slot: the write's thread sees
         # ``cancelled`` before it writes, and again before it commits.
@@ -357,7 +357,7 @@ class SaveQueue:
         with self._lock:
             self.abandoned = True
         for item in list(self.items):
-            if item.phase == "writing":
+            if item.phase is Phase.WRITING:
                 item.cancelled = True  # its thread checks it before it commits
                 item.settled.set()
                 item.scope.cancel()
@@ -406,7 +406,7 @@ class SaveQueue:
         del stage
         if self._ledger is not None:
             self._ledger.drop_credit()  # what the stage did not draw of its admission
-        if lease is not None and (item.cancelled or item.phase == "done"):
+        if lease is not None and (item.cancelled or item.phase is Phase.DONE):
             lease.release()
             lease = None
         if lease is None:
@@ -417,7 +417,7 @@ class SaveQueue:
         freed = item.freed = anyio.Event()
         item.on_freed = threadsafe(freed.set)
         with self._lock:
-            item.phase = "queued"
+            item.phase = Phase.QUEUED
         item.read.set()
         self.advance()
         self.coalesce()
@@ -434,11 +434,11 @@ class SaveQueue:
             self._coalesce()
 
     def _coalesce(self) -> None:
-        kept = [i.seq for i in self.items if i.phase == "queued" and i.returned]
+        kept = [i.seq for i in self.items if i.phase is Phase.QUEUED and i.returned]
         if not kept:
             return
         newest = max(kept)
-        for older in [i for i in self.items if i.phase == "queued" and i.seq < newest]:
+        for older in [i for i in self.items if i.phase is Phase.QUEUED and i.seq < newest]:
             self.end(older, dropped=True)
 
     def _make_job(self, item: SaveItem) -> bool:
@@ -505,11 +505,13 @@ class SaveQueue:
                 if item.error is not None:
                     raise item.error
                 if opts.host_budget_bytes is not None or item.stream:
-                    if item.read.is_set() and item.phase != "deferred":
+                    if item.read.is_set() and item.phase is not Phase.DEFERRED:
                         break
-                elif item.phase == "writing" or (item.phase == "queued" and opts.policy == "coalesce"):
+                elif item.phase is Phase.WRITING or (
+                    item.phase is Phase.QUEUED and opts.policy == "coalesce"
+                ):
                     break
-                if item.phase == "done":
+                if item.phase is Phase.DONE:
                     if item.committed or item.wrote or item.superseded:
                         break
                     raise ClosedError("the Checkpointer closed before this save was staged")
@@ -606,7 +608,7 @@ class SaveQueue:
 
     async def _release_when(self, item: SaveItem, freed: anyio.Event) -> None:
         await freed.wait()
-        if item.phase == "writing":
+        if item.phase is Phase.WRITING:
             item.release()  # the staged buffers are free for the next stage
             self.advance()
             if self._ledger is not None:

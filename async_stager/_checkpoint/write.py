@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from async_stager._checkpoint import commit as _commit, holds as _holds, integrity as _integrity
 from async_stager._checkpoint.disk import failure_reason
 from async_stager._checkpoint.formats import CheckpointFormat
+from async_stager._checkpoint.item import Phase
 from async_stager._checkpoint.manifest import MANIFEST
 from async_stager._checkpoint.options import CheckpointerOptions, SaveStats
 from async_stager._checkpoint.ranks import Ranks
@@ -143,7 +144,7 @@ class Writer:
         manifest, entry, checksum_seconds, nbytes = self._write_staged(item, lease)
         written()
         t1 = time.monotonic()
-        item.phase_detail = "committing"
+        item.phase_detail = Phase.COMMITTING
         item.wait_earlier()
         # Its caller may still be cancelled inside save() (the loop has not resumed it
         # since this write started): wait until it returned or gave up.
@@ -175,7 +176,7 @@ class Writer:
         the format's ``stored`` needs, the checksum seconds and the tensor bytes."""
         opts = self.options
         staged = lease.state_dict
-        item.phase_detail = "writing"
+        item.phase_detail = Phase.WRITING
         item.bytes = staged_bytes(staged)
         # What the copy threads did not hash (everything, on the CPU: there the stage
         # leaves hashing to this point, off the caller's blocked path) is hashed from
@@ -252,13 +253,13 @@ class Writer:
             if self.ranks.coordinator and sd is not None:
                 write_typed_paths(self.tmp(item), typed_paths(sd))
             del sd
-            item.phase_detail = "writing"
+            item.phase_detail = Phase.WRITING
             job.run()
             stats = item.budget[0] if item.budget else None
             nbytes = stats.tensor_bytes if stats is not None else 0
             item.bytes = nbytes
             t1 = time.monotonic()
-            item.phase_detail = "committing"
+            item.phase_detail = Phase.COMMITTING
             item.wait_earlier()
             item.settled.wait()  # its caller may still give it up (see write_and_commit)
             if item.cancelled:
