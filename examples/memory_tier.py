@@ -9,6 +9,10 @@ the agent every step (it costs the stage only) and a checkpoint on disk every 5t
 At step ``--kill-at`` rank 1 SIGKILLs itself. torchrun restarts both ranks; each
 restores from the agent's memory (``ckpt.memory.restored``) and trains on.
 
+The agent never outlives this launcher: it is stopped on the way out, also when the
+launcher is stopped by SIGTERM (as a scheduler stops a job), and it is started with
+``--parent`` (this process's id), so it exits by itself if the launcher is killed.
+
 At the end each rank checks two things bit for bit: the resumed run's final state
 against a run of the same steps that was never interrupted, and a restore of the final
 checkpoint into fresh objects against the trained state.
@@ -120,11 +124,19 @@ async def rank_main(out: str, job: str, steps: int, kill_at: int) -> None:
 
 
 def launch(args: argparse.Namespace) -> int:
-    """Start the agent, run the job under torchrun, stop the agent."""
+    """Start the agent, run the job under torchrun, stop the agent: also when this
+    launcher is stopped (SIGTERM, as a scheduler stops a job; Ctrl-C), and, through
+    ``--parent``, when it is killed outright (the agent exits once this process has)."""
     job = f"example-{uuid.uuid4().hex[:8]}"
     env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)  # unwinds through the finally blocks below
+
+    signal.signal(signal.SIGTERM, stop)
+    parent = ["--parent", str(os.getpid())]  # the agent exits once this launcher has
     agent = subprocess.Popen(
-        [sys.executable, "-m", "async_stager", "agent", "--job", job, "--max-bytes", str(256 << 20)],
+        [sys.executable, "-m", "async_stager", "agent", "--job", job, "--max-bytes", "256MiB", *parent],
         stdout=subprocess.PIPE,
         text=True,
         env=env,
@@ -142,7 +154,17 @@ def launch(args: argparse.Namespace) -> int:
         cmd += ["--master-port", str(port), "--monitor-interval", "0.1"]
         cmd += [__file__, "--rank-main"]
         cmd += ["--out", args.out, "--job", job, "--steps", str(args.steps), "--kill-at", str(args.kill_at)]
-        return subprocess.run(cmd, env=env, timeout=args.timeout).returncode
+        run = subprocess.Popen(cmd, env=env)
+        try:
+            return run.wait(args.timeout)
+        finally:
+            if run.poll() is None:  # stopped early: torchrun stops its ranks on SIGTERM
+                run.terminate()
+                try:
+                    run.wait(30)
+                except subprocess.TimeoutExpired:
+                    run.kill()
+                    run.wait()
     finally:
         agent.send_signal(signal.SIGTERM)
         agent.wait(30)

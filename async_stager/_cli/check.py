@@ -31,8 +31,17 @@ from typing import TextIO
 
 from async_stager._core.memory.host_limits import HostLimits
 from async_stager._core.memory.preflight import Need, check, human, set_bytes
+from async_stager.errors import HostLimitError
 
-__all__ = ["DTYPE_BYTES", "OPTIMIZER_STATES", "add_check_parser", "parse_bytes", "parse_count", "run_check"]
+__all__ = [
+    "DTYPE_BYTES",
+    "OPTIMIZER_STATES",
+    "add_check_parser",
+    "agent_report",
+    "parse_bytes",
+    "parse_count",
+    "run_check",
+]
 
 #: Bytes per parameter of each ``--dtype``.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -174,8 +183,6 @@ def run_check(ns: argparse.Namespace, out: TextIO, limits: HostLimits | None = N
     short = [r for r in report.rows if r.enforced and not r.fits]
     agent_fits = True
     if getattr(ns, "agent", False):
-        from async_stager._tier.service import agent_report
-
         agent_fits = agent_report(nbytes, need.ranks, out, limits)
     if not short:
         out.write("fits: yes\n" if agent_fits else "fits: not in the memory agent\n")
@@ -183,3 +190,28 @@ def run_check(ns: argparse.Namespace, out: TextIO, limits: HostLimits | None = N
     for r in short:
         out.write(textwrap.fill(f"does not fit: {r.resource}: {r.fix}", 80, subsequent_indent="  ") + "\n")
     return 1
+
+
+def agent_report(
+    snapshot_bytes: int, ranks: int, out: TextIO, limits: HostLimits | None = None, keep: int = 2
+) -> bool:
+    """``check --agent``: the agent's limits on this node and whether ``keep`` snapshots
+    of ``snapshot_bytes`` for each of ``ranks`` ranks fit its default bound. Writes the
+    lines to ``out``; True if they fit."""
+    from async_stager._tier.service import memory_limits
+
+    try:
+        lim = memory_limits(None, limits)
+    except HostLimitError as exc:
+        out.write(f"memory agent: cannot run: {exc}\n")
+        return False
+    need = keep * snapshot_bytes * ranks
+    out.write("memory agent (python -m async_stager agent):\n")
+    for line in lim.lines():
+        out.write(f"  {line}\n")
+    fits = need <= lim.max_bytes
+    out.write(
+        f"  needs {keep} x {snapshot_bytes / 2**30:.2f} GiB x {ranks} rank(s) = {need / 2**30:.2f} GiB: "
+        f"{'fits' if fits else 'does not fit (pass a larger --max-bytes, or memory_keep=1)'}\n"
+    )
+    return fits

@@ -10,6 +10,7 @@
   (the first allocates host memory; the second reuses it).
 - ``check``: pre-flight: does a checkpoint of a given size fit this machine's limits?
   (exit status 1 when it does not; see ``check.py``).
+- ``agent``: the memory tier's node agent (``agent.py``).
 """
 
 from __future__ import annotations
@@ -246,16 +247,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_verify_parser(sub)
     add_check_parser(sub)
-    from async_stager._tier.service import add_agent_arguments
+    from .agent import add_agent_parser
 
-    add_agent_arguments(
-        sub.add_parser(
-            "agent",
-            help="the memory tier's node agent: holds each rank's newest snapshots in memory",
-            description="Serve the trainers of one job on this node: hold their memory snapshots "
-            "(received by file descriptor) until the agent exits (docs/concepts.md, the memory tier).",
-        )
-    )
+    add_agent_parser(sub)
     return parser
 
 
@@ -276,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "check":
             return run_check(ns, sys.stdout)
         if ns.command == "agent":
-            from async_stager._tier.service import run as run_agent
+            from .agent import run as run_agent
 
             return run_agent(ns)
         if ns.command == "bench-process":

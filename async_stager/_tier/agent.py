@@ -49,6 +49,9 @@ __all__ = ["Agent", "Held"]
 
 _log = logging.getLogger("async_stager.agent")
 
+#: The agent's INFO log: one summary of the snapshots accepted at most this often.
+SUMMARY_SECONDS = 60.0
+
 
 @dataclass(eq=False)
 class _Arena:
@@ -139,7 +142,13 @@ class Agent:
         self._listener: anyio.abc.SocketListener | None = None
         self._inode: tuple[int, int] | None = None
         self.closed = False
+        #: Connections accepted so far, and open now.
         self.connections = 0
+        self.open_connections = 0
+        self._idle_since: float | None = time.monotonic()
+        #: Commits since the last summary line, and when it was logged.
+        self._commits = 0
+        self._summary_at: float | None = None
 
     # -- what is held --------------------------------------------------------------------
 
@@ -283,8 +292,23 @@ class Agent:
             wire.close_fds([a.fd for a in self._arenas.values()])
             self._arenas.clear()
 
+    def idle_seconds(self) -> float | None:
+        """Seconds since the last trainer's connection closed (or since the start), None
+        while one is open."""
+        return None if self._idle_since is None else time.monotonic() - self._idle_since
+
     async def _connection(self, stream: SocketStream) -> None:
         self.connections += 1
+        self.open_connections += 1
+        self._idle_since = None
+        try:
+            await self._serve_connection(stream)
+        finally:
+            self.open_connections -= 1
+            if self.open_connections == 0:
+                self._idle_since = time.monotonic()
+
+    async def _serve_connection(self, stream: SocketStream) -> None:
         async with stream:
             try:
                 wire.check_peer(self._peer_uid(stream), self._uid)
@@ -458,17 +482,36 @@ class Agent:
                 self._trim(who, self.keep, pending.session, frozenset(protect) | {step})
         finally:
             self._reserved -= new
-        _log.info(
-            "holding rank %d step %d (%d tensors, %d arena bytes); %d of %d bytes held, %s",
+        self._logged(rank, step, int(body.get("tensors", 0)), pending.bytes)
+        return Message(Kind.OK, {"complete": True, "held_bytes": self.held_bytes})
+
+    def _logged(self, rank: int, step: int, tensors: int, nbytes: int) -> None:
+        """One DEBUG line per snapshot; at INFO the first one, then a summary at most
+        every ``SUMMARY_SECONDS`` (a snapshot every step would flood the log)."""
+        _log.debug(
+            "holding rank %d step %d (%d tensors, %d arena bytes); %d of %d bytes held",
             rank,
             step,
-            int(body.get("tensors", 0)),
-            pending.bytes,
+            tensors,
+            nbytes,
             self.held_bytes,
             self.max_bytes,
-            ", ".join(f"rank {h.rank} step {h.step}" for h in self.snapshots()),
         )
-        return Message(Kind.OK, {"complete": True, "held_bytes": self.held_bytes})
+        self._commits += 1
+        now = time.monotonic()
+        if self._summary_at is not None and now - self._summary_at < SUMMARY_SECONDS:
+            return
+        held = self.snapshots()
+        _log.info(
+            "%d snapshot(s) accepted%s; holding %d of %d bytes: %s",
+            self._commits,
+            "" if self._summary_at is None else f" in the last {now - self._summary_at:.0f} s",
+            self.held_bytes,
+            self.max_bytes,
+            ", ".join(f"rank {h.rank} step {h.step}" for h in held if h.complete) or "nothing",
+        )
+        self._commits = 0
+        self._summary_at = now
 
     def _pending(self, key: tuple[str, int], step: int) -> Held:
         rank = key[1]

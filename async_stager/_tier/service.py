@@ -1,29 +1,37 @@
-"""Running the agent: its memory bound checked against the node, its command line.
+"""Running the agent: its memory bound checked against the node, and its lifetime.
 
 ``memory_limits`` decides the agent's bound at start from what the node can give
 (``HostLimits``): ``MemAvailable``, the memory cgroup's headroom (memfd pages are
 shmem, charged to the cgroup of the process that faults them in), descriptors left
 under ``RLIMIT_NOFILE`` (the agent holds one per arena) and ``RLIMIT_FSIZE`` (an
 arena is a file of its size). ``/dev/shm`` does not bound it: arenas are memfds, which
-have no name and no mount size limit. ``main`` is ``python -m async_stager agent``.
+have no name and no mount size limit.
+
+``serve_until_stopped`` runs an agent until SIGTERM or SIGINT, or until the job is
+gone: ``parent`` (a process id: the agent exits once that process has exited, found
+by its start time, so a reused id is not mistaken for it) and ``idle_exit`` (seconds
+with no trainer connected). An agent outlives its trainers on purpose (it holds their
+memory for a restart), but never its job: tie it to the job's launcher, or bound its
+idle time. The command line (``python -m async_stager agent``) is ``_cli.agent``.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
+import math
 import signal
-import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TextIO
 
 import anyio
 
 from async_stager._core.memory.host_limits import HostLimits
 from async_stager._tier.agent import Agent
-from async_stager.errors import AgentError, HostLimitError
+from async_stager.errors import HostLimitError, InvalidOptionError
 
-__all__ = ["AgentLimits", "add_agent_arguments", "agent_report", "main", "memory_limits", "run_agent"]
+__all__ = ["AgentLimits", "ParentProcess", "memory_limits", "serve_until_stopped"]
+
+_log = logging.getLogger("async_stager.agent")
 
 #: Descriptors the agent keeps free for connections and its own files.
 SPARE_FDS = 64
@@ -99,80 +107,89 @@ def memory_limits(max_bytes: int | None = None, limits: HostLimits | None = None
     return AgentLimits(max_bytes, lim.mem_available, headroom, fds_free, lim.fsize, lim.memfd)
 
 
-def agent_report(
-    snapshot_bytes: int, ranks: int, out: TextIO, limits: HostLimits | None = None, keep: int = 2
-) -> bool:
-    """``check --agent``: the agent's limits on this node and whether ``keep`` snapshots
-    of ``snapshot_bytes`` for each of ``ranks`` ranks fit its default bound. Writes the
-    lines to ``out``; True if they fit."""
+@dataclass(frozen=True)
+class ParentProcess:
+    """A process the agent lives no longer than: its id and its start time (clock ticks
+    after boot, ``/proc/PID/stat`` field 22), so that a later process given the same id
+    is not taken for it."""
+
+    pid: int
+    start: int
+
+    @classmethod
+    def of(cls, pid: int) -> ParentProcess:
+        """The running process ``pid``; InvalidOptionError if there is none."""
+        if isinstance(pid, bool) or not isinstance(pid, int) or pid < 1:
+            raise InvalidOptionError(f"--parent must be a process id >= 1, got {pid!r}")
+        start = _start_time(pid)
+        if start is None:
+            raise InvalidOptionError(f"--parent {pid}: no such process")
+        return cls(pid, start)
+
+    def alive(self) -> bool:
+        return _start_time(self.pid) == self.start
+
+
+def _start_time(pid: int) -> int | None:
     try:
-        lim = memory_limits(None, limits)
-    except HostLimitError as exc:
-        out.write(f"memory agent: cannot run: {exc}\n")
-        return False
-    need = keep * snapshot_bytes * ranks
-    out.write("memory agent (python -m async_stager agent):\n")
-    for line in lim.lines():
-        out.write(f"  {line}\n")
-    fits = need <= lim.max_bytes
-    out.write(
-        f"  needs {keep} x {snapshot_bytes / 2**30:.2f} GiB x {ranks} rank(s) = {need / 2**30:.2f} GiB: "
-        f"{'fits' if fits else 'does not fit (pass a larger --max-bytes, or memory_keep=1)'}\n"
-    )
-    return fits
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) is in parentheses and may hold spaces or ')'.
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    if fields[0] in (b"Z", b"X"):  # a zombie has exited: only its exit status is left
+        return None
+    return int(fields[19])
 
 
-def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
-    """The agent's options on ``parser``."""
-    parser.add_argument("--job", required=True, help="the job's id (the socket's path derives from it)")
-    parser.add_argument(
-        "--max-bytes",
-        type=int,
-        default=None,
-        help="memory bound in bytes (default: half of what the node has free)",
-    )
-    parser.add_argument("--keep", type=int, default=2, help="complete snapshots kept per rank (default 2)")
-    parser.add_argument(
-        "--dir", default=None, help="the socket directory's base (default $XDG_RUNTIME_DIR or /tmp)"
-    )
-
-
-async def run_agent(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM or SIGINT, then free everything and return 0."""
-    limits = memory_limits(args.max_bytes)
-    agent = Agent(args.job, max_bytes=limits.max_bytes, keep=args.keep, base=args.dir)
-    log = logging.getLogger("async_stager.agent")
-    for line in limits.lines():
-        log.info("%s", line)
+async def serve_until_stopped(
+    agent: Agent,
+    *,
+    parent: ParentProcess | None = None,
+    idle_exit: float | None = None,
+    poll: float = 0.5,
+    on_ready: Callable[[], None] | None = None,
+) -> str:
+    """Serve ``agent`` until SIGTERM or SIGINT, until ``parent`` has exited, or until no
+    trainer has been connected for ``idle_exit`` seconds (counted from the start, and
+    from each time the last connection closed); then free everything. Returns why it
+    stopped (``"signal 15"``, ``"parent 1234 exited"``, ``"idle 600 s"``). ``on_ready``
+    runs once the socket accepts connections. Cancellation: frees everything
+    (shielded), as ``Agent.serve``."""
+    if idle_exit is not None and not (idle_exit > 0 and math.isfinite(idle_exit)):
+        raise InvalidOptionError(f"--idle-exit must be a positive number of seconds, got {idle_exit!r}")
+    why = ""
     async with anyio.create_task_group() as tg:
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            await tg.start(agent.serve)
-            print(
-                f"async_stager agent: job {args.job} listening at {agent.path}, "
-                f"at most {limits.max_bytes} bytes, keep {args.keep}",
-                flush=True,
-            )
-            async for signum in signals:
-                log.info("agent: signal %d, freeing %d bytes and exiting", signum, agent.held_bytes)
-                break
-            await agent.stop()
-    return 0
 
+        async def on_signal() -> None:
+            nonlocal why
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for signum in signals:
+                    why = f"signal {signum}"
+                    _log.info("agent: %s, freeing %d bytes and exiting", why, agent.held_bytes)
+                    break
+            tg.cancel_scope.cancel()
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m async_stager agent --job ID [--max-bytes N] [--keep K] [--dir D]``."""
-    parser = argparse.ArgumentParser(prog="python -m async_stager agent")
-    add_agent_arguments(parser)
-    args = parser.parse_args(argv)
-    return run(args)
+        async def watch() -> None:
+            nonlocal why
+            while True:
+                await anyio.sleep(poll)
+                if parent is not None and not parent.alive():
+                    why = f"parent {parent.pid} exited"
+                    break
+                idle = agent.idle_seconds()
+                if idle_exit is not None and idle is not None and idle >= idle_exit:
+                    why = f"idle {idle_exit:g} s with no trainer connected"
+                    break
+            tg.cancel_scope.cancel()
 
-
-def run(args: argparse.Namespace) -> int:
-    """Run the agent for parsed ``args``; exit status 2 with the reason on stderr when
-    it cannot start (limits, another agent on the socket)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        return anyio.run(run_agent, args)
-    except (AgentError, HostLimitError) as exc:
-        print(f"async_stager agent: {exc}", file=sys.stderr)
-        return 2
+        tg.start_soon(on_signal)
+        await tg.start(agent.serve)
+        if parent is not None or idle_exit is not None:
+            tg.start_soon(watch)
+        if on_ready is not None:
+            on_ready()
+        await anyio.sleep_forever()
+    _log.info("agent for job %r stopped (%s) and freed what it held", agent.job, why)
+    return why

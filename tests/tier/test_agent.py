@@ -346,7 +346,7 @@ def test_memory_limits_from_the_node() -> None:
 def test_check_reports_the_agent() -> None:
     import io
 
-    from async_stager._tier.service import agent_report
+    from async_stager._cli.check import agent_report
 
     lim = HostLimits(mem_available=8 << 30, nofile=1024, open_fds=10)
     out = io.StringIO()
