@@ -30,6 +30,7 @@ __all__ = [
     "NodeBudgetError",
     "PinningError",
     "StagingError",
+    "StoreError",
     "UncopyableObjectError",
     "UnsupportedError",
     "UnsupportedTensorError",
@@ -141,6 +142,29 @@ class IntegrityError(CheckpointError):
     def __init__(self, message: str, *, step: int | None, tensor: str | None = None) -> None:
         super().__init__(message, step=step)
         self.tensor = tensor
+
+
+class StoreError(CheckpointError):
+    """An object store (``s3://bucket/prefix``, or a folder through the same interface)
+    could not do what was asked. ``key`` names the object (its full URL, e.g.
+    ``s3://bucket/run/step-10/rank0``) or the prefix; ``reason`` is a short code:
+    ``"denied"`` (a write or read refused: 403 AccessDenied, a read-only folder),
+    ``"credentials"`` (none found, or the store refused them), ``"quota"`` (a full
+    bucket quota or disk), ``"unavailable"`` (transient errors, 503 SlowDown, 500,
+    reset connections, still failing after ``tries`` attempts), ``"exists"`` (a
+    conditional write found the object there), ``"missing"`` (no such object or
+    bucket), ``"request"`` (any other refusal), ``"closed"`` (the store was closed).
+    ``code`` is the store's own error code (``"SlowDown"``, ``"AccessDenied"``,
+    ``"ENOSPC"``). The message is one line; the cause is chained."""
+
+    def __init__(
+        self, message: str, *, key: str = "", reason: str = "", code: str = "", tries: int = 0
+    ) -> None:
+        super().__init__(message)
+        self.key = key
+        self.reason = reason
+        self.code = code
+        self.tries = tries
 
 
 class AcceleratorRequiredError(UnsupportedError, AssertionError):

@@ -19,7 +19,7 @@ import async_stager
 
 PKG = Path(async_stager.__file__).parent
 #: The layers, lowest first; a module's layer is its first component under the package.
-LAYERS = ["errors", "_core", "_share", "_dcp", "_tier", "_checkpoint", "_cli"]
+LAYERS = ["errors", "_core", "_share", "_store", "_dcp", "_tier", "_checkpoint", "_cli"]
 #: The public face: may import any layer.
 PUBLIC = {"__init__", "__main__", "dcp", "share", "testing"}
 
