@@ -4,9 +4,8 @@ torch.multiprocessing registers reducers on ``multiprocessing.reduction.ForkingP
 (used by every ``Queue``, ``Pipe``/``Connection.send`` and DCP's process writer). Its
 storage reducer moves a storage that is not already torch shared memory into a new
 shared segment *in place* (``_share_fd_cpu_``): for a stager's memfd arenas that copies
-every staged byte, once per storage, and the stager's later stages then write into that
-new, unpinned memory while the arena stays mapped (memory doubled, pinning lost), with
-one descriptor per storage.
+every staged byte, once per storage, with one descriptor per storage (the stager then
+drops the moved blocks and stages into new ones: ``_core.memory.sharing``).
 
 This module registers, after torch's own (importing it imports ``torch.multiprocessing``
 first), reducers for ``torch.Tensor``, ``torch.nn.Parameter`` and
@@ -150,8 +149,8 @@ def _token_of(storage: torch.UntypedStorage) -> tuple[_ArenaToken, int] | None:
             "private",
             f"async_stager: a staged storage of {nbytes} bytes from a stager without shared memory "
             "is pickled for another process: torch copies it into new shared memory (one "
-            "descriptor per storage) and swaps it in place, so later stages write outside the "
-            "stager's pinned arenas. Every such storage costs the same (this warning is given "
+            "descriptor per storage) and swaps it in place (the stager then stages into new "
+            "blocks of its arenas). Every such storage costs the same (this warning is given "
             "once). Use Stager(share_memory=True) / DefaultStager(use_shared_memory=True) to "
             "send arenas by reference instead.",
         )

@@ -31,7 +31,8 @@ import torch
 
 from async_stager._core.aio.lease import Lease
 from async_stager._core.copy.device import Completion
-from async_stager._core.memory.arena import Arena, HostPool, Pinner
+from async_stager._core.memory.arena import Arena, Block, HostPool, Pinner
+from async_stager._core.memory.sharing import moves
 from async_stager._core.memory.storage_cache import StorageCache
 from async_stager._core.plan.layout import Plan
 from async_stager.errors import BuffersHeldError, ClosedError, CopyError
@@ -79,6 +80,10 @@ class BufferSet:
         self._watch_refs: list[int] = []
         self._watch_storages: list[int] = []
         self._watch_uses: list[int] = []
+        #: ``sharing.moves()`` when this set last looked for blocks moved out of its
+        #: arenas, and those found and not yet dropped (``note_moves``).
+        self._moves_seen = moves()
+        self._moved: list[Block] = []
 
     def held(self) -> bool:
         """True while a result built from this set may still be reachable: a lease on
@@ -125,6 +130,49 @@ class BufferSet:
         self._watch_storages = [b.storage._cdata for b in blocks]
         self._watch_refs = list(map(sys.getrefcount, self._watch_objects))
         self._watch_uses = list(map(_use_count, self._watch_storages))
+
+    def note_moves(self) -> None:
+        """Under the sets' lock: if torch moved a storage out of an arena of this process
+        since this set last looked (``sharing.moves()``), find this set's blocks that
+        left (``StorageCache.moved``) and stop watching them and the host tensors on
+        them: they view other memory now, so holding them holds nothing of this set.
+        The other watched objects keep their baselines (this set's own references have
+        not changed). ``drop_moved`` then drops them, once the set is free.
+
+        Costs nothing while nothing moved; one pass over the blocks (and the watched
+        objects, when some moved) per move otherwise."""
+        seen = moves()
+        if seen == self._moves_seen:
+            return
+        self._moves_seen = seen
+        known = {id(b) for b in self._moved}
+        new = [b for b in self.cache.moved() if id(b) not in known]
+        if not new:
+            return
+        self._moved += new
+        gone = {b.storage._cdata for b in new}
+        keep = [
+            i
+            for i, o in enumerate(self._watch_objects)
+            if (o._cdata if isinstance(o, torch.UntypedStorage) else o.untyped_storage()._cdata) not in gone
+        ]
+        self._watch_objects = [self._watch_objects[i] for i in keep]
+        self._watch_refs = [self._watch_refs[i] for i in keep]
+        kept = [i for i, c in enumerate(self._watch_storages) if c not in gone]
+        self._watch_storages = [self._watch_storages[i] for i in kept]
+        self._watch_uses = [self._watch_uses[i] for i in kept]
+
+    def drop_moved(self) -> None:
+        """The set is free (not held) and being taken: forget the blocks that moved out
+        of its arenas (their bytes go back to the pool) and every plan (their host
+        tensors may view a moved storage; the next stage makes a new plan, its cache
+        hits kept), and take the baseline again."""
+        if not self._moved:
+            return
+        moved, self._moved = self._moved, []
+        self.cache.drop(moved)
+        self.forget_plans()
+        self.watch()
 
     def plan_for(self, signature: Any) -> Plan | None:
         plan = self.plans.get(signature)
@@ -329,7 +377,9 @@ class BufferSets:
         cands = [s for s in self._sets if not s.leases and not s.busy]
         cands.sort(key=lambda s: (sig not in s.plans, s is not self.recent))
         for s in cands:
+            s.note_moves()
             if not s.held():
+                s.drop_moved()
                 return s
         if make and len(self._sets) < self.max_sets:
             reserve = None if self.ledger is None else functools.partial(self._reserve, len(self._sets))
@@ -437,9 +487,13 @@ class BufferSets:
         # sets are marked busy under the lock (no stage selects them), waited for and
         # trimmed outside it, then handed back.
         with self.cond:
+            for s in self._sets:
+                if not s.busy:
+                    s.note_moves()
             picked = [s for s in self._sets if not (s.busy or s.held())]
             for s in picked:
                 s.busy = True
+                s.drop_moved()
         released = 0
         try:
             for s in picked:

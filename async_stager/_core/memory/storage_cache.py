@@ -146,6 +146,24 @@ class StorageCache:
             self.pool.free(blocks)
         return len(dead)
 
+    def moved(self) -> list[Block]:
+        """Cached blocks whose storage no longer views their arena: torch moved it out
+        in place (``share_memory_()`` of a private arena's storage, its reducer; see
+        ``sharing``). In bulk (``map``): one pass over the blocks."""
+        blocks = [e.block for e in self._entries.values() if e.block.arena is not None]
+        ptrs = list(map(torch.UntypedStorage.data_ptr, map(operator.attrgetter("storage"), blocks)))
+        return [b for b, p in zip(blocks, ptrs) if b.arena is not None and p != b.arena.base + b.offset]
+
+    def drop(self, blocks: Sequence[Block]) -> None:
+        """Forget ``blocks`` (moved out of their arena) and give their bytes back to the
+        pool: nothing views those bytes any more."""
+        for b in blocks:
+            key = self._by_block.pop(id(b), None)
+            if key is not None:
+                self._entries.pop(key, None)
+        self.pool.free(blocks)
+        self.invalidated = True
+
     def blocks(self) -> list[Block]:
         """Every cached block that has memory."""
         return [e.block for e in self._entries.values() if e.block.nbytes]
