@@ -79,6 +79,7 @@ PROCESS_MODULES = {
     "test_cli_check",
     "test_checkpointer_trust",
     "test_compare_edges",
+    "test_checkpointer_edges",
     "test_budget_objects",
     "test_share_views",
     "test_agent_process",

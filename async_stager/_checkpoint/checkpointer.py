@@ -25,7 +25,12 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 
-from async_stager._checkpoint import commit as _commit, restore as _restore, tiered as _tiered
+from async_stager._checkpoint import (
+    commit as _commit,
+    restore as _restore,
+    session as _session,
+    tiered as _tiered,
+)
 from async_stager._checkpoint.exiting import exit_fast_if_abandoned
 from async_stager._checkpoint.formats import format_for
 from async_stager._checkpoint.item import SaveItem
@@ -199,8 +204,11 @@ class Checkpointer:
         self._ledger: CreditLedger | None = None
         self._on_saved = on_saved
         self._tg: anyio.abc.TaskGroup | None = None
-        self._session: _commit.Session | None = None
-        self._read_only = False
+        self._session: _session.Session | None = None
+        #: Why this Checkpointer is open for restore only ("" when it can save).
+        self._read_only = ""
+        #: The coordinator's open made the folder (it did not exist).
+        self._created = False
         self._saves = SaveQueue(self.options, self._ranks, sets, self._deliver)
         self._request: SaveRequest | None = None
         self._streams = Subscribers()  # saved()'s iterators, held weakly
@@ -250,7 +258,8 @@ class Checkpointer:
                 self._ledger.close()  # nothing was reserved through it yet
                 self._ledger = None
             raise
-        self._read_only = not token
+        self._read_only = token[1:] if token.startswith("?") else ""
+        token = "" if self._read_only else token
         if self._stager is None:
             self._stager = Stager(max_buffer_sets=self._sets, node_ledger=self._ledger)
         self._tg = anyio.create_task_group()
@@ -264,19 +273,22 @@ class Checkpointer:
 
     async def _meet(self, root: Path, ranks: Ranks) -> str:
         """The coordinator opens the folder's session; every rank learns its token
-        (empty: read only). Raises the coordinator's CheckpointError on every rank."""
+        (``?why``: read only). Raises the coordinator's CheckpointError on every rank."""
         token = ""
         if ranks.coordinator:
             try:
-                self._session = await run_in_thread(
-                    lambda: _commit.Session.open(root), name="async-stager-open"
-                )
+                opened = await run_in_thread(lambda: _session.Session.open(root), name="async-stager-open")
             except CheckpointError as exc:
                 if not ranks.distributed:
                     raise
                 token = "!" + str(exc)  # every rank raises it, none waits for the others
             else:
-                token = self._session.token if self._session is not None else ""
+                self._created = opened.created
+                if isinstance(opened, _session.ReadOnly):
+                    _log.warning("%s: open for restore only: %s", root, opened.why)
+                    token = "?" + opened.why
+                else:
+                    self._session, token = opened, opened.token
         token = await run_in_thread(lambda: ranks.broadcast(token), name="async-stager-open")
         if token.startswith("!"):
             raise CheckpointError(token[1:])
@@ -327,7 +339,7 @@ class Checkpointer:
                     session = self._session
                     if not abandoned:
                         await run_in_thread(
-                            lambda: _commit.remove_own_leftovers(session.root, session.token),
+                            lambda: _session.remove_own_leftovers(session.root, session.token),
                             name="async-stager-close",
                         )
                     await run_in_thread(session.close, name="async-stager-close")
@@ -405,7 +417,7 @@ class Checkpointer:
             raise InvalidOptionError(f"save(step=...) must be an int >= 0, got {step}")
         if self._read_only:
             raise CheckpointError(
-                f"{self.options.directory} is not writable: this Checkpointer is open for restore only",
+                f"cannot save step {step}: this Checkpointer is open for restore only: {self._read_only}",
                 step=step,
             )
         saves = self._saves
@@ -484,7 +496,7 @@ class Checkpointer:
         if session is not None and not self._saves.abandoned:
             live = frozenset(i.seq for i in self._saves.items)
             await run_in_thread(
-                lambda: _commit.remove_own_leftovers(session.root, session.token, live),
+                lambda: _session.remove_own_leftovers(session.root, session.token, live),
                 name="async-stager-leftovers",
             )
         self._saves.raise_failure()
@@ -596,5 +608,11 @@ class Checkpointer:
             if got is not None:
                 return got
         return await _restore.restore(
-            self.options, self._format, self._ranks, state, step=step, fallback=fallback
+            self.options,
+            self._format,
+            self._ranks,
+            state,
+            step=step,
+            fallback=fallback,
+            created=self._created,
         )

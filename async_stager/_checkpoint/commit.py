@@ -31,22 +31,22 @@ name names a ``.writer-<token>`` file that its writer holds an exclusive ``flock
 for as long as it is open; the kernel drops the lock when the process dies (SIGKILL
 included). So a second Checkpointer on the folder (an eval job, a restarted trainer
 while the old one finishes) never deletes a live writer's folder. ``flock`` must work
-on the file system (local disks do; some network file systems do not).
+on the file system (local disks do; some network file systems do not). The writer's
+session and the cleaning of leftovers are ``session``'s.
 
-A folder the process cannot write (read-only mount, archive) opens for restore only:
-nothing is cleaned, locked or repaired there.
+A folder the process cannot write (read-only mount, archive, a folder its owner made
+read-only) or where no new file can be made (no free inode, a quota) opens for restore
+only: nothing is cleaned, locked or repaired there.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import logging
 import os
 import re
-import secrets
 import shutil
 import time
 from collections.abc import Iterator
@@ -59,9 +59,7 @@ from async_stager.errors import CheckpointError
 __all__ = [
     "COMMIT",
     "LATEST",
-    "Session",
     "StepGone",
-    "clean_stale",
     "commit",
     "committed_steps",
     "folder_lock",
@@ -69,7 +67,6 @@ __all__ = [
     "read_latest",
     "reading",
     "recorded_layout",
-    "remove_own_leftovers",
     "remove_tmp",
     "retain",
     "step_dir",
@@ -77,6 +74,7 @@ __all__ = [
     "steps_for_reading",
     "tmp_dir",
     "unordered_steps",
+    "write_latest",
 ]
 
 _log = logging.getLogger("async_stager.checkpoint")
@@ -143,9 +141,6 @@ def recorded_layout(folder: Path) -> str | None:
 
 
 _STEP = re.compile(r"^step-(\d{8,})$")
-# A leftover of a writer: .tmp-/.old-/.del- + step-N + .<token>[.<seq>]
-_LEFTOVER = re.compile(r"^\.(tmp|old|del)-(step-\d{8,})(?:\.([0-9a-f]+)(?:\.\d+)?)?$")
-_READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 def step_name(step: int) -> str:
@@ -256,7 +251,7 @@ def read_latest(root: Path) -> int | None:
     return int(m.group(1))
 
 
-def _write_latest(root: Path, step: int) -> None:
+def write_latest(root: Path, step: int) -> None:
     tmp = root / f".{LATEST}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(step_name(step) + "\n")
@@ -303,6 +298,10 @@ def reading(root: Path, step: int) -> Iterator[tuple[int, bool]]:
                 hold = _holds.shared_now(root, name)
             except BlockingIOError:
                 hold = -1  # a writer replaces it now: try again
+            except CheckpointError as exc:  # its hold file is a folder or a broken link
+                raise CheckpointError(
+                    f"checkpoint step {step} cannot be held for reading: {exc}", step=step
+                ) from exc.__cause__
         finally:
             if lock is not None:
                 os.close(lock)
@@ -337,94 +336,6 @@ def commit_number(root: Path, step: int) -> int | None:
     return _commit_seq(folder) if folder.is_dir() else None
 
 
-class Session:
-    """A writer's hold on a Checkpointer directory: the ``.writer-<token>`` lock that
-    marks its temporary folders as live (see the module docstring).
-
-    ``open`` returns None when the folder cannot be written (read-only): the caller
-    then opens for restore only."""
-
-    def __init__(self, root: Path, token: str, fd: int) -> None:
-        self.root = root
-        self.token = token
-        self._fd: int | None = fd
-
-    @classmethod
-    def open(cls, root: Path) -> Session | None:
-        """Create the folder if needed, take a writer lock and clean what dead writers
-        left (all under ``folder_lock``, so a cleaner never sees a new writer's lock
-        file before it is locked). None if the folder is read-only. Worker thread."""
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            lock = folder_lock(root)
-            lock.__enter__()
-        except OSError as exc:
-            if exc.errno in _READ_ONLY:
-                return None
-            raise _unusable(root, exc) from exc
-        latest = root / LATEST
-        if latest.exists() and not latest.is_file():
-            lock.__exit__(None, None, None)
-            raise CheckpointError(
-                f"{root} cannot hold checkpoints: its {LATEST!r} is not a file (a folder of that "
-                "name? move it away)"
-            )
-        try:
-            token = secrets.token_hex(6)
-            fd = os.open(root / f".writer-{token}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody holds it
-            session = cls(root, token, fd)
-            try:
-                clean_stale(root)
-            except BaseException:
-                session.close()
-                raise
-            return session
-        finally:
-            lock.__exit__(None, None, None)
-
-    def close(self) -> None:
-        """Give the lock up and remove its file (idempotent). A crash skips this; the
-        kernel drops the lock, and the next cleaning removes the file."""
-        fd, self._fd = self._fd, None
-        if fd is None:
-            return
-        with contextlib.suppress(OSError):
-            (self.root / f".writer-{self.token}").unlink()
-        os.close(fd)
-
-
-def _unusable(root: Path, exc: OSError) -> CheckpointError:
-    """Why ``root`` cannot be opened for checkpoints, as a CheckpointError."""
-    name = Path(exc.filename).name if exc.filename else str(root)
-    if exc.errno == errno.EEXIST or (exc.errno == errno.ENOTDIR and root.exists() and not root.is_dir()):
-        why = f"{root} is a file, not a folder"
-    elif exc.errno == errno.EISDIR:
-        why = f"{name!r} in it is a folder, where a lock file belongs (move it away)"
-    else:
-        why = f"{exc.strerror or exc}: {name}"
-    return CheckpointError(f"{root} cannot hold checkpoints: {why}")
-
-
-def _writer_alive(root: Path, token: str | None) -> bool:
-    """Whether the writer ``token`` holds its lock (a live process). A leftover without
-    a token (an earlier version's) has no live writer."""
-    if token is None:
-        return False
-    path = root / f".writer-{token}"
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
-
-
 def commit(root: Path, tmp: Path, step: int, layout: str | None = None) -> Path:
     """Make ``tmp`` the committed ``step-N`` (see the module docstring) and point
     ``latest`` at it; ``layout``: the format it was written in (the record keeps it,
@@ -449,14 +360,18 @@ def commit(root: Path, tmp: Path, step: int, layout: str | None = None) -> Path:
         shutil.rmtree(old, ignore_errors=True)
         os.rename(dst, old)
     os.rename(tmp, dst)  # the commit point
-    fsync_dir(root)
+    # After the commit point the step is committed (steps() and restore() read the
+    # COMMIT records): what fails from here on is a warning, never "not committed".
+    try:
+        fsync_dir(root)
+    except OSError as exc:
+        _log.warning("%s: step %d is committed, but the folder could not be synced: %s", root, step, exc)
     if old.exists():
         shutil.rmtree(old, ignore_errors=True)
     try:
-        _write_latest(root, step)
+        write_latest(root, step)
     except OSError as exc:
-        # After the commit point: the step is committed (steps() and restore() read
-        # the COMMIT records); ``latest`` is a pointer for people and tools.
+        # ``latest`` is a pointer for people and tools; the next commit rewrites it.
         _log.warning("%s: step %d is committed, but %s was not updated: %s", root, step, LATEST, exc)
     return dst
 
@@ -465,27 +380,52 @@ def retain(root: Path, keep: int) -> list[int]:
     """Delete all but the ``keep`` newest commits (after a commit, holding
     ``folder_lock``); returns the steps deleted. The newest commit is never one. A step
     a reader holds (``reading``) is not deleted now: a later retention deletes it once
-    no reader holds it (until then ``keep`` is exceeded by the steps being read)."""
-    steps = committed_steps(root)
+    no reader holds it (until then ``keep`` is exceeded by the steps being read).
+
+    Never raises: it runs after the commit point, so a step that cannot be retired (its
+    hold file a folder, a permission) is a warning naming it and the cause, and stays
+    committed; the next commit's retention tries again."""
+    try:
+        steps = committed_steps(root)
+    except OSError as exc:
+        _log.warning("%s: old checkpoints not retired (retried at the next commit): %s", root, exc)
+        return []
     doomed: list[int] = []
     locks: list[int] = []
     try:
         for step in steps[:-keep] if keep > 0 else []:
-            got = _holds.try_exclusive(root, step_name(step))
+            try:
+                got = _holds.try_exclusive(root, step_name(step))
+            except OSError as exc:
+                _log.warning(
+                    "%s: step %d not retired (retried at the next commit): %s",
+                    root,
+                    step,
+                    _holds.describe_damage(_holds.hold_path(root, step_name(step)), exc),
+                )
+                continue
             if got is None:
                 _log.info("%s: step %d is being read: retired by a later commit", root, step)
                 continue
+            try:
+                os.rename(step_dir(root, step), root / f".del-{step_name(step)}")
+            except OSError as exc:
+                if not isinstance(got, bool):
+                    os.close(got)
+                _log.warning("%s: step %d not retired (retried at the next commit): %s", root, step, exc)
+                continue
             if not isinstance(got, bool):
                 locks.append(got)
-            os.rename(step_dir(root, step), root / f".del-{step_name(step)}")
             doomed.append(step)
         if doomed:
-            fsync_dir(root)
+            with contextlib.suppress(OSError):
+                fsync_dir(root)
             for step in doomed:
                 shutil.rmtree(root / f".del-{step_name(step)}", ignore_errors=True)
                 # Removed while locked: a reader that opened it before waits for
                 # ``.lock``, then finds the step gone (``reading``).
-                _holds.hold_path(root, step_name(step)).unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    _holds.hold_path(root, step_name(step)).unlink(missing_ok=True)
     finally:
         for fd in locks:
             os.close(fd)
@@ -495,60 +435,3 @@ def retain(root: Path, keep: int) -> list[int]:
 def remove_tmp(tmp: Path) -> None:
     """Remove a save's temporary folder after it failed or was abandoned."""
     shutil.rmtree(tmp, ignore_errors=True)
-
-
-def remove_own_leftovers(root: Path, token: str, live: frozenset[int] = frozenset()) -> None:
-    """Remove this writer's ``.tmp-`` folders except those of the saves in ``live``
-    (by sequence number): after ``wait()`` and at close, a cancelled save's thread may
-    have written into its folder after the folder was removed."""
-    prefix = f".{token}."
-    try:
-        names = os.listdir(root)
-    except OSError:  # the folder is gone or replaced: nothing of ours is left there
-        return
-    for name in names:
-        if not name.startswith(".tmp-") or prefix not in name:
-            continue
-        seq = name.rsplit(".", 1)[-1]
-        if not (seq.isdigit() and int(seq) in live):
-            shutil.rmtree(root / name, ignore_errors=True)
-
-
-def clean_stale(root: Path) -> None:
-    """Remove what dead writers left behind (holding ``folder_lock``; ``Session.open``
-    calls it): their ``.tmp-``
-    folders, half-deleted ``.del-`` ones and ``.writer-`` files; put back an ``.old-``
-    folder whose replacement never got committed; point ``latest`` at the newest commit.
-    A live writer's folders are left alone."""
-    for name in os.listdir(root):
-        path = root / name
-        if name.startswith(".writer-"):
-            if not _writer_alive(root, name.removeprefix(".writer-")):
-                path.unlink(missing_ok=True)
-            continue
-        if name == f".{LATEST}.tmp":
-            path.unlink(missing_ok=True)
-            continue
-        if name.startswith(_holds.HOLD_PREFIX):
-            final = name.removeprefix(_holds.HOLD_PREFIX)
-            got = None if (root / final).is_dir() else _holds.try_exclusive(root, final)
-            if got is not None and not isinstance(got, bool):
-                path.unlink(missing_ok=True)  # its step is gone and nobody reads it
-                os.close(got)
-            continue
-        m = _LEFTOVER.match(name)
-        if m is None:
-            continue
-        kind, final, token = m.group(1), m.group(2), m.group(3)
-        if kind == "del":
-            shutil.rmtree(path, ignore_errors=True)
-        elif _writer_alive(root, token):
-            continue
-        elif kind == "tmp" or (root / final).exists():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            os.rename(path, root / final)
-    fsync_dir(root)
-    steps = committed_steps(root)
-    if steps and read_latest(root) != steps[-1]:
-        _write_latest(root, steps[-1])

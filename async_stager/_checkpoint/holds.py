@@ -31,8 +31,12 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from async_stager.errors import CheckpointError
+
 __all__ = [
     "HOLD_PREFIX",
+    "NO_ROOM",
+    "describe_damage",
     "exclusive",
     "flock_exclusive",
     "hold_path",
@@ -43,6 +47,9 @@ __all__ = [
 
 HOLD_PREFIX = ".hold-"
 _READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
+#: A new file cannot be made: no free inode (ENOSPC), a quota (EDQUOT). An existing
+#: file still opens, and a folder on such a disk still reads.
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 
 
 def hold_path(root: Path, name: str) -> Path:
@@ -50,14 +57,44 @@ def hold_path(root: Path, name: str) -> Path:
     return root / f"{HOLD_PREFIX}{name}"
 
 
+def describe_damage(path: str | os.PathLike[str], exc: OSError) -> str:
+    """Why lock file ``path`` could not be opened, for a person: a folder or a broken
+    link where the lock file belongs (and what to do), else the error."""
+    if exc.errno == errno.EISDIR or (exc.errno == errno.ENOTDIR and os.path.isdir(path)):
+        return f"{os.fspath(path)} is a folder, where a lock file belongs: move it away"
+    if os.path.islink(path) and exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        return (
+            f"{os.fspath(path)} is a symbolic link to {target}, which cannot be opened "
+            f"({exc.strerror or exc}), where a lock file belongs: remove the link"
+        )
+    return f"{exc.strerror or exc}: {os.fspath(path)}"
+
+
+def _damaged(path: str | os.PathLike[str], exc: OSError) -> CheckpointError | None:
+    """A CheckpointError saying so when ``path`` is a folder or a broken link (not a
+    lock file any process can open), else None."""
+    if exc.errno == errno.EISDIR or (os.path.islink(path) and not os.path.exists(path)):
+        return CheckpointError(describe_damage(path, exc))
+    return None
+
+
 def open_lock_file(path: Path) -> int | None:
     """A descriptor to ``flock`` ``path`` with: created if missing; opened read-only
-    when the folder cannot be written (``flock`` works on such a descriptor); None when
-    it neither exists nor can be created (nothing to lock: a read-only folder)."""
+    when the folder cannot be written (``flock`` works on such a descriptor) or the disk
+    has no room for a new file (no free inode, a quota); None when it neither exists
+    nor can be created (nothing to lock: a folder that can only be read). Raises
+    CheckpointError when ``path`` is a folder or a broken link."""
     try:
         return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
-        if exc.errno not in _READ_ONLY:
+        damaged = _damaged(path, exc)
+        if damaged is not None:
+            raise damaged from exc
+        if exc.errno not in (*_READ_ONLY, *NO_ROOM):
             raise
     try:
         return os.open(path, os.O_RDONLY)
@@ -70,8 +107,15 @@ def open_lock_file(path: Path) -> int | None:
 @contextlib.contextmanager
 def flock_exclusive(path: str | os.PathLike[str]) -> Iterator[None]:
     """Hold ``path`` (created if missing) under an exclusive ``flock`` for the block,
-    waiting for it (blocking; a worker thread)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    waiting for it (blocking; a worker thread). Raises CheckpointError when ``path`` is
+    a folder or a broken link."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        damaged = _damaged(path, exc)
+        if damaged is not None:
+            raise damaged from exc
+        raise
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -79,10 +123,21 @@ def flock_exclusive(path: str | os.PathLike[str]) -> Iterator[None]:
         os.close(fd)  # drops the lock
 
 
-def exclusive(root: Path, name: str) -> contextlib.AbstractContextManager[None]:
+@contextlib.contextmanager
+def exclusive(root: Path, name: str) -> Iterator[None]:
     """Writer, before ``DIR/.lock``: wait until no reader holds ``name`` and keep new
-    readers off it for the block (blocking; a worker thread)."""
-    return flock_exclusive(hold_path(root, name))
+    readers off it for the block (blocking; a worker thread). If ``name`` is not a
+    committed folder after the block (its commit failed), its hold file is removed,
+    still locked: a reader only holds a committed step's (a failed commit left it
+    behind until the next open)."""
+    path = hold_path(root, name)
+    with flock_exclusive(path):
+        try:
+            yield
+        finally:
+            if not (root / name).is_dir():
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
 
 
 def try_exclusive(root: Path, name: str) -> int | bool | None:

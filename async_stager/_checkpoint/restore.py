@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from pathlib import Path
 from typing import Any
 
 from async_stager._checkpoint import commit as _commit
@@ -41,11 +42,14 @@ async def restore(
     *,
     step: int | None,
     fallback: bool,
+    created: bool = False,
 ) -> int | None:
     """Load the newest committed step of ``options.directory`` that verifies into
     ``state`` (in place) and return it; None if there is none (see
-    ``Checkpointer.restore``). Cancellation: deferred until the thread reading the
-    current candidate returns; ``state`` may then be partly loaded."""
+    ``Checkpointer.restore``), said in one log line (a WARNING when the folder did not
+    exist, or this Checkpointer's open made it: ``created``, a typo in the path trains
+    from scratch otherwise in silence). Cancellation: deferred until the thread reading
+    the current candidate returns; ``state`` may then be partly loaded."""
     root = options.directory
     first_error: IntegrityError | None = None
     failed: set[int] = set()
@@ -76,7 +80,22 @@ async def restore(
             break
     if first_error is not None:
         raise first_error
+    if ranks.coordinator:
+        _say_nothing_restored(root, created)
     return None
+
+
+def _say_nothing_restored(root: Path, created: bool) -> None:
+    if created or not root.is_dir():
+        made = "this Checkpointer created it" if created else "it could not be created"
+        _log.warning(
+            "restore: nothing to restore: %s did not exist (%s); training starts from scratch "
+            "(a typo in the path?)",
+            root,
+            made,
+        )
+    else:
+        _log.info("restore: nothing to restore: no committed checkpoint in %s", root)
 
 
 def _load(

@@ -5,14 +5,22 @@ messages (a save from another thread, a NaN deadline, a reader a commit waits fo
 
 from __future__ import annotations
 
+import errno
+import json
+import logging
 import os
+import shutil
 import signal
+import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
+import torch
 
-from async_stager import Shutdown
+from async_stager import Checkpointer, CheckpointError, Shutdown
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -101,3 +109,259 @@ async def test_shutdowns_that_leave_out_of_order_keep_catching(anyio_backend: An
         assert seen == []
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+# -- after the commit point ---------------------------------------------------------------
+
+
+def _hold(root: Path, step: int) -> Path:
+    return root / f".hold-step-{step:08d}"
+
+
+async def test_a_failure_after_the_commit_point_is_a_warning_and_retried(
+    anyio_backend: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Retention fails (step 1's hold file is a folder): step 2 is committed and said
+    so (``last``, ``saved()``, ``on_saved``), a warning names step 1 and the folder in the
+    way, later saves commit and retention keeps working for the other steps; once the
+    folder is moved away the next commit retires step 1."""
+    seen: list[int] = []
+    async with Checkpointer(tmp_path, keep=1, on_saved=lambda s: seen.append(s.step)) as ckpt:
+        stream = ckpt.saved()
+        await ckpt.save({"w": torch.ones(2)}, step=1)
+        await ckpt.wait()
+        _hold(tmp_path, 1).unlink()
+        _hold(tmp_path, 1).mkdir()
+        with caplog.at_level(logging.WARNING, logger="async_stager.checkpoint"):
+            await ckpt.save({"w": torch.full((2,), 2.0)}, step=2)
+            await ckpt.wait()  # no error: step 2 is committed
+        assert ckpt.last is not None and ckpt.last.step == 2 and seen == [1, 2]
+        assert [(await stream.__anext__()).step for _ in range(2)] == [1, 2]
+        assert ckpt.steps() == [1, 2]
+        assert any("step 1 not retired" in r.message and "is a folder" in r.message for r in caplog.records)
+        await ckpt.save({"w": torch.full((2,), 3.0)}, step=3)
+        await ckpt.wait()
+        assert ckpt.steps() == [1, 3] and seen == [1, 2, 3]  # step 2 retired: keep works
+        w = torch.zeros(2)
+        assert await ckpt.restore({"w": w}) == 3 and w.tolist() == [3.0, 3.0]
+        _hold(tmp_path, 1).rmdir()
+        await ckpt.save({"w": torch.full((2,), 4.0)}, step=4)
+        await ckpt.wait()
+        assert ckpt.steps() == [4]
+
+
+async def test_a_failed_commit_removes_its_hold_file(
+    anyio_backend: Any, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """The commit's rename fails (the disk, at the lowest layer): nothing committed,
+    and no ``.hold-step-N`` left behind until the next open."""
+    real_rename = os.rename
+
+    def rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        if os.fspath(dst).endswith("step-00000002") and ".tmp-" in os.fspath(src):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real_rename(src, dst, *args, **kwargs)
+
+    async with Checkpointer(tmp_path) as ckpt:
+        await ckpt.save({"w": torch.ones(2)}, step=1)
+        await ckpt.wait()
+        monkeypatch.setattr(os, "rename", rename)
+        await ckpt.save({"w": torch.ones(2)}, step=2)
+        with pytest.raises(CheckpointError, match="step 2 was not committed"):
+            await ckpt.wait()
+        assert ckpt.steps() == [1]
+        assert not _hold(tmp_path, 2).exists()
+        assert _hold(tmp_path, 1).exists()  # a committed step keeps its own
+        monkeypatch.setattr(os, "rename", real_rename)
+        await ckpt.save({"w": torch.ones(2)}, step=2)
+        await ckpt.wait()
+        assert ckpt.steps() == [1, 2]
+
+
+@pytest.mark.parametrize("damage", ["folder", "broken link"])
+async def test_a_damaged_hold_file_is_a_clear_error(anyio_backend: Any, tmp_path: Path, damage: str) -> None:
+    """A hold path that is a folder or a broken link: ``restore(step=N)`` raises a
+    CheckpointError naming it and what to do (not a raw OSError); a commit of that
+    step says so too; the folder still opens and restores other steps."""
+    async with Checkpointer(tmp_path) as ckpt:
+        await ckpt.save({"w": torch.ones(2)}, step=1)
+        await ckpt.save({"w": torch.full((2,), 2.0)}, step=2)
+        await ckpt.wait()
+    hold = _hold(tmp_path, 1)
+    hold.unlink()
+    if damage == "folder":
+        hold.mkdir()
+        what = "is a folder, where a lock file belongs: move it away"
+    else:
+        hold.symlink_to(tmp_path / "gone" / "hold")
+        what = "is a symbolic link to"
+    async with Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(CheckpointError, match="step 1 cannot be held for reading") as info:
+            await ckpt.restore({"w": torch.zeros(2)}, step=1)
+        assert what in str(info.value) and str(hold) in str(info.value)
+        assert info.value.step == 1
+        w = torch.zeros(2)
+        assert await ckpt.restore({"w": w}) == 2 and w.tolist() == [2.0, 2.0]
+        await ckpt.save({"w": torch.ones(2)}, step=1)  # replacing step 1 needs its hold
+        with pytest.raises(CheckpointError, match="step 1 was not committed") as info:
+            await ckpt.wait()
+        assert what in str(info.value)
+        assert ckpt.steps() == [1, 2]
+
+
+async def test_a_damaged_hold_of_a_gone_step_does_not_stop_the_open(
+    anyio_backend: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with Checkpointer(tmp_path) as ckpt:
+        await ckpt.save({"w": torch.ones(2)}, step=1)
+        await ckpt.wait()
+    _hold(tmp_path, 7).mkdir()  # no step 7: the open's cleaning would remove a file there
+    with caplog.at_level(logging.WARNING, logger="async_stager.checkpoint"):
+        async with Checkpointer(tmp_path) as ckpt:
+            assert await ckpt.restore({"w": torch.zeros(2)}) == 1
+    assert any(".hold-step-00000007 left as it is" in r.message for r in caplog.records)
+
+
+# -- folders that can only be read --------------------------------------------------------
+
+
+def _no_free_inode(monkeypatch: Any, folder: Path) -> list[str]:
+    """``folder`` on a disk without a free inode, at the lowest layer: creating a file
+    or a folder under it fails with ENOSPC, as the kernel does; existing files open,
+    read and write. Returns the names refused."""
+    refused: list[str] = []
+    real_open, real_mkdir = os.open, os.mkdir
+    top = os.path.realpath(folder)
+
+    def under(path: Any) -> bool:
+        real = os.path.realpath(os.fspath(path))
+        return real == top or real.startswith(top + os.sep)
+
+    def open_(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & os.O_CREAT and under(path) and not os.path.exists(path):
+            refused.append(os.path.basename(os.fspath(path)))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    def mkdir(path: Any, *args: Any, **kwargs: Any) -> None:
+        if under(path) and not os.path.exists(path):
+            refused.append(os.path.basename(os.fspath(path)))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(path))
+        real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    return refused
+
+
+@pytest.mark.parametrize("holds", ["kept", "missing"])
+async def test_a_disk_without_a_free_inode_opens_for_restore(
+    anyio_backend: Any, tmp_path: Path, monkeypatch: Any, holds: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No new file can be made (no free inode, a quota): the folder opens for restore
+    only (restore loads the newest step, with or without its hold file), and ``save``
+    says why it cannot save."""
+    async with Checkpointer(tmp_path) as ckpt:
+        await ckpt.save({"w": torch.full((2,), 5.0)}, step=5)
+        await ckpt.wait()
+    if holds == "missing":
+        _hold(tmp_path, 5).unlink()
+    refused = _no_free_inode(monkeypatch, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="async_stager.checkpoint"):
+        async with Checkpointer(tmp_path) as ckpt:
+            w = torch.zeros(2)
+            assert await ckpt.restore({"w": w}) == 5 and w.tolist() == [5.0, 5.0]
+            assert await ckpt.restore({"w": w}, step=5) == 5
+            with pytest.raises(CheckpointError, match="open for restore only") as info:
+                await ckpt.save({"w": w}, step=6)
+            assert "no free inode" in str(info.value) and str(tmp_path) in str(info.value)
+    assert refused and any("open for restore only" in r.message for r in caplog.records)
+    monkeypatch.undo()
+    async with Checkpointer(tmp_path) as ckpt:  # room again: it saves
+        await ckpt.save({"w": torch.ones(2)}, step=6)
+        await ckpt.wait()
+        assert ckpt.steps() == [5, 6]
+
+
+_READ_ONLY_CHILD = """
+import asyncio, json, os, sys
+import torch
+from async_stager import Checkpointer, CheckpointError
+
+async def scenario(folder):
+    out = {}
+    async with Checkpointer(folder) as ckpt:
+        w = torch.zeros(2)
+        out["restored"] = await ckpt.restore({"w": w})
+        out["w"] = w.tolist()
+        try:
+            await ckpt.save({"w": w}, step=9)
+        except CheckpointError as exc:
+            out["save"] = str(exc)
+    return out
+
+scratch, folder, uid = sys.argv[1], sys.argv[2], int(sys.argv[3])
+async def warm():
+    async with Checkpointer(scratch) as ckpt:
+        await ckpt.save({"w": torch.ones(2)}, step=1)
+        await ckpt.wait()
+    await scenario(scratch)
+asyncio.run(warm())  # every module imported while they can be read
+if uid:
+    os.setgid(uid)
+    os.setuid(uid)
+print(json.dumps(asyncio.run(scenario(folder))))
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_folder_its_owner_made_read_only_opens_for_restore(anyio_backend: str) -> None:
+    """``chmod a-w DIR`` by its owner, its ``.lock`` still writable: it opens for
+    restore only (a user who is not root: root's writes are never denied, so a child
+    drops to another uid, the folder's owner)."""
+    top = Path(tempfile.mkdtemp(prefix="async-stager-ro-"))  # /tmp: any user may enter
+    try:
+        folder = top / "ckpt"
+        async with Checkpointer(folder) as ckpt:
+            await ckpt.save({"w": torch.full((2,), 3.0)}, step=3)
+            await ckpt.wait()
+        uid = 0
+        if os.geteuid() == 0:
+            uid = 65534  # nobody
+            os.chmod(top, 0o755)
+            for dirpath, dirs, files in os.walk(folder):
+                for name in [*dirs, *files]:
+                    os.chown(os.path.join(dirpath, name), uid, uid)
+            os.chown(folder, uid, uid)
+        os.chmod(folder, 0o555)  # a-w; .lock keeps its own mode (writable by its owner)
+        child = await anyio.run_process(
+            [sys.executable, "-c", _READ_ONLY_CHILD, str(top / "scratch"), str(folder), str(uid)], check=False
+        )
+        assert child.returncode == 0, child.stderr.decode()[-3000:]
+        out = json.loads(child.stdout.decode().strip().splitlines()[-1])
+        assert out["restored"] == 3 and out["w"] == [3.0, 3.0]
+        assert "open for restore only" in out["save"] and "not writable" in out["save"]
+    finally:
+        os.chmod(top / "ckpt", 0o755)
+        shutil.rmtree(top, ignore_errors=True)
+
+
+async def test_restore_from_a_folder_that_did_not_exist_says_so(
+    anyio_backend: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A typo in the path: the open makes the folder and restore returns None, with
+    one WARNING line naming the folder (not a silent start from scratch)."""
+    typo = tmp_path / "chekpoints"
+    with caplog.at_level(logging.INFO, logger="async_stager.checkpoint"):
+        async with Checkpointer(typo) as ckpt:
+            assert await ckpt.restore({"w": torch.zeros(2)}) is None
+    lines = [r for r in caplog.records if "nothing to restore" in r.message]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+    assert str(typo) in lines[0].message and "did not exist" in lines[0].message
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="async_stager.checkpoint"):
+        async with Checkpointer(typo) as ckpt:  # it exists now, empty: said, quietly
+            assert await ckpt.restore({"w": torch.zeros(2)}) is None
+    lines = [r for r in caplog.records if "nothing to restore" in r.message]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO
