@@ -88,6 +88,8 @@ PROCESS_MODULES = {
     "test_service_example",
     "test_checkpointer_paths",
     "test_reliability_faults",
+    "test_store_kill",
+    "test_store_faults",
 }
 
 #: Modules whose tests share one module-scoped child process or run (spawning a writer

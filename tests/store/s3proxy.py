@@ -125,13 +125,15 @@ def _rst(writer: asyncio.StreamWriter) -> None:
 
 
 class FaultProxy:
-    """The proxy; ``endpoint`` is its URL. ``add`` a rule, ``clear`` them all."""
+    """The proxy; ``endpoint`` is its URL. ``add`` a rule, ``clear`` them all.
+    ``max_in_flight[kind]``: the most requests of a kind (``"GET"``, ``"PUT-part"``...)
+    the server was answering at once."""
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
         self.rules: list[Rule] = []
         self.requests: list[tuple[str, str]] = []
-        self.in_flight = 0
+        self.in_flight: dict[str, int] = {}
         self.max_in_flight: dict[str, int] = {}
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
@@ -246,8 +248,8 @@ class FaultProxy:
         up_reader, up_writer = upstream
         kind = method + ("-part" if b"partNumber=" in request.split(b"\r\n", 1)[0] else "")
         with self._lock:
-            self.in_flight += 1
-            self.max_in_flight[kind] = max(self.max_in_flight.get(kind, 0), self.in_flight)
+            self.in_flight[kind] = self.in_flight.get(kind, 0) + 1
+            self.max_in_flight[kind] = max(self.max_in_flight.get(kind, 0), self.in_flight[kind])
         try:
             up_writer.write(request)
             await up_writer.drain()
@@ -264,7 +266,7 @@ class FaultProxy:
                 close = True
         finally:
             with self._lock:
-                self.in_flight -= 1
+                self.in_flight[kind] -= 1
         if rule is not None and rule.action == "cut" and len(body) > 1:
             writer.write(head + body[: len(body) // 2])
             await writer.drain()
