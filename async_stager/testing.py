@@ -364,6 +364,9 @@ class FakeCopier(ScratchCopier):
     def fence_point(self) -> Any:
         return self._backend.stream(self.device)
 
+    def fence_point_of(self, capture: Any) -> Any:
+        return capture.stream if isinstance(capture, FakeCapture) else None
+
     def fence(self, completion: Any, point: Any) -> None:
         self._backend.fences.append(completion)
         self._backend.fence_points.append(point)

@@ -1,50 +1,59 @@
 #!/usr/bin/env bash
 # GPU check: one prepared script for a CUDA machine, under 5 minutes on one GPU.
-# Each step's bound (its timeout) is given; the steps add up to 290 s at most.
+# Each step's bound (its timeout, in seconds) is given; the bounds add up to 290 s
+# (tests/gpu/test_gpu_readiness.py checks this sum against the bounds below).
 #
-#   1. pytest tests/gpu/test_cuda.py tests/core/test_device_ordering.py and every other cuda-marked
-#      test (the Checkpointer round trip, two devices refused): the CUDA path and its
-#      ordering logic. Fails when CUDA is there but no CUDA test ran (all skipped). 75 s
+#   0. the requirements: every import of the package and the steps that is missing
+#      (the dependencies but torch, and the `gpu-check` extra: pytest, pytest-timeout;
+#      `python scripts/requirements.py gpu-check` lists them) is installed with pip:
+#      from wheels/ when that folder is carried (no index), else from the index  15 s
+#   1. pytest tests/gpu/test_cuda.py tests/core/test_device_ordering.py and every other
+#      cuda-marked test (the Checkpointer round trip, two devices refused): the CUDA
+#      path and its ordering logic. Fails when CUDA is there but no CUDA test ran (all
+#      skipped)                                                                    65 s
+#      then the cuda-marked ids among them (collection only)                       15 s
 #   2. the benchmark on the GPU, modest runs; its row: GB/s against a one-buffer pinned
-#      copy, small tensors against DCP, loop lag p99                               45 s
+#      copy, small tensors against DCP, loop lag p99                               40 s
 #   Steps 3-11 are tests/gpu/check_steps.py (STEP in brackets), on $GPU_CHECK_DEVICE:
 #   3. [fresh] fresh tensors re-staged: the old ones dropped (host memory kept, no
 #      re-pinning, timings), and the old ones kept alive (at most one state per live
 #      dict)                                                                       20 s
 #   4. [side_stream] a snapshot under a side stream: producer still running, pinned
 #      CPU leaf being filled, fence read at the call                               15 s
-#   5. [graph] a stage inside a CUDA graph capture is refused, the capture survives 15 s
+#   5. [graph] a stage inside a CUDA graph capture is refused, the capture survives 10 s
 #   6. [checksums] on the device: staging time with and without (WSUM64 before the
-#      copy), digests equal to the host copy's                                     20 s
+#      copy), digests equal to the host copy's                                     15 s
 #   7. [training] a transformer's forward/backward/step alone, with a stage overlapping
 #      forward and backward (fence before the step), and with a Checkpointer saving
 #      every step the same way (restored bit-exact); each step timed to the end of its
-#      own stream, never a device-wide synchronize (which also waits for the copies) 40 s
+#      own stream, never a device-wide synchronize (which also waits for the copies) 35 s
 #   8. [share] share_memory=True: bit-exact, handed to a writer without a copy (arena
 #      descriptors, not share_memory_()), time against private                     15 s
 #   9. [budget] the budgeted pipeline beyond toy size (2 GiB through a ring of 1/8),
-#      twice (the second reuses ring and streams): bit-exact, peak within budget   20 s
+#      twice (the second reuses ring and streams), and budgeted saves in parallel
+#      (no new stream drawn the second time): bit-exact, peak within budget       20 s
 #  10. [bitexact] every dtype (every bit pattern), conj/neg/non-contiguous views, many
 #      small tensors: staged and budgeted-saved bit-exact                          15 s
-#  11. [dtensor] a sharded DTensor on the device staged as a DTensor of host memory 15 s
-#   then one table (also in summary.txt).
+#  11. [dtensor] a sharded DTensor on the device staged as a DTensor of host memory 10 s
+#   then one table.
 #
-# Imports: the package no longer needs sniffio (async_stager._waiting tells the running
-# event loop itself), so an anyio without sniffio is enough. Every import the package
-# and the steps need (torch, anyio, xxhash, pytest) is checked; the missing ones are
-# installed from wheels/ when that folder is carried (Python 3.12 wheels: `pip download
-# xxhash anyio idna typing_extensions --no-deps --only-binary=:all: --python-version
-# 3.12 --platform manylinux2014_x86_64 -d wheels`, then carry "wheels").
-# pytest-asyncio, pytest-timeout, hypothesis, trio, uvloop and matplotlib are optional:
-# pytest-asyncio is always left out (-p no:asyncio), its and pytest-timeout's ini
-# options are then unknown (ignored config warnings), without pytest-timeout the
-# strict-markers option is dropped, without trio (uvloop) the trio- (uvloop-)
-# parametrized tests are deselected. Pass/fail is pytest's own result (its exit status
-# and JUnit report); a module that cannot be imported is a failure, not skipped.
+# Carried wheels for a machine without an index (Python 3.12, say):
+#   pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#       -d wheels $(python scripts/requirements.py gpu-check)
+# then carry "wheels". The package itself comes from this working tree (PYTHONPATH).
+# pytest-asyncio, hypothesis, trio, uvloop and matplotlib are optional: pytest-asyncio
+# is always left out (-p no:asyncio), its ini options are then unknown (ignored config
+# warnings), without pytest-timeout the strict-markers option is dropped, without trio
+# (uvloop) the trio- (uvloop-) parametrized tests are deselected. Pass/fail is pytest's
+# own result (its exit status and JUnit report); a module that cannot be imported is a
+# failure, not skipped.
 #
-# Results go to "$OUT" if set, else ./gpu_out: env.txt, pytest.txt, pytest.xml,
-# bench_cuda.{txt,json}, checks.txt, summary.txt, summary.json. Exit status non-zero if
-# a step failed. Python is "$PYTHON" if set, else python3.
+# Results go to "$OUT" if set, else ./gpu_out, three files at most (a run's machinery
+# may bring back only a few): summary.txt (notes and the table), summary.json (the
+# rows), logs.tar.gz (env.txt, pip.txt, pytest.txt, pytest.xml, cuda_tests.txt,
+# bench_*.{txt,json}, checks.txt). All three are rewritten after every step, so a run
+# cut short still has what it did. Exit status non-zero if a step failed. Python is
+# "$PYTHON" if set, else python3; pip is "$GPU_CHECK_PIP" if set, else "$PYTHON -m pip".
 #
 # Dry run on a CPU machine: every step's logic on the simulated device (timings there
 # mean nothing; correctness checks hold), the benchmark on the CPU:
@@ -54,6 +63,7 @@
 # GPU_CHECK_BLOCK="trio uvloop pytest_asyncio hypothesis matplotlib" makes those
 # modules unimportable (a sitecustomize first on PYTHONPATH), as on the GPU machine;
 # CI runs that (tests/gpu/test_gpu_readiness.py::test_gpu_check_dry_run).
+# GPU_CHECK_ONLY=requirements stops after step 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-$PWD/gpu_out}"
@@ -66,20 +76,41 @@ BENCH_DEVICE=$([ "$DEVICE" = cuda ] && echo cuda || echo cpu)
 SCALE="${GPU_CHECK_SCALE:-1}"
 PY="${PYTHON:-python3}"
 BENCH_RUNS="${GPU_CHECK_RUNS:-3}"
-# Multiplies the bounds of steps 3-11: a dry run on a loaded CI machine spends most of
-# a step starting Python and importing torch (seconds), which the GPU run does not.
+# Multiplies every step's bound: a dry run on a loaded CI machine spends most of a step
+# starting Python and importing torch (seconds), which the GPU run does not.
 SLACK="${GPU_CHECK_SLACK:-1}"
+# Each step's bound in seconds (the header's list; they add up to its total).
+B_REQUIREMENTS=15
+B_PYTEST=65
+B_COLLECT=15
+B_BENCH=40
+CHECKS=(  # name, bound, check_steps.py STEP
+    "fresh tensors re-staged|20|fresh"
+    "side-stream snapshot|15|side_stream"
+    "graph capture refused|10|graph"
+    "checksums on the device|15|checksums"
+    "training loop|35|training"
+    "share_memory handoff|15|share"
+    "budgeted pipeline|20|budget"
+    "bit-exact dtypes and views|15|bitexact"
+    "DTensor|10|dtensor"
+)
 mkdir -p "$OUT_DIR"
-: > "$OUT_DIR/summary.txt"
-: > "$OUT_DIR/checks.txt"
+# Logs are written here and bundled into $OUT_DIR/logs.tar.gz after every step: $OUT
+# holds three files at most.
+LOGS="$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")"
+trap 'rm -rf "$LOGS" "$LOGS.tar.gz"' EXIT
+rm -f "$OUT_DIR/summary.txt" "$OUT_DIR/summary.json" "$OUT_DIR/logs.tar.gz"
+: > "$LOGS/notes.txt"
+: > "$LOGS/checks.txt"
 # The package from this working tree, whether or not it is installed.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 failed=0
 rows=()
 if [ -n "${GPU_CHECK_BLOCK:-}" ]; then
     # Modules the GPU machine may lack, made unimportable for the dry run.
-    mkdir -p "$OUT_DIR/blocked"
-    cat > "$OUT_DIR/blocked/sitecustomize.py" <<EOF
+    mkdir -p "$LOGS/blocked"
+    cat > "$LOGS/blocked/sitecustomize.py" <<EOF
 import importlib.machinery
 import sys
 
@@ -106,26 +137,78 @@ class _Block:
 
 sys.meta_path.insert(0, _Block())
 EOF
-    export PYTHONPATH="$OUT_DIR/blocked:$PYTHONPATH"
-fi
-# Every import the package and the steps need; the missing ones from wheels/ if carried.
-missing=()
-for m in torch anyio xxhash pytest; do
-    "$PY" -c "import $m" >/dev/null 2>&1 || missing+=("$m")
-done
-if [ "${#missing[@]}" -gt 0 ] && [ -d wheels ]; then
-    echo "missing: ${missing[*]}; installing from wheels/ (no index)"
-    "$PY" -m pip install --quiet --no-index --find-links wheels "${missing[@]}" \
-        || "$PY" -m pip install --quiet --no-index --no-deps wheels/*.whl \
-        || echo "wheels/: install failed"
+    export PYTHONPATH="$LOGS/blocked:$PYTHONPATH"
 fi
 
-note() { echo "[gpu_check $(date -u +%H:%M:%S)] $*" | tee -a "$OUT_DIR/summary.txt"; }
+note() { echo "[gpu_check $(date -u +%H:%M:%S)] $*" | tee -a "$LOGS/notes.txt"; }
 has() { "$PY" -c "import $1" >/dev/null 2>&1; }
 # row STEP RESULT SECONDS DETAIL
 row() { rows+=("$(printf '%-28s %-8s %7s  %s' "$1" "$2" "$3" "$4")"); }
 now() { date +%s.%N; }
 since() { "$PY" -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" "$1" "$(now)"; }
+# The three results, rewritten after every step (a run cut short keeps what it did):
+# the notes and the table so far, the rows as JSON, the logs bundled.
+report() {
+    local final=${1:-}
+    {
+        cat "$LOGS/notes.txt"
+        echo
+        printf '%-28s %-8s %7s  %s\n' "step" "result" "seconds" "detail"
+        [ "${#rows[@]}" -gt 0 ] && printf '%s\n' "${rows[@]}"
+        echo
+        if [ -n "$final" ]; then
+            echo "overall: $([ "$failed" -eq 0 ] && echo ok || echo FAILED); results in $OUT_DIR"
+        else
+            echo "(in progress)"
+        fi
+    } > "$OUT_DIR/summary.txt.part" && mv "$OUT_DIR/summary.txt.part" "$OUT_DIR/summary.txt"
+    [ "${#rows[@]}" -gt 0 ] && printf '%s\n' "${rows[@]}" | "$PY" -c '
+import json, sys
+rows = [dict(zip(("step", "result", "seconds", "detail"), (l[:28].strip(), l[29:37].strip(), l[38:45].strip(), l[47:])))
+        for l in sys.stdin.read().splitlines()]
+json.dump({"failed": bool(int(sys.argv[1])), "finished": sys.argv[3] == "1", "rows": rows}, open(sys.argv[2], "w"), indent=1)
+' "$failed" "$OUT_DIR/summary.json.part" "$([ -n "$final" ] && echo 1 || echo 0)" \
+        && mv "$OUT_DIR/summary.json.part" "$OUT_DIR/summary.json"
+    tar -czf "$LOGS.tar.gz" -C "$LOGS" --exclude=blocked --exclude=notes.txt . 2>/dev/null \
+        && mv "$LOGS.tar.gz" "$OUT_DIR/logs.tar.gz"
+}
+
+# -- 0. requirements ----------------------------------------------------------------------
+# What the package and the steps import, from the package's own metadata (the
+# dependencies but torch, and the gpu-check extra); pip installs those missing.
+t0=$(now)
+read -r -a PIP <<< "${GPU_CHECK_PIP:-$PY -m pip}"
+mapfile -t reqs < <("$PY" scripts/requirements.py gpu-check 2>>"$LOGS/pip.txt")
+missing=()
+for r in "${reqs[@]}"; do
+    name=${r%%[<>=!~;[ ]*}
+    has "${name//-/_}" || missing+=("$r")
+done
+if [ "${#reqs[@]}" -eq 0 ]; then
+    row "requirements" FAILED "$(since "$t0")" "scripts/requirements.py listed nothing; see pip.txt"
+    failed=1
+elif [ "${#missing[@]}" -eq 0 ]; then
+    row "requirements" ok "$(since "$t0")" "all ${#reqs[@]} present"
+else
+    where=(); from="the index"
+    if [ -d wheels ]; then where=(--no-index --find-links wheels); from="wheels/"; fi
+    echo "+ ${PIP[*]} install ${where[*]} ${missing[*]}" >> "$LOGS/pip.txt"
+    timeout "$((B_REQUIREMENTS * SLACK))" "${PIP[@]}" install --quiet "${where[@]}" "${missing[@]}" >> "$LOGS/pip.txt" 2>&1
+    rc=$?
+    still=()
+    for r in "${missing[@]}"; do
+        name=${r%%[<>=!~;[ ]*}
+        has "${name//-/_}" || still+=("$r")
+    done
+    if [ "${#still[@]}" -eq 0 ]; then
+        row "requirements" ok "$(since "$t0")" "installed from $from: ${missing[*]}"
+    else
+        row "requirements" FAILED "$(since "$t0")" "rc $rc; still missing ${still[*]} (from $from); see pip.txt"
+        failed=1
+    fi
+fi
+report
+[ "${GPU_CHECK_ONLY:-}" = requirements ] && { report final; exit "$failed"; }
 
 {
     date -u
@@ -136,13 +219,13 @@ since() { "$PY" -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1])
     done
     nproc
     free -g 2>/dev/null || true
-} > "$OUT_DIR/env.txt" 2>&1
+} > "$LOGS/env.txt" 2>&1
 
 cuda_ok=0
 if [ "$DEVICE" = cuda ] && "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
     cuda_ok=1
 fi
-for m in torch anyio xxhash pytest; do
+for m in torch anyio numpy xxhash pytest; do
     has "$m" || note "required module $m is missing: steps that need it fail"
 done
 
@@ -155,12 +238,12 @@ common_args=(-p no:asyncio -p no:cacheprovider -p no:benchmark
 # Hazard: an installed but unimportable plugin (the dry run's blocked hypothesis) still
 # loads through its entry point and fails at the summary; the GPU machine has none.
 has hypothesis || common_args+=(-p no:hypothesispytest)
-pytest_args=("${tests[@]}" -q -rfEs --junitxml "$OUT_DIR/pytest.xml" "${common_args[@]}")
+pytest_args=("${tests[@]}" -q -rfEs --junitxml "$LOGS/pytest.xml" "${common_args[@]}")
 if ! has pytest_timeout; then
     # @pytest.mark.timeout is then an unknown marker: drop --strict-markers (from
     # addopts) and let the outer `timeout` bound the run instead.
     pytest_args+=(-o "addopts=-ra")
-    note "pytest-timeout missing: per-test timeouts off, the run is bounded at $((75 * SLACK)) s"
+    note "pytest-timeout missing: per-test timeouts off, the run is bounded at $((B_PYTEST * SLACK)) s"
 fi
 deselect=()
 for m in trio uvloop; do
@@ -174,13 +257,13 @@ if [ "${#deselect[@]}" -gt 0 ]; then
     for d in "${deselect[@]:1}"; do expr="$expr and $d"; done
     pytest_args+=(-k "$expr")
 fi
-timeout "$((75 * SLACK))" "$PY" -m pytest "${pytest_args[@]}" > "$OUT_DIR/pytest.txt" 2>&1
+timeout "$((B_PYTEST * SLACK))" "$PY" -m pytest "${pytest_args[@]}" > "$LOGS/pytest.txt" 2>&1
 rc=$?
 # The cuda-marked tests among them (collection only: a few seconds), one id a line.
-timeout "$((30 * SLACK))" "$PY" -m pytest "${tests[@]}" "${common_args[@]}" -m cuda --collect-only -q -o "addopts=" \
-    2>/dev/null | grep '::' > "$OUT_DIR/cuda_tests.txt"
+timeout "$((B_COLLECT * SLACK))" "$PY" -m pytest "${tests[@]}" "${common_args[@]}" -m cuda --collect-only -q -o "addopts=" \
+    2>/dev/null | grep '::' > "$LOGS/cuda_tests.txt"
 # Counts from pytest's JUnit report (absent if pytest did not get that far).
-counts=$("$PY" - "$OUT_DIR/pytest.xml" "$OUT_DIR/cuda_tests.txt" <<'EOF' 2>/dev/null
+counts=$("$PY" - "$LOGS/pytest.xml" "$LOGS/cuda_tests.txt" <<'EOF' 2>/dev/null
 import sys
 import xml.etree.ElementTree as ET
 
@@ -207,7 +290,7 @@ EOF
 )
 counts=${counts:-"no report"}
 cuda_tests=$(printf '%s' "$counts" | sed -n 's/.* \([0-9][0-9]*\) CUDA tests ran$/\1/p')
-tail -n 3 "$OUT_DIR/pytest.txt" | sed 's/^/    /' >> "$OUT_DIR/summary.txt"
+tail -n 3 "$LOGS/pytest.txt" | sed 's/^/    /' >> "$LOGS/notes.txt"
 if [ "$rc" -eq 0 ] && [ "$cuda_ok" -eq 1 ] && [ "${cuda_tests:-0}" -eq 0 ]; then
     row "pytest (cuda + ordering)" FAILED "$(since "$t0")" "$counts; CUDA is here but no CUDA test ran"
     failed=1
@@ -224,13 +307,14 @@ fi
 
 # -- 2. benchmark -------------------------------------------------------------------------
 t0=$(now)
-timeout "$((45 * SLACK))" "$PY" -m async_stager bench --device "$BENCH_DEVICE" --scale "$SCALE" --runs "$BENCH_RUNS" --warmup 1 --quiet \
-    --workloads "${GPU_CHECK_WORKLOADS:-transformer,small20k,large1g,fresh}" ${GPU_CHECK_BENCH_ARGS:-} --json "$OUT_DIR/bench_${BENCH_DEVICE}.json" > "$OUT_DIR/bench_${BENCH_DEVICE}.txt" 2>&1
+report
+timeout "$((B_BENCH * SLACK))" "$PY" -m async_stager bench --device "$BENCH_DEVICE" --scale "$SCALE" --runs "$BENCH_RUNS" --warmup 1 --quiet \
+    --workloads "${GPU_CHECK_WORKLOADS:-transformer,small20k,large1g,fresh}" ${GPU_CHECK_BENCH_ARGS:-} --json "$LOGS/bench_${BENCH_DEVICE}.json" > "$LOGS/bench_${BENCH_DEVICE}.txt" 2>&1
 rc=$?
 if [ "$rc" -eq 0 ]; then
     # The row's numbers: ours in GB/s against the one-buffer copy (large1g), small
     # tensors against DCP (small20k), loop lag p99 (worst over workloads), failures.
-    detail=$("$PY" - "$OUT_DIR/bench_${BENCH_DEVICE}.json" <<'EOF' 2>&1
+    detail=$("$PY" - "$LOGS/bench_${BENCH_DEVICE}.json" <<'EOF' 2>&1
 import json
 import sys
 
@@ -270,7 +354,7 @@ check() {
     t0=$(now)
     out=$(GPU_CHECK_DEVICE="$DEVICE" GPU_CHECK_SCALE="$SCALE" timeout "$((limit * SLACK))" "$PY" tests/gpu/check_steps.py "$step" 2>&1)
     rc=$?
-    { echo "== $name (rc $rc)"; echo "$out"; } >> "$OUT_DIR/checks.txt"
+    { echo "== $name (rc $rc)"; echo "$out"; } >> "$LOGS/checks.txt"
     line=$(printf '%s\n' "$out" | grep -E '^(ok|FAILED|skipped) \|' | tail -n 1)
     if [ "$rc" -ne 0 ] || [ -z "$line" ]; then
         row "$name" FAILED "$(since "$t0")" "rc $rc$([ "$rc" -eq 124 ] && echo ', timed out'); see checks.txt"
@@ -280,37 +364,20 @@ check() {
     row "$name" "${line%% |*}" "$(since "$t0")" "${line#*| }"
     [ "${line%% |*}" = FAILED ] && failed=1
 }
+report
 
-if [ "$DEVICE" = cuda ] && [ "$cuda_ok" -ne 1 ]; then
-    for name in "fresh tensors re-staged" "side-stream snapshot" "graph capture refused" \
-        "checksums on the device" "training loop" "share_memory handoff" "budgeted pipeline" \
-        "bit-exact dtypes and views" "DTensor"; do
+for entry in "${CHECKS[@]}"; do
+    IFS='|' read -r name bound step <<< "$entry"
+    if [ "$DEVICE" = cuda ] && [ "$cuda_ok" -ne 1 ]; then
         row "$name" skipped 0 "no CUDA"
-    done
-else
-    check "fresh tensors re-staged" 20 fresh
-    check "side-stream snapshot" 15 side_stream
-    check "graph capture refused" 15 graph
-    check "checksums on the device" 20 checksums
-    check "training loop" 40 training
-    check "share_memory handoff" 15 share
-    check "budgeted pipeline" 20 budget
-    check "bit-exact dtypes and views" 15 bitexact
-    check "DTensor" 15 dtensor
-fi
+    else
+        check "$name" "$bound" "$step"
+        report
+    fi
+done
 
 # -- summary --------------------------------------------------------------------------
-{
-    echo
-    printf '%-28s %-8s %7s  %s\n' "step" "result" "seconds" "detail"
-    printf '%s\n' "${rows[@]}"
-    echo
-    echo "overall: $([ "$failed" -eq 0 ] && echo ok || echo FAILED); results in $OUT_DIR"
-} | tee -a "$OUT_DIR/summary.txt"
-printf '%s\n' "${rows[@]}" | "$PY" -c '
-import json, sys
-rows = [dict(zip(("step", "result", "seconds", "detail"), (l[:28].strip(), l[29:37].strip(), l[38:45].strip(), l[47:])))
-        for l in sys.stdin.read().splitlines()]
-json.dump({"failed": bool(int(sys.argv[1])), "rows": rows}, open(sys.argv[2], "w"), indent=1)
-' "$failed" "$OUT_DIR/summary.json"
+report final
+# The table, once, last in the output.
+sed -n '/^step  /,$p' "$OUT_DIR/summary.txt"
 exit "$failed"

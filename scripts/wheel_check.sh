@@ -7,11 +7,18 @@
 #
 # The venv sees the system site-packages (torch is large: the one already installed is
 # used), so the wheel's own dependencies resolve without a download; the package itself
-# must come from the wheel (checked: async_stager.__file__ is inside the venv).
+# must come from the wheel (checked: async_stager.__file__ is inside the venv). Every
+# module of the installed wheel is then imported with every installed distribution
+# outside torch's and the wheel's declared dependencies made unimportable
+# (scripts/declared_only.py): an undeclared import (numpy before it was declared)
+# fails here. WHEEL_CHECK_BARE=1 uses a venv without the system site-packages instead,
+# into which pip installs the wheel and the installed torch's version (from the
+# configured index: a download where torch is not on local disk).
 #
 #   scripts/wheel_check.sh            # exit status non-zero on any failure
 #   PYTHON=python3.12 scripts/wheel_check.sh
 #   WHEEL_CHECK_NO_ISOLATION=1 ...    # build with the installed setuptools (offline)
+#   WHEEL_CHECK_BARE=1 ...            # a bare venv: only torch and the declared dependencies
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SRC="$PWD"
@@ -54,14 +61,23 @@ for need in ("LICENSE", "README.md", "pyproject.toml", "async_stager/py.typed"):
 print(f"  {len(want)} package files in the wheel, py.typed among them")
 EOF
 
-echo "+ a fresh venv with the wheel installed"
-"$PY" -m venv --system-site-packages "$WORK/venv"
 VPY="$WORK/venv/bin/python"
-"$VPY" -m pip install --quiet --disable-pip-version-check "${wheel[0]}"
+if [ -n "${WHEEL_CHECK_BARE:-}" ]; then
+    torch_version=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')
+    echo "+ a bare venv: the wheel and torch==$torch_version, nothing else"
+    "$PY" -m venv "$WORK/venv"
+    "$VPY" -m pip install --quiet --disable-pip-version-check "${wheel[0]}" "torch==$torch_version"
+else
+    echo "+ a fresh venv with the wheel installed"
+    "$PY" -m venv --system-site-packages "$WORK/venv"
+    "$VPY" -m pip install --quiet --disable-pip-version-check "${wheel[0]}"
+fi
 
 # Outside the source tree: the current folder must not put the tree on sys.path.
 mkdir -p "$WORK/outside"
 cd "$WORK/outside"
+echo "+ every module imports with only torch and the declared dependencies"
+"$VPY" "$SRC/scripts/declared_only.py" --installed
 echo "+ python -m async_stager demo (from the wheel)"
 "$VPY" -W error -m async_stager demo --checkpoint "$WORK/demo-ckpt"
 echo "+ async-stager --help (the console script)"

@@ -90,6 +90,7 @@ PROCESS_MODULES = {
     "test_reliability_faults",
     "test_store_kill",
     "test_store_faults",
+    "test_dependencies",
 }
 
 #: Modules whose tests share one module-scoped child process or run (spawning a writer

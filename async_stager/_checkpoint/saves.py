@@ -465,7 +465,7 @@ class SaveQueue:
             item.error = exc
             return False
         item.job = job
-        item.fence_wait = job.pipeline.fence()
+        item.fence_wait = job.pipeline.fence(at_call=True)  # the streams of the save() call
         return True
 
     def _start_budgeted(self, tg: anyio.abc.TaskGroup, item: SaveItem) -> None:

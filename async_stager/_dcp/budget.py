@@ -565,16 +565,19 @@ class Pipeline:
         if self._ring is not None:
             self._ring.wake()
 
-    def fence(self) -> Callable[[], Awaitable[None]]:
+    def fence(self, *, at_call: bool = False) -> Callable[[], Awaitable[None]]:
         """``Stager.fence``'s hook (caller's thread; ``Engine.fence`` has refused a
         capturing stream): reads each copier's ``fence_point`` (the caller's current
         stream) now; the returned wait returns once every copy is enqueued (or the save
         stopped), then has each copier order its point after that device's last copy
         (``Copier.fence``: no host block). A device first seen after the call: the
-        current stream of the thread applying it.
+        current stream of the thread applying it. ``at_call``: the streams current at
+        the save's call instead (its captures' streams), from any thread at any time:
+        the Checkpointer's own fence of a save, whose pipeline a node budget's
+        admission may build on the loop long after the call.
 
         Cancellation: only the wait is cancelled; no ordering was added."""
-        points = self.copies.fence_points()
+        points = self.copies.fence_points(at_call=at_call)
 
         async def wait() -> None:
             await wait_future(self.enqueued)

@@ -8,7 +8,7 @@ CUDA ordering and a ``FakeBackend`` drives it on the CPU:
 
 - the copiers of the devices known at the call are made then, on the caller's thread,
   and their ``capture()`` is the snapshot point (an event on the caller's current
-  stream); the copy stream (``CudaCopier``: ``fresh_stream``, never the default nor
+  stream); the copy stream (``DevicePrimitives.new_stream``, never the default nor
   the caller's stream) waits on it, a host copy waits for every accelerator's capture;
 - ``protect`` keeps the sources' memory from the caching allocator until they are read
   (``record_stream``);
@@ -184,9 +184,18 @@ class RingCopies:
                 first = first or e  # the device reported the copy's failure: it is over
         return first, over
 
-    def fence_points(self) -> dict[torch.device, Any]:
+    def fence_points(self, *, at_call: bool = False) -> dict[torch.device, Any]:
         """Caller's thread, at a ``fence()`` call: each copier's ``fence_point`` (the
-        caller's current stream)."""
+        caller's current stream). ``at_call``: the streams of the save's call instead
+        (each capture's, ``Copier.fence_point_of``), whichever thread asks and when:
+        a save whose pipeline is made after its call (a node budget's admission chose
+        to stream it, on the loop) orders the streams current at its call."""
+        if at_call:
+            return {
+                d: c.fence_point_of(self.captures[d])
+                for d, c in list(self._copiers.items())
+                if self.captures.get(d) is not None
+            }
         return {d: c.fence_point() for d, c in list(self._copiers.items())}
 
     def apply_fence(self, points: Mapping[torch.device, Any]) -> None:

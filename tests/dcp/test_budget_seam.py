@@ -424,31 +424,44 @@ async def test_simulated_device_budgeted_saves_reuse_streams_and_ring(tmp_path: 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # about the device, not the loop
 async def test_concurrent_budgeted_saves_take_separate_lanes_and_trim_frees_them(tmp_path: Path) -> None:
+    # Saves in parallel take a lane each; given back, every lane keeps its streams (one
+    # keeps its ring): the next round of parallel saves draws no stream from the pool
+    # (32 on CUDA, shared with training and NCCL: a drawn stream may be theirs).
     with SimulatedDevice(seed=6) as sim:
         backend = SimulatedBackend(sim, pin=True)
         pinner = sim.pinner()
         assert isinstance(pinner, SimulatedPinner)
         a, b = _odd_device_state(sim), tensors(4)
         async with Stager(backend=backend) as stager:
-            async with anyio.create_task_group() as tg:
-                for name, sd in (("a", a), ("b", b)):
-                    tg.start_soon(
-                        _await,
-                        adcp.save(
-                            sd,
-                            stager=stager,
-                            checkpoint_id=tmp_path / name,
-                            no_dist=True,
-                            host_budget_bytes=2 * PIECE,
-                        ),
-                    )
-            assert stager.lanes.made == 2 and len(pinner.registered) == 1  # one idle lane kept
+            drawn = []
+            for rnd in range(3):
+                async with anyio.create_task_group() as tg:
+                    for name, sd in (("a", a), ("b", b)):
+                        tg.start_soon(
+                            _await,
+                            adcp.save(
+                                sd,
+                                stager=stager,
+                                checkpoint_id=tmp_path / f"{name}{rnd}",
+                                no_dist=True,
+                                host_budget_bytes=2 * PIECE,
+                            ),
+                        )
+                drawn.append(sim.streams_made)
+                assert stager.lanes.made == 2 and len(pinner.registered) == 1  # one idle ring kept
+            assert drawn[0] == drawn[1] == drawn[2], drawn  # no stream drawn after the first round
+            registrations = pinner.total_registrations
+            await adcp.save(
+                a, stager=stager, checkpoint_id=tmp_path / "alone", no_dist=True, host_budget_bytes=2 * PIECE
+            )
+            assert pinner.total_registrations == registrations  # alone: the lane with the ring
             assert await stager.trim() >= 2 * PIECE // 2
             assert pinner.registered == {}
             await adcp.save(
                 b, stager=stager, checkpoint_id=tmp_path / "c", no_dist=True, host_budget_bytes=2 * PIECE
             )
-        for name, sd in (("a", a), ("c", b)):
+            assert sim.streams_made == drawn[0] and stager.lanes.made == 2  # trim kept the streams
+        for name, sd in (("a2", a), ("c", b)):
             got = load(tmp_path / name, sd)
             for k, v in sd.items():
                 if isinstance(v, torch.Tensor):

@@ -678,7 +678,7 @@ def test_cuda_generator_at_the_top_level_is_staged_as_of_the_call() -> None:
 
 
 def test_streams_drawn_after_the_pool_cycles_are_never_the_callers() -> None:
-    from async_stager._core.copy.device import fresh_stream
+    from async_stager._core.copy.cuda import CudaPrimitives
 
     dev = torch.device("cuda", torch.cuda.current_device())
     default = torch.cuda.default_stream(dev).cuda_stream
@@ -691,7 +691,7 @@ def test_streams_drawn_after_the_pool_cycles_are_never_the_callers() -> None:
             try:
                 assert copier.stream.cuda_stream not in (mine.cuda_stream, default)
                 copier.capture()
-                other = fresh_stream(dev, (copier.stream.cuda_stream,))
+                other = CudaPrimitives(dev).new_stream((copier.stream,))
                 assert other.cuda_stream not in (mine.cuda_stream, default, copier.stream.cuda_stream)
             finally:
                 copier.close()

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -55,17 +57,79 @@ def test_gpu_check_dry_run(tmp_path: Path) -> None:
     bench = next(r for name, r in rows.items() if name.startswith("bench (cpu"))
     assert bench["result"] == "ok" and "lag p99" in bench["detail"], bench
     steps = [
-        r for name, r in rows.items() if name != "pytest (cuda + ordering)" and not name.startswith("bench")
+        r
+        for name, r in rows.items()
+        if name not in ("requirements", "pytest (cuda + ordering)") and not name.startswith("bench")
     ]
     assert len(steps) == 9 and all(r["result"] == "ok" for r in steps), steps
-    env_txt = (tmp_path / "env.txt").read_text()
+    assert rows["requirements"]["result"] == "ok", rows["requirements"]
+    # At most 8 files come back from a device run: the table, one JSON, the logs in one
+    # archive.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs.tar.gz", "summary.json", "summary.txt"]
+    assert summary["finished"] is True
+    with tarfile.open(tmp_path / "logs.tar.gz") as tar:
+        logs = {m.name.removeprefix("./"): m for m in tar.getmembers() if m.isfile()}
+        env_txt = tar.extractfile(logs["env.txt"]).read().decode()  # type: ignore[union-attr]
     for blocked in ("trio", "uvloop", "pytest_asyncio", "hypothesis", "matplotlib"):
         assert f"module {blocked}: no" in env_txt
     assert "module sniffio" not in env_txt
-    for name in ("pytest.txt", "pytest.xml", "bench_cpu.txt", "bench_cpu.json", "summary.txt"):
-        assert (tmp_path / name).is_file(), name
-    # One table, last in the output.
+    for name in (
+        "pytest.txt",
+        "pytest.xml",
+        "cuda_tests.txt",
+        "bench_cpu.txt",
+        "bench_cpu.json",
+        "checks.txt",
+    ):
+        assert name in logs, (name, sorted(logs))
+    # One table, last in the output; the same table in summary.txt.
     assert out.count("step                         result") == 1
+    assert "overall: ok" in (tmp_path / "summary.txt").read_text()
+
+
+def test_gpu_check_header_total_matches_its_bounds() -> None:
+    text = SCRIPT.read_text()
+    stated = int(re.search(r"the bounds add up to (\d+) s", text).group(1))  # type: ignore[union-attr]
+    bounds = [int(v) for v in re.findall(r"^B_[A-Z]+=(\d+)$", text, re.M)]
+    bounds += [int(v) for v in re.findall(r'^    "[^"|]+\|(\d+)\|\w+"$', text, re.M)]
+    assert len(bounds) == 4 + 9, bounds
+    assert sum(bounds) == stated <= 300, (sum(bounds), stated)
+    # Each step's bound in the header's list is the one the script runs with.
+    header = text.split("set -uo pipefail")[0]
+    listed = [
+        int(m.group(1))
+        for line in header.splitlines()
+        if "add up to" not in line and (m := re.search(r" (\d+) s$", line))
+    ]
+    assert sorted(listed) == sorted(bounds), (listed, bounds)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash")
+def test_gpu_check_installs_what_is_missing_from_the_extras(tmp_path: Path) -> None:
+    # A machine with only torch: every requirement of the package and the gpu-check
+    # extra whose module is missing is handed to pip, from the carried wheels/ folder.
+    log = tmp_path / "pip_args.txt"
+    fake_pip = tmp_path / "pip"
+    fake_pip.write_text(f'#!/usr/bin/env bash\necho "$@" >> {log}\n')
+    fake_pip.chmod(0o755)
+    env = {
+        **os.environ,
+        "OUT": str(tmp_path / "out"),
+        "PYTHON": sys.executable,
+        "GPU_CHECK_PIP": str(fake_pip),
+        "GPU_CHECK_ONLY": "requirements",
+        "GPU_CHECK_BLOCK": "xxhash pytest_timeout",
+    }
+    proc = subprocess.run(
+        ["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=100, check=False
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # still missing: the fake pip installs nothing
+    args = log.read_text().split()
+    assert args[0] == "install" and "xxhash>=3.0" in args and "pytest-timeout>=2.3" in args, args
+    assert "numpy>=1.24" not in args and not any(a.startswith("torch") for a in args), args
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    (req,) = summary["rows"]
+    assert req["step"] == "requirements" and "still missing xxhash>=3.0 pytest-timeout>=2.3" in req["detail"]
 
 
 def test_dcp_writer_for_host_data_never_syncs_a_stream(tmp_path: Path) -> None:

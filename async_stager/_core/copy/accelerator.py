@@ -205,6 +205,9 @@ class AcceleratorCopier(ScratchCopier):
     def fence_point(self) -> Any:
         return self.prims.current_stream()
 
+    def fence_point_of(self, capture: Any) -> Any:
+        return capture.stream if isinstance(capture, DeviceEvent) else None
+
     def fence(self, completion: Completion, point: Any) -> None:
         stream = point if point is not None else self.prims.current_stream()
         completion.wait(stream)  # type: ignore[attr-defined]

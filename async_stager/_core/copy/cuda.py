@@ -5,8 +5,9 @@ Hazards kept here (the ordering rules are the copier's):
 - Contexts: event queries run with the event's device current: a CUDA runtime call
   from a thread without a current context (the event loop's, a worker's) would
   otherwise create one on that thread's device, GPU 0 by default.
-- Streams come from torch's pool of 32 per device (``fresh_stream``): drawn so they are
-  never the default, the caller's or one the stager already uses.
+- Streams come from torch's pool of 32 per device (``pool_stream``;
+  ``DevicePrimitives.new_stream`` draws so they are never the default, the caller's or
+  one the stager already uses).
 - Host memory must be pinned for a device-to-host copy to be asynchronous; into
   pageable memory CUDA silently makes it synchronous (correct, slower).
 """
@@ -19,7 +20,6 @@ from typing import Any
 
 import torch
 
-from async_stager._core.copy.device import fresh_stream
 from async_stager._core.copy.primitives import DevicePrimitives
 from async_stager._core.memory.arena import CudaPinner, Pinner
 
@@ -40,8 +40,14 @@ class CudaPrimitives(DevicePrimitives):
     def default_stream(self) -> torch.cuda.Stream:
         return torch.cuda.default_stream(self.device)
 
+    def pool_stream(self) -> torch.cuda.Stream:
+        with torch.cuda.device(self.device):
+            return torch.cuda.Stream(device=self.device)
+
     def new_stream(self, avoid: Sequence[Any] = ()) -> torch.cuda.Stream:
-        return fresh_stream(self.device, tuple(s.cuda_stream for s in avoid))
+        with torch.cuda.device(self.device):
+            stream: torch.cuda.Stream = super().new_stream(avoid)
+            return stream
 
     @contextlib.contextmanager
     def using(self, stream: Any) -> Iterator[Any]:

@@ -57,7 +57,6 @@ __all__ = [
     "caller_cuda_device",
     "capturing",
     "cuda_context_devices",
-    "fresh_stream",
     "graph_capture_error",
     "order_after",
     "pinning_device",
@@ -124,37 +123,6 @@ def pinning_device() -> torch.device | None:
     local = os.environ.get("LOCAL_RANK", "")
     index = int(local) % count if local.isdigit() else 0
     return torch.device("cuda", index)
-
-
-#: Streams in each of torch's per-device stream pools (``torch.cuda.Stream()`` hands
-#: them out round-robin): drawing one more than this has seen every stream.
-_POOL_STREAMS = 32
-
-
-def fresh_stream(device: torch.device, avoid: Sequence[int] = ()) -> torch.cuda.Stream:
-    """A stream on ``device`` for the stager's own copies or hashes: never the default
-    stream, the calling thread's current stream there, nor one whose ``cuda_stream`` is
-    in ``avoid`` (the callers' streams seen so far, the stager's other streams).
-
-    Hazard: ``torch.cuda.Stream()`` draws from a pool of 32 streams per device and
-    priority, round-robin, so once 32 exist the next one is a stream that other code
-    (training) may be using, possibly the very stream the copies are ordered after;
-    work on it would serialize with training, and a fence (copies ordered before that
-    stream's later work) would order a stream after itself. So draw again until the
-    stream is none of those (at most one pass over the pool)."""
-    with torch.cuda.device(device):
-        banned = {
-            torch.cuda.default_stream(device).cuda_stream,
-            torch.cuda.current_stream(device).cuda_stream,
-            *avoid,
-        }
-        for _ in range(_POOL_STREAMS + 1):
-            stream = torch.cuda.Stream(device=device)
-            if stream.cuda_stream not in banned:
-                return stream
-    raise RuntimeError(  # pragma: no cover - needs every pooled stream banned
-        f"every pooled CUDA stream of {device} is in use by the caller or the stager"
-    )
 
 
 #: How to stage next to CUDA graphs; part of every graph-capture refusal.
@@ -274,6 +242,13 @@ class Copier(ABC):
     def fence_point(self) -> Any:
         """The caller's current stream (caller's thread, at the call): what ``fence``
         will order."""
+        return None
+
+    def fence_point_of(self, capture: Any) -> Any:
+        """The fence point of the stream ``capture`` (this copier's ``capture()``) was
+        taken on: what ``fence_point`` returned at that call, for a fence whose call was
+        the capture's (a save that builds its pipeline later). None: not known (the
+        fence then orders the current stream of the thread applying it)."""
         return None
 
     def fence(self, completion: Completion, point: Any) -> None:

@@ -33,12 +33,19 @@ import torch
 from async_stager._core.memory.arena import Pinner
 from async_stager.errors import CopyError
 
-__all__ = ["DeviceEvent", "DevicePrimitives", "poll_until"]
+__all__ = ["POOL_STREAMS", "DeviceEvent", "DevicePrimitives", "poll_until"]
+
+#: Streams in torch's pool per device (``torch.cuda.Stream()`` hands them out
+#: round-robin): drawing one more than this has seen every stream.
+POOL_STREAMS = 32
 
 
 class DevicePrimitives(ABC):
     """One accelerator device's primitives (see the module doc). Thread-safe: the
     caller's thread records captures, the worker enqueues, the event loop queries."""
+
+    #: Streams in this device's pool (``pool_stream`` hands them out round-robin).
+    pool_size = POOL_STREAMS
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -54,9 +61,31 @@ class DevicePrimitives(ABC):
         """This device's default stream."""
 
     @abstractmethod
+    def pool_stream(self) -> Any:
+        """The next stream of the device's pool (``torch.cuda.Stream()``): shared with
+        every other user of the device (training, NCCL), handed out round-robin, so it
+        may be one of theirs."""
+
     def new_stream(self, avoid: Sequence[Any] = ()) -> Any:
         """A stream for the stager's own work: never the default stream, the calling
-        thread's current stream, nor one of ``avoid``."""
+        thread's current stream, nor one of ``avoid``.
+
+        Hazard: the pool (``pool_stream``) hands its ``pool_size`` streams out
+        round-robin, so once they all exist the next one is a stream that other code
+        (training) may be using, possibly the very stream the copies are ordered after:
+        work on it would serialize with training, and a fence (copies ordered before
+        that stream's later work) would order a stream after itself. So draw again
+        until the stream is none of those (at most one pass over the pool). Drawn once
+        per copier, and copiers are kept (the engine's, the lanes'): every draw may
+        hand out a stream of someone else's that is not current here."""
+        banned = [self.default_stream(), self.current_stream(), *avoid]
+        for _ in range(self.pool_size + 1):
+            stream = self.pool_stream()
+            if not any(stream == b for b in banned):
+                return stream
+        raise RuntimeError(  # pragma: no cover - needs every pooled stream banned
+            f"every pooled stream of {self.device} is in use by the caller or the stager"
+        )
 
     @abstractmethod
     def using(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
@@ -155,12 +184,14 @@ class DeviceEvent:
     ``keep``: what must stay alive until the event is seen complete (a stage's device
     sources: memory the allocator does not own, a DLPack import, is freed by its owner
     when its last tensor dies, whatever ``record_stream`` said). ``synchronize`` is
-    bounded (``timeout`` seconds, CopyError after)."""
+    bounded (``timeout`` seconds, CopyError after). ``stream``: where it was recorded
+    (a capture's: the caller's stream at the call, which a later fence orders)."""
 
-    __slots__ = ("event", "keep", "prims", "timeout")
+    __slots__ = ("event", "keep", "prims", "stream", "timeout")
 
     def __init__(self, prims: DevicePrimitives, stream: Any, *, timeout: float) -> None:
         self.prims = prims
+        self.stream = stream
         self.event = prims.record(stream)
         self.timeout = timeout
         self.keep: list[torch.Tensor] = []

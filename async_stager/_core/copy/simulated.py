@@ -3,6 +3,9 @@ primitives (``primitives``) so the real ``AcceleratorCopier`` runs in the test s
 and ``SimulatedBackend`` gives it to a stager.
 
 The model (what a GPU does that matters to ordering):
+- Streams come from a pool (``pool`` streams, 32 as torch's) handed out round-robin,
+  to the stager (``new_stream``, which draws past the default, the caller's and its
+  own) and to a test's own work (``stream``) alike: streams collide as CUDA's do.
 - Each stream is a queue of operations run in order by its own thread. A copy lands
   after a random delay drawn, at its enqueue, from the stream's generator (seeded from
   ``seed`` and the stream's number): a failure replays with the same seed.
@@ -42,7 +45,7 @@ import torch
 
 from async_stager._core.copy.accelerator import AcceleratorCopier
 from async_stager._core.copy.device import Backend, Copier
-from async_stager._core.copy.primitives import DevicePrimitives
+from async_stager._core.copy.primitives import POOL_STREAMS, DevicePrimitives
 from async_stager._core.memory.arena import Pinner
 
 __all__ = ["POISON", "SimulatedBackend", "SimulatedDevice", "SimulatedStream"]
@@ -220,8 +223,13 @@ class SimulatedDevice(DevicePrimitives):
         delay: tuple[float, float] = (0.0, 0.002),
         capacity: int = 64 << 20,
         device: torch.device | None = None,
+        pool: int = POOL_STREAMS,
     ) -> None:
         super().__init__(device if device is not None else torch.device("cpu"))
+        if pool < 1:
+            raise ValueError(f"pool must be at least 1 stream, got {pool}")
+        #: Streams in the pool (``pool_stream``, ``stream``), handed out round-robin.
+        self.pool_size = pool
         self.seed = seed
         self.delay = delay
         self.capacity = capacity = max(_ALIGN, capacity // _ALIGN * _ALIGN)
@@ -229,7 +237,7 @@ class SimulatedDevice(DevicePrimitives):
         self.closed = False
         #: Errors raised by operations (a device fault); a test asserts it stays empty.
         self.errors: list[BaseException] = []
-        #: Streams made by ``new_stream`` (the stager's own).
+        #: Streams drawn by ``new_stream`` (the stager's own: one per copier made).
         self.streams_made = 0
         #: Asynchronous copies enqueued, and blocks freed (poisoned).
         self.copies = 0
@@ -242,6 +250,8 @@ class SimulatedDevice(DevicePrimitives):
         self._blocks: dict[int, _Block] = {}
         self._releases: list[_Block] = []
         self._streams: list[SimulatedStream] = []
+        self._pool: list[SimulatedStream] = []
+        self._pool_next = 0
         self._default = self._stream("default")
         self._local = threading.local()
         self._pinner = SimulatedPinner()
@@ -260,9 +270,16 @@ class SimulatedDevice(DevicePrimitives):
     # -- for tests ---------------------------------------------------------------------
 
     def stream(self, name: str = "user") -> SimulatedStream:
-        """A new stream for a test's own work (training, a producer)."""
+        """A stream of the pool for a test's own work (training, a producer), as
+        ``torch.cuda.Stream()``: round-robin, so once the pool's streams all exist it
+        is one that someone else (another test stream, a stager) may be using.
+        ``name`` labels a stream drawn for the first time."""
         with self.cond:
-            return self._stream(name)
+            fresh = len(self._pool) < self.pool_size
+            s = self.pool_stream()
+            if fresh:
+                s.name = name
+            return s
 
     def tensor(self, data: torch.Tensor) -> torch.Tensor:
         """A device tensor holding ``data``'s values (contiguous), written now."""
@@ -305,10 +322,21 @@ class SimulatedDevice(DevicePrimitives):
     def default_stream(self) -> SimulatedStream:
         return self._default
 
+    def pool_stream(self) -> SimulatedStream:
+        with self.cond:
+            if len(self._pool) < self.pool_size:
+                s = self._stream(f"pool-{len(self._pool)}")
+                self._pool.append(s)
+                return s
+            s = self._pool[self._pool_next % self.pool_size]
+            self._pool_next += 1
+            return s
+
     def new_stream(self, avoid: Sequence[Any] = ()) -> SimulatedStream:
         with self.cond:
             self.streams_made += 1
-            return self._stream(f"stager-{self.streams_made}")
+            stream: SimulatedStream = super().new_stream(avoid)
+            return stream
 
     @contextlib.contextmanager
     def using(self, stream: Any) -> Iterator[Any]:

@@ -605,7 +605,7 @@ class Engine:
     def trim(self) -> int:
         """Return host memory no result uses (worker thread, between stages): see
         ``BufferSets.trim``. Returns the bytes released; held sets are left as they
-        are; idle budget lanes drop their rings and streams too."""
+        are; idle budget lanes drop their rings (they keep their streams)."""
         return self.sets.trim() + self.lanes.trim()
 
     def close(self) -> None:

@@ -7,19 +7,23 @@ a new one each time, and within 32 saves one lands on a stream that training or 
 uses, queueing its collectives behind gigabytes of copies. The ring is a host arena of
 up to the budget, pinned (``cudaHostRegister``: slow, a global driver lock); made per
 save it pays that on every checkpoint. So a lane keeps both, and the next save takes
-the idle lane again: its streams, its ring (when it is big enough and within the
+an idle lane again: its streams, its ring (when it is big enough and within the
 budget), its CPU copier's threads.
 
 Rules:
 - One save uses a lane at a time (``take``/``give_back``); concurrent saves get
-  separate lanes. At most ``IDLE_LANES`` idle lanes are kept; others are closed.
+  separate lanes. Every lane given back is kept idle with its copiers (its streams):
+  saves in parallel again take them again and draw no new stream, so the lanes made
+  are the most saves ever in flight at once. Only ``IDLE_LANES`` idle lanes keep their
+  ring (host memory); the others' rings are closed when they are given back.
 - A lane whose copies could not be seen to land (a settle that timed out) is never
   reused nor freed: its ring may still be written by a copy in flight, so it is kept
   referenced for the life of the process (``quarantined``) and logged.
 - A ring reserved from a node budget is not kept (``keep_ring=False``): between saves
   it would hold memory the node's ledger no longer counts.
-- ``trim`` and ``close`` drop the idle lanes (their copiers wait, bounded, for their
-  streams; their rings are unpinned).
+- ``trim`` drops the idle lanes' rings (unpinned, unmapped) and keeps their copiers:
+  streams are not host memory, and drawing them again is the hazard above. ``close``
+  drops the idle lanes (their copiers wait, bounded, for their streams).
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ __all__ = ["IDLE_LANES", "Lane", "Lanes"]
 
 _log = logging.getLogger("async_stager")
 
-#: Idle lanes a stager keeps for its next budgeted saves.
+#: Idle lanes that keep their ring for the next budgeted saves (every idle lane keeps
+#: its copiers).
 IDLE_LANES = 1
 
 #: Lanes whose copies may still land in their rings: never freed (see the module doc).
@@ -110,8 +115,12 @@ class Lanes:
         """An idle lane (else a new one) with a copier for each of ``devices``, made now
         on the calling thread (where a copier draws its stream: never the caller's)."""
         with self._lock:
-            lane = self._idle.pop() if self._idle else None
-            if lane is None:
+            lane = None
+            if self._idle:
+                # A lane with a ring first: its ring (pinned) is reused, not made again.
+                i = next((i for i, idle in enumerate(self._idle) if idle.ring is not None), -1)
+                lane = self._idle.pop(i)
+            else:
                 self.made += 1
         if lane is None:
             lane = Lane()
@@ -144,19 +153,45 @@ class Lanes:
                 lane.close()
                 return e
         with self._lock:
-            if not self._closed and len(self._idle) < IDLE_LANES:
+            closed = self._closed
+            rings = sum(1 for idle in self._idle if idle.ring is not None)
+        if closed:
+            return lane.close()
+        if lane.ring is not None and rings >= IDLE_LANES:
+            try:
+                lane.drop_ring()  # its streams are kept; its host memory is not
+            except Exception as e:  # noqa: BLE001 - the lane is closed instead
+                lane.close()
+                return e
+        with self._lock:
+            if not self._closed:
                 self._idle.append(lane)
                 return None
         return lane.close()
 
     def trim(self) -> int:
-        """Drop every idle lane; returns the ring bytes released."""
+        """Drop the idle lanes' rings (their copiers and streams are kept); returns the
+        ring bytes released."""
+        # Taken out meanwhile: a save must not take a lane whose ring is being closed.
         with self._lock:
             idle, self._idle = self._idle, []
         freed = 0
+        kept: list[Lane] = []
         for lane in idle:
-            freed += lane.ring.capacity if lane.ring is not None else 0
-            lane.close()
+            try:
+                freed += lane.drop_ring()
+            except Exception:  # noqa: BLE001 - logged; the lane (streams too) goes
+                _log.exception("dropping an idle budget lane's ring failed; the lane is closed")
+                lane.close()
+            else:
+                kept.append(lane)
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._idle.extend(kept)
+        if closed:
+            for lane in kept:
+                lane.close()
         return freed
 
     def close(self) -> BaseException | None:
