@@ -28,7 +28,7 @@ import contextlib
 import errno
 import fcntl
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from async_stager.errors import CheckpointError
@@ -40,6 +40,7 @@ __all__ = [
     "exclusive",
     "flock_exclusive",
     "hold_path",
+    "holders",
     "open_lock_file",
     "shared_now",
     "try_exclusive",
@@ -105,10 +106,13 @@ def open_lock_file(path: Path) -> int | None:
 
 
 @contextlib.contextmanager
-def flock_exclusive(path: str | os.PathLike[str]) -> Iterator[None]:
+def flock_exclusive(
+    path: str | os.PathLike[str], waiting: Callable[[list[int] | None], None] | None = None
+) -> Iterator[None]:
     """Hold ``path`` (created if missing) under an exclusive ``flock`` for the block,
-    waiting for it (blocking; a worker thread). Raises CheckpointError when ``path`` is
-    a folder or a broken link."""
+    waiting for it (blocking; a worker thread). ``waiting`` is called with the pids
+    holding it (``holders``) before a wait, if it must wait, and with None after it. Raises CheckpointError
+    when ``path`` is a folder or a broken link."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
@@ -117,21 +121,52 @@ def flock_exclusive(path: str | os.PathLike[str]) -> Iterator[None]:
             raise damaged from exc
         raise
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting is not None:
+                waiting(holders(fd))
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if waiting is not None:
+                waiting(None)
         yield
     finally:
         os.close(fd)  # drops the lock
 
 
+def holders(fd: int) -> list[int]:
+    """The pids holding a ``flock`` on the file open as ``fd`` (``/proc/locks``; a best
+    effort: empty where that cannot be read)."""
+    try:
+        st = os.fstat(fd)
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    me = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    pids: list[int] = []
+    for line in lines:
+        parts = line.split()
+        # "1: FLOCK  ADVISORY  READ  12345 08:01:1234567 0 EOF" (a waiter: "-> FLOCK ...")
+        if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == me and parts[4].isdigit():
+            pid = int(parts[4])
+            if pid not in pids:
+                pids.append(pid)
+    return pids
+
+
 @contextlib.contextmanager
-def exclusive(root: Path, name: str) -> Iterator[None]:
+def exclusive(
+    root: Path, name: str, waiting: Callable[[list[int] | None], None] | None = None
+) -> Iterator[None]:
     """Writer, before ``DIR/.lock``: wait until no reader holds ``name`` and keep new
-    readers off it for the block (blocking; a worker thread). If ``name`` is not a
-    committed folder after the block (its commit failed), its hold file is removed,
-    still locked: a reader only holds a committed step's (a failed commit left it
-    behind until the next open)."""
+    readers off it for the block (blocking; a worker thread); ``waiting`` is called
+    with the readers' pids before it waits, if it must. If ``name`` is not a committed
+    folder after the block (its commit failed), its hold file is removed, still
+    locked: a reader only holds a committed step's (a failed commit left it behind
+    until the next open)."""
     path = hold_path(root, name)
-    with flock_exclusive(path):
+    with flock_exclusive(path, waiting):
         try:
             yield
         finally:

@@ -56,6 +56,9 @@ class SaveItem:
     #: Within ``WRITING``: ``WRITING`` (its files) or ``COMMITTING`` (waits for the
     #: earlier saves, then commits). Set by the write's thread.
     phase_detail: Phase | None = None
+    #: What its commit waits for beyond the earlier saves (a reader of the step it
+    #: replaces), for a person; "" when nothing. Set by the write's thread.
+    waiting_for: str = ""
     #: Its tensor bytes, once known (at its write).
     bytes: int | None = None
     #: The resolved state, until its stage is submitted (or its pipeline built).
@@ -136,6 +139,23 @@ class SaveItem:
         """It left the queue (committed, failed, dropped or abandoned); read after an
         await, where the phase may have changed meanwhile."""
         return self.phase is Phase.DONE
+
+    def readers_hold(self, pids: list[int] | None) -> None:
+        """(Its write's thread) its commit waits for readers of the step it replaces, by
+        pid where known (``holds.exclusive``); None: it no longer does."""
+        if pids is None:
+            self.waiting_for = ""
+            return
+        who = (
+            f"pid {pids[0]}"
+            if len(pids) == 1
+            else f"pids {', '.join(map(str, pids))}"
+            if pids
+            else "a process"
+        )
+        self.waiting_for = (
+            f"waits for a reader of step {self.step} to finish ({who} holds it: a restore reading it)"
+        )
 
     def wait_earlier(self) -> None:
         """Block until every earlier save ended (from a write's thread)."""

@@ -49,7 +49,8 @@ class SaveProgress:
     called; ``staged_seconds`` the stage took (None before it ended); ``bytes`` its
     tensor bytes (None before its write knows them); ``eta_seconds`` a guess of the
     seconds left to its commit from the previous commit's write rate (None without
-    one)."""
+    one); ``waiting_for`` what a ``"committing"`` save waits for besides the earlier
+    saves, for a person (a reader of the step it replaces, by pid), else None."""
 
     step: int
     phase: str
@@ -57,6 +58,7 @@ class SaveProgress:
     staged_seconds: float | None
     bytes: int | None = None
     eta_seconds: float | None = None
+    waiting_for: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (str, int, float, None), for a JSON reply or a log record."""
@@ -70,6 +72,8 @@ class SaveProgress:
             text += f", {self.bytes / 2**20:.1f} MiB"
         if self.eta_seconds is not None:
             text += f", ~{self.eta_seconds:.0f} s left"
+        if self.waiting_for:
+            text += f", {self.waiting_for}"
         return text
 
 
@@ -87,7 +91,8 @@ def progress_of(item: SaveItem, now: float | None = None, rate: float | None = N
     eta = None
     if rate and item.bytes is not None and phase is Phase.WRITING:
         eta = max(0.0, item.bytes / rate - (now - item.called - (staged or 0.0)))
-    return SaveProgress(item.step, phase.value, now - item.called, staged, item.bytes, eta)
+    waiting = item.waiting_for or None if phase is Phase.COMMITTING else None
+    return SaveProgress(item.step, phase.value, now - item.called, staged, item.bytes, eta, waiting)
 
 
 def describe(item: SaveItem, rate: float | None = None) -> str:
@@ -100,6 +105,8 @@ def describe(item: SaveItem, rate: float | None = None) -> str:
         parts.append(f"staged in {p.staged_seconds:.1f} s")
     if p.eta_seconds is not None:
         parts.append(f"about {p.eta_seconds:.0f} s left")
+    if p.waiting_for:
+        parts.append(p.waiting_for)
     return ", ".join(parts)
 
 

@@ -222,7 +222,7 @@ class Writer:
         # the folder's lock: the order ``holds`` prescribes.
         with (
             self._commit_lock,
-            _holds.exclusive(self.root, _commit.step_name(item.step)),
+            _holds.exclusive(self.root, _commit.step_name(item.step), item.readers_hold),
             _commit.folder_lock(self.root),
         ):
             if self.options.checksums:

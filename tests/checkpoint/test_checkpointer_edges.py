@@ -365,3 +365,47 @@ async def test_restore_from_a_folder_that_did_not_exist_says_so(
             assert await ckpt.restore({"w": torch.zeros(2)}) is None
     lines = [r for r in caplog.records if "nothing to restore" in r.message]
     assert len(lines) == 1 and lines[0].levelno == logging.INFO
+
+
+# -- what a commit waits for ----------------------------------------------------------------
+
+_READER = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.flock(fd, fcntl.LOCK_SH)  # what restore() holds while it reads the step
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+async def test_a_commit_waiting_for_a_stopped_reader_says_so(anyio_backend: Any, tmp_path: Path) -> None:
+    """A reader (another process, stopped) holds step 1; saving step 1 again waits for
+    it: ``in_flight()`` and ``status_line()`` name the reader's pid and the step, not
+    only "committing"; once the reader is gone the save commits."""
+    async with Checkpointer(tmp_path) as ckpt:
+        await ckpt.save({"w": torch.ones(2)}, step=1)
+        await ckpt.wait()
+        reader = await anyio.open_process([sys.executable, "-c", _READER, str(_hold(tmp_path, 1))])
+        try:
+            assert reader.stdout is not None
+            with anyio.fail_after(30):
+                assert b"held" in await reader.stdout.receive()
+            reader.send_signal(signal.SIGSTOP)
+            await ckpt.save({"w": torch.full((2,), 2.0)}, step=1)
+            with anyio.fail_after(30):
+                while not (ckpt.in_flight() and ckpt.in_flight()[0].waiting_for):
+                    await anyio.sleep(0.01)
+            progress = ckpt.in_flight()[0]
+            assert progress.phase == "committing" and progress.waiting_for is not None
+            assert f"pid {reader.pid}" in progress.waiting_for and "reader of step 1" in progress.waiting_for
+            assert progress.to_dict()["waiting_for"] == progress.waiting_for
+            line = ckpt.status_line()
+            assert line.startswith("step 1: committing") and f"pid {reader.pid}" in line
+        finally:
+            reader.kill()
+            reader.send_signal(signal.SIGCONT)
+            await reader.aclose()
+        with anyio.fail_after(30):
+            await ckpt.wait()
+        w = torch.zeros(2)
+        assert await ckpt.restore({"w": w}) == 1 and w.tolist() == [2.0, 2.0]
