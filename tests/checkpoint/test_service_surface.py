@@ -59,7 +59,15 @@ async def test_progress_and_stats_as_plain_data(tmp_path: Path) -> None:
             assert isinstance(p, SaveProgress)
             d = p.to_dict()
             assert json.loads(json.dumps(d)) == d
-            assert set(d) == {"step", "phase", "seconds", "staged_seconds", "bytes", "eta_seconds", "waiting_for"}
+            assert set(d) == {
+                "step",
+                "phase",
+                "seconds",
+                "staged_seconds",
+                "bytes",
+                "eta_seconds",
+                "waiting_for",
+            }
             assert p.status() in line and p.status().startswith("step 1: ")
         await ckpt.wait()
         assert ckpt.status_line() == "no save in flight"
