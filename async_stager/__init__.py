@@ -29,7 +29,7 @@ from async_stager._share.handoff import (
     export_shared as export_shared,
 )
 from async_stager._tier.client import AgentClient
-from async_stager._tier.tier import MemoryStats
+from async_stager._tier.stats import MemoryStats
 from async_stager.errors import (
     AcceleratorRequiredError as AcceleratorRequiredError,
     AgentError,

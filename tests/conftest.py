@@ -84,6 +84,7 @@ PROCESS_MODULES = {
     "test_share_views",
     "test_agent_process",
     "test_agent_lifetime",
+    "test_job_kills",
     "test_checkpointer_agent_crash",
     "test_service_example",
     "test_checkpointer_paths",

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
     from async_stager._tier.client import AgentClient
-    from async_stager._tier.tier import MemoryStats
+    from async_stager._tier.stats import MemoryStats
 
 __all__ = ["Checkpointer", "CheckpointerOptions", "SaveStats"]
 
@@ -428,7 +428,7 @@ class Checkpointer:
         if self._tier is not None:  # the memory tier: this step to memory, to disk, both
             to_memory, to_disk = self._schedule.route(step)
             if not to_disk:
-                return self._tier.save(resolve(state), step) if to_memory else _returns(False)
+                return self._tier.save(resolve(state), step, only=True) if to_memory else _returns(False)
         # In flight: not ended by its write's thread (a write that committed in its
         # thread is done, even before the loop has seen its end).
         if opts.policy == "skip" and saves.in_flight() >= opts.max_in_flight:

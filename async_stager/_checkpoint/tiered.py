@@ -6,16 +6,24 @@ step that is a multiple of ``M`` is a memory snapshot handed to the node agent
 also written to the folder as without an agent, and any other step is not saved.
 Without an agent every save goes to the folder, as always.
 
-Restore takes the newest step that every rank holds complete in memory, at this world
-size, unless the folder's newest commit is a later step; every rank loads it from its
-agent and verifies every byte; if any rank cannot (agent gone, a checksum, a state that
-does not match), every rank restores from the folder instead. Never a step assembled
-from memory on some ranks and disk on others.
+Where the ranks meet: with several ranks the tier gets a gloo group of its own (made
+at construction, a collective like the Checkpointer's own group) for its exchanges of
+what each rank holds (``_tier.retention``: no rank lets go of a step before every rank
+holds a newer one), and the ranks agree on the run's timeline there.
+
+Restore takes the newest step (of one run: step and timeline) that every rank holds
+complete in memory, at this world size, unless the folder's newest commit is a later
+step; every rank loads it from its agent and verifies every byte; if any rank cannot
+(agent gone, a checksum, a state that does not match), the next older common step is
+tried, and then every rank restores from the folder. Never a step assembled from memory
+on some ranks and disk on others, nor from two runs.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import uuid
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +98,11 @@ def make_tier(
         raise InvalidOptionError(
             f"agent must be a job id (str) or an AgentClient, got {type(agent).__name__}"
         )
+    agree, timeline = None, None
+    if ranks.distributed:
+        own = _own_group(ranks)
+        agree = own.all_gather
+        timeline = str(own.broadcast(uuid.uuid4().hex[:12]))
     tier = MemoryTier(
         client,
         rank=ranks.rank,
@@ -97,8 +110,24 @@ def make_tier(
         policy="wait" if policy == "wait" else "skip",
         keep=keep,
         namespace=namespace,
+        agree=agree,
+        timeline=timeline,
     )
     return tier, schedule
+
+
+def _own_group(ranks: Ranks) -> Ranks:
+    """A gloo group over the same ranks, for the tier's exchanges alone: they run in
+    a thread whenever a snapshot ends, and collectives of two threads on one group
+    would interleave differently on each rank (the Checkpointer's writes use its own).
+    A collective: every rank calls it (at construction)."""
+    import torch.distributed as dist
+
+    members = dist.get_process_group_ranks(ranks.group) if ranks.group is not None else None
+    whole = members is None or len(members) == dist.get_world_size()
+    # A group of part of the job is made by its members alone.
+    group = dist.new_group(ranks=members, backend="gloo", use_local_synchronization=not whole)
+    return Ranks(rank=ranks.rank, world=ranks.world, group=group, distributed=True)
 
 
 async def both(memory: Coroutine[Any, Any, bool], disk: Coroutine[Any, Any, bool]) -> bool:
@@ -127,42 +156,51 @@ async def restore(
     """Restore from the agents if every rank can (see the module doc); the step, or
     None (then restore from the folder). Every rank calls it. Cancellation: deferred
     while a collective runs; ``state`` is changed only once every rank verified."""
-    mine = await tier.complete_steps()
+    tier.restarting()
+    mine = await tier.complete_snapshots()
     disk = await run_in_thread(lambda: _commit.committed_steps(root), name="async-stager-restore")
     gathered: list[Any] = await run_in_thread(
         lambda: ranks.all_gather((mine, disk)), name="async-stager-restore"
     )
-    common = set(gathered[0][0])
+    common = {(int(s), str(t)) for s, t in gathered[0][0]}
     for held, _ in gathered[1:]:
-        common &= set(held)
-    if step is not None:
-        common &= {step}
+        common &= {(int(s), str(t)) for s, t in held}
     newest_disk = gathered[0][1][-1] if gathered[0][1] else None
-    chosen: int | None = int(max(common)) if common else None
-    if chosen is not None and step is None and newest_disk is not None and newest_disk > chosen:
-        chosen = None  # the folder holds a later step
-    if chosen is None:
-        return None  # the same on every rank: they all saw the same lists
-    attached: AttachedStateDict | None = None
-    ok = False
-    try:
-        attached = await tier.load(chosen)
-        check_matches(resolve(state), attached.state_dict, chosen)
-        ok = True
-    except (StagingError, OSError) as exc:  # AgentError, IntegrityError, a mapping that failed
-        # Never raised on one rank alone: the others would wait in the all-gather below.
-        _log.warning("memory snapshot of step %d cannot be restored here: %s", chosen, exc)
-    oks: list[Any] = await run_in_thread(lambda: ranks.all_gather(ok), name="async-stager-restore")
-    if not all(oks):
-        if attached is not None:
+    # Newest first (the same order on every rank: they all saw the same lists).
+    candidates = sorted(
+        (
+            c
+            for c in common
+            if (c[0] == step if step is not None else newest_disk is None or c[0] >= newest_disk)
+        ),
+        reverse=True,
+    )
+    for chosen, timeline in candidates:
+        attached: AttachedStateDict | None = None
+        ok = False
+        try:
+            attached = await tier.load(chosen, timeline)
+            check_matches(resolve(state), attached.state_dict, chosen)
+            ok = True
+        except (StagingError, OSError) as exc:  # AgentError, IntegrityError, a mapping that failed
+            # Never raised on one rank alone: the others would wait in the all-gather below.
+            _log.warning("memory snapshot of step %d cannot be restored here: %s", chosen, exc)
+        oks: list[Any] = await run_in_thread(
+            functools.partial(ranks.all_gather, ok), name="async-stager-restore"
+        )
+        if not all(oks):
+            if attached is not None:
+                attached.close()
+            _log.warning("step %d is not restorable from memory on every rank", chosen)
+            continue
+        assert attached is not None
+        try:
+            apply_loaded(state, attached.state_dict, chosen)
+        finally:
             attached.close()
-        _log.warning("step %d is not restorable from memory on every rank: restoring from the folder", chosen)
-        return None
-    assert attached is not None
-    try:
-        apply_loaded(state, attached.state_dict, chosen)
-    finally:
-        attached.close()
-    tier.note_restored(chosen)
-    _log.info("restored step %d from the memory tier", chosen)
-    return chosen
+        tier.note_restored(chosen)
+        _log.info("restored step %d from the memory tier", chosen)
+        return chosen
+    if candidates:
+        _log.warning("no step is restorable from memory on every rank: restoring from the folder")
+    return None

@@ -148,7 +148,7 @@ def add_check_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--agent",
         action="store_true",
         help="also the memory tier's node agent: its memory bound on this node, and whether "
-        "memory_keep=2 snapshots of every rank fit it",
+        "3 snapshots of every rank fit it (memory_keep=2, and one more while the ranks agree)",
     )
 
 
@@ -195,9 +195,11 @@ def run_check(ns: argparse.Namespace, out: TextIO, limits: HostLimits | None = N
 def agent_report(
     snapshot_bytes: int, ranks: int, out: TextIO, limits: HostLimits | None = None, keep: int = 2
 ) -> bool:
-    """``check --agent``: the agent's limits on this node and whether ``keep`` snapshots
-    of ``snapshot_bytes`` for each of ``ranks`` ranks fit its default bound. Writes the
-    lines to ``out``; True if they fit."""
+    """``check --agent``: the agent's limits on this node and whether ``keep + 1``
+    snapshots of ``snapshot_bytes`` for each of ``ranks`` ranks fit its default bound
+    (``memory_keep``, and one more while the ranks agree on a newer common step: the
+    tier's buffer sets, which the agent holds once a trainer died). Writes the lines to
+    ``out``; True if they fit."""
     from async_stager._tier.service import memory_limits
 
     try:
@@ -205,13 +207,15 @@ def agent_report(
     except HostLimitError as exc:
         out.write(f"memory agent: cannot run: {exc}\n")
         return False
-    need = keep * snapshot_bytes * ranks
+    slots = keep + 1
+    need = slots * snapshot_bytes * ranks
     out.write("memory agent (python -m async_stager agent):\n")
     for line in lim.lines():
         out.write(f"  {line}\n")
     fits = need <= lim.max_bytes
     out.write(
-        f"  needs {keep} x {snapshot_bytes / 2**30:.2f} GiB x {ranks} rank(s) = {need / 2**30:.2f} GiB: "
+        f"  needs {slots} x {snapshot_bytes / 2**30:.2f} GiB x {ranks} rank(s) = {need / 2**30:.2f} GiB "
+        f"(memory_keep={keep}, and one more while the ranks agree): "
         f"{'fits' if fits else 'does not fit (pass a larger --max-bytes, or memory_keep=1)'}\n"
     )
     return fits

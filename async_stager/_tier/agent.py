@@ -4,21 +4,27 @@ One agent per node and job (``python -m async_stager agent --job ID``), started 
 the trainers. It listens on ``wire.socket_path(job)`` and serves the connections of
 this user only. A trainer snapshots in two messages:
 
-- ``BEGIN rank step session protect``: trainer ``session`` (a token per process)
-  stages ``step``. The agent forgets that session's complete snapshots except the
-  steps in ``protect`` (whose buffers the trainer holds leased: no stage writes into
-  them), keeps the rank's newest ``keep - 1`` complete ones, and records ``step`` as
-  begun: never handed out until it commits.
+- ``BEGIN rank step session protect floor timeline``: trainer ``session`` (a token per
+  process) stages ``step`` of ``timeline`` (the job's run since its last restore). The
+  agent records ``step`` as begun (never handed out until it commits) and applies the
+  rank's retention (below); it also forgets the snapshots of other sessions at ``step``
+  or later: the job restarted below them, so they belong to a run that is gone.
 - ``COMMIT rank step`` with the arenas' descriptors (SCM_RIGHTS), the structure and
   every region's digest: the agent takes the descriptors (its own duplicates: the
   memory lives while it holds them, whatever happens to the trainer), checks the
   bytes against its memory bound, re-hashes every region through its own mapping and
-  accepts the snapshot as complete only if every digest matches. Of the committing
-  session's snapshots it then keeps this one and the steps in ``protect`` (the trainer
-  releases the buffers of the others once the commit is answered), and the rank's
-  newest ``keep`` overall
-  (a dead trainer's snapshots belong to no session that writes: they stay until
-  newer ones push them out).
+  accepts the snapshot as complete only if every digest matches; then the retention.
+- ``RETAIN rank session protect floor``: the retention alone (a trainer letting go of
+  snapshots once the ranks agreed on a newer common step).
+
+Retention is the trainer's decision, because the promise it keeps is the job's (a step
+every rank holds: ``tier``, ``retention``); the agent applies it and never cuts on its
+own what a running trainer holds. Of the calling session's complete snapshots it keeps
+those in ``protect`` (the trainer holds their buffers leased: no stage writes into
+them; the trainer releases the others' only once it is answered). It forgets every
+complete snapshot of the rank older than ``floor`` (the newest step the ranks agreed
+they all hold). Snapshots of other sessions (a trainer that died: nobody writes into
+them) stay for a restart; at most ``keep`` of them per rank, the newest.
 
 ``LIST`` says which snapshots are complete; ``FETCH`` hands one back (descriptors,
 structure, digests) to a restarted trainer; ``STATUS`` says what is held. Nothing is
@@ -80,6 +86,9 @@ class Held:
     session: str = ""
     #: Its namespace: the Checkpointer's folder (two in one job never mix).
     ns: str = ""
+    #: The job's run it belongs to (the ranks agree on one at start and at each
+    #: restore): a restore never mixes two runs' snapshots of one step.
+    timeline: str = ""
 
     @property
     def bytes(self) -> int:
@@ -92,6 +101,7 @@ class Held:
             "step": self.step,
             "world": self.world,
             "complete": self.complete,
+            "timeline": self.timeline,
             "bytes": self.bytes,
             "tensors": int(self.meta.get("tensors", 0)),
             "since": self.since,
@@ -109,8 +119,8 @@ class Agent:
     """The service's state and handlers. ``serve`` listens; ``close`` frees everything.
 
     ``max_bytes``: the most arena bytes held at once (arenas shared by snapshots count
-    once); ``keep``: complete snapshots kept per rank (>= 1; 2 lets one be written
-    while one is complete). ``peer_uid``: how a connection's uid is read (the kernel's
+    once); ``keep``: complete snapshots kept per rank for trainers that are gone (>= 1;
+    a running trainer's own are bounded by its ``memory_keep``). ``peer_uid``: how a connection's uid is read (the kernel's
     ``SO_PEERCRED``; the seam a test replaces)."""
 
     def __init__(
@@ -184,28 +194,40 @@ class Agent:
         held.arenas = []
         held.payload = b""
 
-    def _trim(
+    def _retain(
         self,
         rank: tuple[str, int],
-        keep_complete: int,
-        session: str | None = None,
-        protect: frozenset[int] = frozenset(),
+        session: str,
+        protect: frozenset[int],
+        floor: int | None = None,
+        begin: int | None = None,
     ) -> list[int]:
-        """Keep the rank's newest ``keep_complete`` complete snapshots; forget the rest
-        and every incomplete one. With ``session`` (a BEGIN): a snapshot that session
-        committed is kept only if its step is in ``protect`` (the trainer holds its
-        buffers leased; any other may be overwritten by the stage that follows).
-        Snapshots of other sessions (a trainer that died) are nobody's to overwrite.
+        """The rank's retention (see the module doc) at a message of trainer
+        ``session``: its own complete snapshots outside ``protect`` are forgotten, every
+        complete one older than ``floor`` too, and of other sessions' at most ``keep``
+        are kept. With ``begin`` (a BEGIN of that step): also every incomplete one (a
+        begun snapshot never committed) and other sessions' at ``begin`` or later.
         Returns the steps forgotten."""
         held = self._ranks.get(rank, [])
-        complete = [
-            h for h in held if h.complete and (session is None or h.session != session or h.step in protect)
-        ]
-        kept = complete[len(complete) - keep_complete :] if keep_complete > 0 else []
-        gone = [h for h in held if h not in kept]
+
+        def kept(h: Held) -> bool:
+            if not h.complete:
+                return begin is None
+            if floor is not None and h.step < floor:
+                return False
+            if h.session == session:
+                return h.step in protect
+            return begin is None or h.step < begin
+
+        keep = [h for h in held if kept(h)]
+        others = [h for h in keep if h.complete and h.session != session]
+        if len(others) > self.keep:
+            oldest = sorted(others, key=lambda h: h.step)[: len(others) - self.keep]
+            keep = [h for h in keep if h not in oldest]
+        gone = [h for h in held if h not in keep]
         for h in gone:
             self._forget(h)
-        self._ranks[rank] = kept
+        self._ranks[rank] = keep
         return [h.step for h in gone]
 
     # -- serving -------------------------------------------------------------------------
@@ -222,7 +244,7 @@ class Agent:
             async with anyio.create_task_group() as tg:
                 task_status.started()
                 _log.info(
-                    "agent for job %r listening at %s: at most %d bytes, keeping %d snapshots per rank",
+                    "agent for job %r listening at %s: at most %d bytes, keeping %d snapshots per rank of a trainer gone",
                     self.job,
                     self.path,
                     self.max_bytes,
@@ -366,20 +388,31 @@ class Agent:
             return await self._commit(m)
         if m.kind == Kind.FETCH:
             return self._fetch(body)
+        if m.kind == Kind.RETAIN:
+            return await self._retain_request(body)
         raise AgentRefusedError(f"a {m.kind.name} message is not a request", reason="request")
 
     async def _begin(self, body: dict[str, Any]) -> Message:
         rank, step, world = _int(body, "rank"), _int(body, "step"), _int(body, "world", 1)
         who = (str(body.get("ns", "")), rank)
         session = str(body.get("session", ""))
-        protect = body.get("protect", [])
-        if not isinstance(protect, list) or not all(isinstance(p, int) for p in protect):
-            raise AgentRefusedError(f"protect must be a list of steps, got {protect!r}", reason="request")
+        protect, floor = _retention(body)
         async with self._lock:
-            dropped = self._trim(who, self.keep - 1, session, frozenset(protect))
-            self._ranks[who].append(Held(rank, step, world, session=session, ns=who[0]))
+            dropped = self._retain(who, session, protect, floor, begin=step)
+            timeline = str(body.get("timeline", ""))
+            self._ranks[who].append(Held(rank, step, world, session=session, ns=who[0], timeline=timeline))
         if dropped:
             _log.debug("rank %d begins step %d: forgot steps %s", rank, step, dropped)
+        return Message(Kind.OK, {"dropped": dropped})
+
+    async def _retain_request(self, body: dict[str, Any]) -> Message:
+        rank = _int(body, "rank")
+        who = (str(body.get("ns", "")), rank)
+        protect, floor = _retention(body)
+        async with self._lock:
+            dropped = self._retain(who, str(body.get("session", "")), protect, floor)
+        if dropped:
+            _log.debug("rank %d lets go of steps %s", rank, dropped)
         return Message(Kind.OK, {"dropped": dropped})
 
     async def _commit(self, m: Message) -> Message:
@@ -405,9 +438,7 @@ class Agent:
                 f"arenas {sizes!r}, algorithm {body.get('algorithm')!r}",
                 reason="request",
             )
-        protect = body.get("protect", [])
-        if not isinstance(protect, list) or not all(isinstance(p, int) for p in protect):
-            raise AgentRefusedError(f"protect must be a list of steps, got {protect!r}", reason="request")
+        protect, floor = _retention(body)
         regions = regions_of(refs)
         if len(digests) != len(regions):
             raise AgentRefusedError(
@@ -479,7 +510,7 @@ class Agent:
                 # The committing trainer releases its other snapshots' buffers now: of
                 # its own, only this one and those it still holds leased (``protect``)
                 # are safe from its next stage.
-                self._trim(who, self.keep, pending.session, frozenset(protect) | {step})
+                self._retain(who, pending.session, protect | {step}, floor)
         finally:
             self._reserved -= new
         self._logged(rank, step, int(body.get("tensors", 0)), pending.bytes)
@@ -531,13 +562,27 @@ class Agent:
 
     def _fetch(self, body: dict[str, Any]) -> Message:
         rank, step = _int(body, "rank"), _int(body, "step")
+        timeline = body.get("timeline")
         for h in reversed(self._ranks.get((str(body.get("ns", "")), rank), [])):
-            if h.step == step and h.complete:
+            if h.step == step and h.complete and (timeline is None or h.timeline == timeline):
                 meta = dict(h.meta)
                 meta.update(h.info())
                 fds = [os.dup(a.fd) for a in h.arenas]
                 return Message(Kind.OK, meta, h.payload, fds)
         raise AgentRefusedError(f"no complete snapshot of rank {rank} step {step}", reason="unknown")
+
+
+def _retention(body: dict[str, Any]) -> tuple[frozenset[int], int | None]:
+    """A message's ``protect`` (steps) and ``floor`` (a step, or None)."""
+    protect = body.get("protect", [])
+    if not isinstance(protect, list) or not all(
+        isinstance(p, int) and not isinstance(p, bool) for p in protect
+    ):
+        raise AgentRefusedError(f"protect must be a list of steps, got {protect!r}", reason="request")
+    floor = body.get("floor")
+    if floor is not None and (isinstance(floor, bool) or not isinstance(floor, int)):
+        raise AgentRefusedError(f"floor must be a step or null, got {floor!r}", reason="request")
+    return frozenset(protect), floor
 
 
 def _error(exc: AgentRefusedError) -> Message:

@@ -22,10 +22,17 @@ from anyio.abc import SocketStream
 
 from async_stager._share.handoff import SharedArenaRef, SharedHandle
 from async_stager._tier import wire
+from async_stager._tier.regions import PIECE_BYTES, ArenaMaps, digests_of, regions_of
 from async_stager._tier.wire import Kind, Message
-from async_stager.errors import AgentError, AgentRefusedError, AgentTimeoutError, AgentUnavailableError
+from async_stager.errors import (
+    AgentError,
+    AgentRefusedError,
+    AgentTimeoutError,
+    AgentUnavailableError,
+    IntegrityError,
+)
 
-__all__ = ["AgentClient", "AgentStatus", "Fetched", "SnapshotInfo"]
+__all__ = ["AgentClient", "AgentStatus", "Fetched", "SnapshotInfo", "verify_fetched"]
 
 #: Bytes per second an agent is assumed to hash at least (a call's bound grows with
 #: its bytes at this rate, over ``timeout``).
@@ -36,7 +43,9 @@ SLOWEST_HASH = 200e6
 class SnapshotInfo:
     """A snapshot the agent holds: its rank, step, world size, whether it is complete
     (committed and verified: the only kind handed out), its arena bytes and tensors,
-    and when it was accepted (Unix seconds)."""
+    when it was accepted (Unix seconds), its namespace (the Checkpointer's folder) and
+    its timeline (the job's run since its last restore: a restore combines only the
+    snapshots of one run)."""
 
     rank: int
     step: int
@@ -46,12 +55,14 @@ class SnapshotInfo:
     tensors: int
     since: float
     ns: str = ""
+    timeline: str = ""
 
 
 @dataclass(frozen=True)
 class AgentStatus:
     """What an agent holds: its ``pid``, ``job``, socket ``path``, memory bound and
-    bytes held (bytes), ``keep`` per rank, arenas held, and every snapshot."""
+    bytes held (bytes), ``keep`` (snapshots per rank of a trainer that is gone), arenas
+    held, and every snapshot (``SnapshotInfo``, oldest commit first per rank)."""
 
     pid: int
     job: str
@@ -86,6 +97,7 @@ def _info(d: dict[str, Any]) -> SnapshotInfo:
     return SnapshotInfo(
         int(d["rank"]), int(d["step"]), int(d["world"]), bool(d["complete"]), int(d["bytes"]),
         int(d.get("tensors", 0)), float(d.get("since", 0.0)), str(d.get("ns", "")),
+        str(d.get("timeline", "")),
     )  # fmt: skip
 
 
@@ -128,6 +140,12 @@ class AgentClient:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.aclose()
+
+    @property
+    def connected(self) -> bool:
+        """A connection to the agent is open (it answered since it was made; it may
+        have gone since)."""
+        return self._stream is not None
 
     async def aclose(self) -> None:
         """Close the connection (the agent keeps everything it holds). Idempotent."""
@@ -222,12 +240,15 @@ class AgentClient:
         session: str = "",
         protect: list[int] | None = None,
         ns: str = "",
+        floor: int | None = None,
+        timeline: str = "",
     ) -> list[int]:
-        """Say ``step`` is being staged by trainer ``session`` (a token of this
-        process): the agent forgets the snapshots this session committed except the
-        steps in ``protect`` (whose buffers the caller holds leased: no stage writes
-        into them), then keeps the rank's newest ``keep - 1`` complete ones; returns
-        the steps it forgot. Call it before the stage writes."""
+        """Say ``step`` (of ``timeline``) is being staged by trainer ``session`` (a token
+        of this process). The agent then forgets the snapshots this session committed
+        except the steps in ``protect`` (whose buffers the caller holds leased: no stage
+        writes into them), the rank's complete ones older than ``floor``, the begun ones
+        never committed, and other sessions' at ``step`` or later; returns the steps it
+        forgot. Call it before the stage writes into a buffer it released."""
         body = {
             "rank": rank,
             "step": step,
@@ -235,8 +256,25 @@ class AgentClient:
             "session": session,
             "protect": list(protect or []),
             "ns": ns,
+            "floor": floor,
+            "timeline": timeline,
         }
         return [int(s) for s in (await self._call(Message(Kind.BEGIN, body))).body["dropped"]]
+
+    async def retain(
+        self,
+        rank: int,
+        *,
+        session: str = "",
+        protect: list[int] | None = None,
+        ns: str = "",
+        floor: int | None = None,
+    ) -> list[int]:
+        """Let go of snapshots: the agent forgets those this session committed except
+        the steps in ``protect``, and the rank's complete ones older than ``floor``;
+        returns the steps it forgot (their buffers are the caller's again)."""
+        body = {"rank": rank, "session": session, "protect": list(protect or []), "ns": ns, "floor": floor}
+        return [int(s) for s in (await self._call(Message(Kind.RETAIN, body))).body["dropped"]]
 
     async def commit(
         self,
@@ -250,12 +288,14 @@ class AgentClient:
         session: str = "",
         protect: list[int] | None = None,
         ns: str = "",
+        floor: int | None = None,
     ) -> None:
         """Hand snapshot ``step`` over: the arenas' descriptors (``handle.arenas``, this
         process's own), the structure and each region's digest. Returns once the agent
         verified and holds it (and forgot ``session``'s other snapshots but the steps
-        in ``protect``: their buffers are the caller's again); AgentRefusedError if it
-        did not accept it. ``ns``: the namespace (a Checkpointer's folder)."""
+        in ``protect``, and the rank's older than ``floor``: their buffers are the
+        caller's again); AgentRefusedError if it did not accept it. ``ns``: the
+        namespace (a Checkpointer's folder)."""
         sizes = [a.nbytes for a in handle.arenas]
         body = {
             "rank": rank,
@@ -270,15 +310,20 @@ class AgentClient:
             "session": session,
             "protect": list(protect or []),
             "ns": ns,
+            "floor": floor,
         }
         fds = [a.fd for a in handle.arenas]
         msg = Message(Kind.COMMIT, body, handle.payload, fds)
         await self._call(msg, self.timeout + sum(sizes) / SLOWEST_HASH)
 
-    async def fetch(self, rank: int, step: int, *, ns: str = "") -> Fetched:
-        """Snapshot ``step`` of ``rank`` as this process's descriptors (close them:
-        ``Fetched.close``). AgentRefusedError ``"unknown"`` if it holds no complete one."""
-        answer = await self._call(Message(Kind.FETCH, {"rank": rank, "step": step, "ns": ns}))
+    async def fetch(self, rank: int, step: int, *, ns: str = "", timeline: str | None = None) -> Fetched:
+        """Snapshot ``step`` of ``rank`` (of ``timeline``; None: the newest commit) as
+        this process's descriptors (close them: ``Fetched.close``). AgentRefusedError
+        ``"unknown"`` if it holds no complete one."""
+        body: dict[str, Any] = {"rank": rank, "step": step, "ns": ns}
+        if timeline is not None:
+            body["timeline"] = timeline
+        answer = await self._call(Message(Kind.FETCH, body))
         b, fds = answer.body, answer.fds
         try:
             sizes = [int(n) for n in b["arenas"]]
@@ -308,3 +353,28 @@ class AgentClient:
         except BaseException:
             wire.close_fds(fds)
             raise
+
+
+def verify_fetched(f: Fetched) -> None:
+    """Check every region of a fetched snapshot against its digest (blocking: reads
+    every byte once; run it in a thread). IntegrityError names the first that differs."""
+    regions = regions_of(f.handle.refs)
+    if len(regions) != len(f.digests):
+        raise IntegrityError(
+            f"memory snapshot of step {f.step}: {len(f.digests)} digests for {len(regions)} regions",
+            step=f.step,
+        )
+    maps = ArenaMaps()
+    try:
+        got = digests_of(
+            maps, list(f.fds), [a.nbytes for a in f.handle.arenas], regions, f.piece_bytes or PIECE_BYTES
+        )
+    finally:
+        maps.close()
+    for region, want, have in zip(regions, f.digests, got):
+        if list(want) != have:
+            raise IntegrityError(
+                f"memory snapshot of rank {f.rank} step {f.step}: arena {region[0]} bytes "
+                f"[{region[1]}, {region[1] + region[2]}) do not match their checksum",
+                step=f.step,
+            )

@@ -7,54 +7,62 @@ over, by descriptor, with no second copy. In the background: BEGIN (the agent li
 the step as being written), the staged regions hashed (a thread), COMMIT; the agent
 re-hashes them and holds them.
 
-Buffers: the tier's Stager has 2 buffer sets: one complete snapshot, one being
-written. The tier holds the newest complete snapshot's lease, so no stage writes into
-it; the agent, at each COMMIT, forgets the committing trainer's older snapshots, whose
-buffers the tier releases once the COMMIT is answered. So the agent never holds as
-complete a snapshot whose buffers a stage may be writing. (After a failure, where
-what the agent holds is unknown, the next save BEGINs, and the agent forgets, before
-the stage writes.) When a save comes while the previous one is still being staged or
-committed (both sets busy), ``policy`` applies: ``"skip"`` returns False at once,
-``"wait"`` waits for the commit.
+Buffers: the tier's Stager has ``keep + 1`` buffer sets. The tier holds the leases of
+the complete snapshots it keeps (no stage writes into them) and stages into a free
+set. Which it keeps is the job's decision (``retention``): a snapshot goes only once
+every rank holds a newer one complete (and the newest ``keep`` stay); the agent forgets
+it first (``RETAIN``, or the ``protect`` of a ``COMMIT``), and the tier releases its
+buffers once that is answered. So the agent never holds as complete a snapshot whose
+buffers a stage may be writing. (After a failure, where what the agent holds is
+unknown, the next save BEGINs, and the agent forgets, before the stage writes.) When a
+save comes while the previous one is still being staged or committed, or with no set
+free (every rank has not yet committed a newer step), ``policy`` applies: ``"skip"``
+returns False at once, ``"wait"`` waits (for the commit; for the ranks' exchanges).
+Either way the snapshot point is the call (``Stager.snapshot_point``).
 
 Failures never stop training: an agent that is gone or too slow (AgentUnavailableError,
 AgentTimeoutError) turns the tier off with one warning (saves return False; the
 Checkpointer's disk saves go on), and it is tried again ``retry_seconds`` later (a
-restarted agent starts empty and is used again). A snapshot the agent refuses (its
-memory bound, checksums) is logged and not held.
+restarted agent starts empty and is used again). With no agent there at all, a save
+returns False (the tier connects while the stage runs). A snapshot the agent refuses
+(its memory bound, checksums) is logged and not held. The ranks' exchanges failing (a
+rank died) turn the tier off for good, with one warning.
 
-Restore: ``complete_steps`` (what the agent holds for this rank, of this world size)
-and ``load(step)``: the snapshot's descriptors, verified against its digests here
-(every byte read once), attached without a copy. The caller decides the step with the
+Restore: ``complete_snapshots`` (what the agent holds for this rank, of this world
+size: step and timeline) and ``load(step, timeline)``: the snapshot's descriptors,
+verified against its digests here (every byte read once), attached without a copy. The caller decides the step with the
 other ranks (never a step mixed from memory and disk: ``_checkpoint`` does that).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import uuid
 import warnings
 import weakref
-from collections.abc import Coroutine
-from dataclasses import dataclass
+from collections.abc import Callable, Coroutine
 from typing import Any, Literal
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 
 from async_stager._core.aio.lease import Lease
 from async_stager._core.aio.stager import Stager
 from async_stager._core.aio.threads import run_in_thread
+from async_stager._core.run.engine import Captures
 from async_stager._share.handoff import AttachedStateDict, attach_shared, export_shared
-from async_stager._tier.client import AgentClient, Fetched
+from async_stager._tier.client import AgentClient, verify_fetched
 from async_stager._tier.regions import PIECE_BYTES, ArenaMaps, digests_of, regions_of
+from async_stager._tier.retention import Agreement, Ticket, droppable, forced
+from async_stager._tier.stats import MemoryStats, TierProgress
 from async_stager.errors import (
     AgentError,
     AgentTimeoutError,
     AgentUnavailableError,
-    IntegrityError,
     InvalidOptionError,
 )
 
@@ -63,50 +71,19 @@ __all__ = ["MemoryStats", "MemoryTier", "TierProgress"]
 _log = logging.getLogger("async_stager.checkpoint")
 
 
-@dataclass(frozen=True)
-class MemoryStats:
-    """The memory tier's counts and its newest snapshot, seconds and bytes.
-
-    ``saved``: snapshots the agent accepted; ``skipped``: saves dropped by
-    ``"skip"`` (the previous snapshot was still committing) or while the agent was
-    away; ``refused``: snapshots the agent did not accept; ``failures``: times the
-    agent was found gone or too slow. ``last_step``, ``stage_seconds`` (what the newest
-    save blocked its caller for: BEGIN and stage), ``commit_seconds`` (its hashing and
-    the agent's verification, in the background), ``bytes`` (its tensor bytes);
-    ``available``: the tier is on (False after a failure, until its retry);
-    ``restored``: the step the last ``Checkpointer.restore`` took from memory (None: none
-    did)."""
-
-    saved: int = 0
-    skipped: int = 0
-    refused: int = 0
-    failures: int = 0
-    last_step: int | None = None
-    stage_seconds: float = 0.0
-    commit_seconds: float = 0.0
-    bytes: int = 0
-    available: bool = True
-    restored: int | None = None
-
-
-@dataclass(frozen=True)
-class TierProgress:
-    """A memory snapshot in flight: its step, phase (``"memory-staging"`` or
-    ``"memory-committing"``), seconds since its save was called, and the stage's
-    seconds (None while staging)."""
-
-    step: int
-    phase: str
-    seconds: float
-    staged_seconds: float | None
-
-
 class MemoryTier:
     """One rank's snapshots to the node agent ``client``. ``rank``/``world``: this
     process's place (a snapshot of one world size never restores in another);
-    ``policy``: ``"wait"`` or ``"skip"`` when both buffer sets are busy; ``stager``:
-    one with ``share_memory=True`` and at least 2 buffer sets (else its own);
-    ``retry_seconds``: how long the tier stays off after the agent failed."""
+    ``policy``: ``"wait"`` or ``"skip"`` when the previous snapshot is still in flight
+    or no buffer set is free; ``stager``: one with ``share_memory=True`` and at least
+    ``keep + 1`` buffer sets (else its own); ``retry_seconds``: how long the tier stays
+    off after the agent failed; ``keep``: the complete snapshots it keeps at least
+    (one more while the ranks agree on a newer common step).
+
+    ``agree``: with several ranks, a blocking all-gather of this rank's list on a
+    process group of the tier's own (``retention.Agreement``: what keeps the promise
+    for the job); None for one process. ``timeline``: the job's run, the same on every
+    rank (the ranks agree on it; ``restarting`` moves it on)."""
 
     def __init__(
         self,
@@ -119,6 +96,8 @@ class MemoryTier:
         retry_seconds: float = 30.0,
         keep: int = 2,
         namespace: str = "",
+        agree: Callable[[list[int]], list[Any]] | None = None,
+        timeline: str | None = None,
     ) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise InvalidOptionError(f"memory_keep must be an int >= 1 (snapshots), got {keep!r}")
@@ -141,10 +120,25 @@ class MemoryTier:
         self.retry_seconds = retry_seconds
         self._stager = stager
         self._own_stager = stager is None
-        #: The newest ``keep`` complete snapshots' buffers (step, lease), oldest first.
+        #: The complete snapshots' buffers (step, lease), oldest first: what this rank
+        #: tells the other ranks it holds.
         self._held: list[tuple[int, Lease[Any]]] = []
         #: This process's token: the agent tells our snapshots from a dead trainer's.
         self.session = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._timeline_base = timeline if timeline is not None else self.session
+        self._restores = 0
+        #: The newest step every rank holds (None: unknown), and the step restored.
+        self._common: int | None = None
+        self._restored: int | None = None
+        self._agreement = (
+            None
+            if agree is None
+            else Agreement(
+                agree, published=self._published, on_common=self._on_common, on_broken=self._on_broken
+            )
+        )
+        #: Guards ``_held`` and the agent's view of it across an await (one message).
+        self._retaining = anyio.Lock()
         #: Set while a snapshot is being staged or committed (the busy slot).
         self._busy: anyio.Event | None = None
         #: After a failure or refusal: BEGIN before the next stage writes.
@@ -163,6 +157,11 @@ class MemoryTier:
         return self._stats
 
     @property
+    def timeline(self) -> str:
+        """The job's run this rank's snapshots belong to now."""
+        return f"{self._timeline_base}.{self._restores}"
+
+    @property
     def stager(self) -> Stager:
         if self._stager is None:
             self._stager = Stager(share_memory=True, max_buffer_sets=self.keep + 1)
@@ -176,17 +175,21 @@ class MemoryTier:
             self._update(available=True)
         return on
 
+    def held_steps(self) -> list[int]:
+        """The steps of this rank's complete snapshots whose buffers it holds."""
+        return [s for s, _ in self._held]
+
     def _update(self, **changes: Any) -> None:
         from dataclasses import replace
 
         self._stats = replace(self._stats, **changes)
 
     def open(self, tg: anyio.abc.TaskGroup) -> None:
-        """Commits run as tasks of ``tg`` (the Checkpointer's)."""
+        """Commits (and the ranks' exchanges) run as tasks of ``tg`` (the Checkpointer's)."""
         self._tg = tg
 
     async def aclose(self) -> None:
-        """Wait for a commit in flight, release the held snapshot (the agent keeps its
+        """Wait for a commit in flight, release the held snapshots (the agent keeps its
         own descriptors: the memory stays with the agent), close the connection and
         this tier's Stager. Cancellation: shielded."""
         with anyio.CancelScope(shield=True):
@@ -199,9 +202,13 @@ class MemoryTier:
                 self._stager = None
 
     async def wait(self) -> None:
-        """Until no snapshot is being staged or committed. Cancellation: only the wait."""
+        """Until no snapshot is being staged or committed, and the ranks' exchanges of
+        the snapshots that ended have run (with several ranks: their commits too).
+        Cancellation: only the wait."""
         while self._busy is not None:
             await self._busy.wait()
+        if self._agreement is not None:
+            await self._agreement.settle()
 
     def _release_held(self) -> None:
         held, self._held = self._held, []
@@ -217,14 +224,13 @@ class MemoryTier:
 
     @property
     def busy(self) -> bool:
-        """A snapshot is being staged or committed (its slot and the held one are both
-        in use: a save now meets the policy)."""
+        """A snapshot is being staged or committed (a save now meets the policy)."""
         return self._busy is not None
 
     def _fail(self, exc: AgentError, step: int) -> None:
         """The agent is gone or too slow: off until the retry, one warning."""
         was = self.available
-        self._down_until = time.monotonic() + self.retry_seconds
+        self._down_until = max(self._down_until, time.monotonic() + self.retry_seconds)
         self._update(failures=self._stats.failures + 1, available=False)
         self._dirty = True
         self._release_held()
@@ -237,39 +243,65 @@ class MemoryTier:
             )
         _log.warning("memory tier: step %d: %s; disk only for %g s", step, exc, self.retry_seconds)
 
-    def save(self, sd: dict[str, Any], step: int) -> Coroutine[Any, Any, bool]:
+    def _on_broken(self, exc: BaseException) -> None:
+        """The ranks' exchanges failed (a rank died, or this Checkpointer is being torn
+        down): off for good; what the agent holds stays for a restart."""
+        was = self.available
+        self._down_until = math.inf
+        self._update(available=False)
+        if was and isinstance(exc, Exception):
+            warnings.warn(
+                f"the ranks' memory-tier exchange failed ({exc!r}): memory checkpoints are off for "
+                "this run, saves to disk go on",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            _log.warning("memory tier: the ranks' exchange failed (%r): disk only from now on", exc)
+
+    def save(self, sd: dict[str, Any], step: int, *, only: bool = False) -> Coroutine[Any, Any, bool]:
         """Snapshot ``sd`` (a resolved state dict) as ``step``; await the returned
         coroutine: True once staged, False when not taken (``"skip"`` while the
-        previous snapshot is still being committed, or the agent is away). The
-        snapshot point is this call, except that a ``"wait"`` save behind a busy slot
-        stages once the slot frees. The commit goes on in the background.
+        previous snapshot is in flight or no buffer set is free, no agent there, or the
+        tier is off). The snapshot point is this call, also for a ``"wait"`` save that
+        stages once a buffer set frees (its streams and generators are read now). The
+        commit goes on in the background. ``only``: no other route saves this step (a
+        step not taken is then listed in ``dropped``).
 
         Cancellation (or a coroutine never awaited): nothing is handed to the agent;
         a snapshot never committed is never complete there."""
-        if not self.available:
-            return self._skip(step)
-        if self._busy is not None and self.policy == "skip":
-            return self._skip(step)
+        assert self._tg is not None, "MemoryTier.open(task_group) first"
+        ticket = self._agreement.ticket(self._tg) if self._agreement is not None else None
+        room = len(self._held) <= self.keep
+        if not self.available or (self.policy == "skip" and (self._busy is not None or not room)):
+            return self._skip(step, ticket, only)
         called = time.monotonic()
         stage: Coroutine[Any, Any, Lease[Any]] | None = None
+        point: Captures | None = None
         busy = None
-        if self._busy is None and not self._dirty:
+        if self._busy is None and not self._dirty and room:
             busy = self._busy = anyio.Event()
             stage = self.stager.lease(sd)  # submitted now: the snapshot point
             sd = {}
+        else:
+            point = self.stager.snapshot_point(sd)  # staged later, from this point
         started = [False]
         read = anyio.Event()  # set once this call read its sources, or never will
         self._unread.add(read)
-        coro = self._finish(stage, sd, step, called, started, read)
-        # Never awaited: the slot must not stay busy for ever, nor a fence wait for it.
-        weakref.finalize(coro, self._abandon, busy, started, read)
+        coro = self._finish(stage, sd, point, step, called, started, read, ticket, only)
+        # Never awaited: the slot must not stay busy for ever, nor a fence (or the
+        # ranks' exchange) wait for it.
+        weakref.finalize(coro, self._abandon, busy, started, read, ticket)
         return coro
 
-    def _abandon(self, busy: anyio.Event | None, started: list[bool], read: anyio.Event) -> None:
+    def _abandon(
+        self, busy: anyio.Event | None, started: list[bool], read: anyio.Event, ticket: Ticket | None
+    ) -> None:
         if started[0]:
             return
         self._unread.discard(read)
         read.set()
+        if ticket is not None:
+            ticket.ready.set()
         if busy is not None and self._busy is busy:
             self._busy = None
             busy.set()
@@ -289,30 +321,52 @@ class MemoryTier:
 
         return fenced()
 
-    async def _skip(self, step: int) -> bool:
-        self._update(skipped=self._stats.skipped + 1)
-        self.dropped.append(step)
+    async def _skip(self, step: int, ticket: Ticket | None, only: bool) -> bool:
+        if ticket is not None:
+            ticket.ready.set()
+        self._not_taken(step, only)
         await anyio.lowlevel.checkpoint()
         return False
+
+    def _not_taken(self, step: int, only: bool) -> None:
+        self._update(skipped=self._stats.skipped + 1)
+        if only:
+            self.dropped.append(step)
 
     async def _finish(
         self,
         stage: Coroutine[Any, Any, Lease[Any]] | None,
         sd: dict[str, Any],
+        point: Captures | None,
         step: int,
         called: float,
         started: list[bool],
         read: anyio.Event,
+        ticket: Ticket | None,
+        only: bool,
     ) -> bool:
         started[0] = True
+        handed = [False]  # the commit task took the ticket over
         try:
-            return await self._stage_and_commit(stage, sd, step, called)
+            taken = await self._stage_and_commit(stage, sd, point, step, called, ticket, handed)
+            if not taken:
+                self._not_taken(step, only)
+            return taken
         finally:
             self._unread.discard(read)
             read.set()
+            if ticket is not None and not handed[0]:
+                ticket.ready.set()
 
     async def _stage_and_commit(
-        self, stage: Coroutine[Any, Any, Lease[Any]] | None, sd: dict[str, Any], step: int, called: float
+        self,
+        stage: Coroutine[Any, Any, Lease[Any]] | None,
+        sd: dict[str, Any],
+        point: Captures | None,
+        step: int,
+        called: float,
+        ticket: Ticket | None,
+        handed: list[bool],
     ) -> bool:
         # This call's slot: set at the call when staged there, else once it is free.
         busy = self._busy if stage is not None else None
@@ -321,14 +375,22 @@ class MemoryTier:
                 while self._busy is not None:
                     await self._busy.wait()
                 busy = self._busy = anyio.Event()
+                if not await self._room(ticket):
+                    raise _NotTaken
                 if self._dirty and not await self._begin(step):
                     raise _NotTaken
                 self._dirty = False
-                stage = self.stager.lease(sd)
+                if not self.client.connected and not await self._probe(step):
+                    raise _NotTaken
+                stage = self.stager.lease(sd, at=point)
                 del sd
+            elif not self.client.connected and not await self._probe(step):
+                raise _NotTaken  # (the stage, submitted at the call, is abandoned below)
             self._progress = (step, "memory-staging", called, None)
             lease = await stage
         except _NotTaken:
+            if stage is not None:
+                stage.close()
             self._end(busy)
             return False
         except BaseException:
@@ -339,7 +401,8 @@ class MemoryTier:
         staged = time.monotonic() - called
         self._progress = (step, "memory-committing", called, staged)
         assert self._tg is not None, "MemoryTier.open(task_group) first"
-        self._tg.start_soon(self._commit, lease, step, staged, busy)
+        self._tg.start_soon(self._commit, lease, step, staged, busy, ticket)
+        handed[0] = True
         return True
 
     def _end(self, busy: anyio.Event | None) -> None:
@@ -349,25 +412,122 @@ class MemoryTier:
         if busy is not None:
             busy.set()
 
-    async def _begin(self, step: int) -> bool:
-        """BEGIN ``step``: the agent forgets this session's snapshots but the one whose
-        buffers are held. False (handled) when the agent is away or refused."""
-        protect = [s for s, _ in self._held]
+    async def _probe(self, step: int) -> bool:
+        """Connect to the agent (not connected: the first save, or after a failure);
+        False (warned once, the tier off until the retry) if there is none."""
         try:
-            await self.client.begin(
-                self.rank, step, self.world, session=self.session, protect=protect, ns=self.namespace
-            )
-        except (AgentUnavailableError, AgentTimeoutError) as exc:
-            self._fail(exc, step)
-            return False
+            await self.client.hello()
         except AgentError as exc:
-            _log.warning("memory tier: the agent refused to begin step %d: %s", step, exc)
-            self._update(refused=self._stats.refused + 1)
-            self._dirty = True
+            self._fail(exc, step)
             return False
         return True
 
-    async def _commit(self, lease: Lease[Any], step: int, staged: float, busy: anyio.Event | None) -> None:
+    async def _room(self, ticket: Ticket | None) -> bool:
+        """Until a buffer set is free: the ranks' exchanges of the saves before this
+        one let go of a snapshot, else (a rank failed to commit) the oldest that is not
+        the common step goes. False if the tier went off meanwhile."""
+        while len(self._held) > self.keep:
+            agreement = self._agreement
+            if not self.available:
+                return False
+            if agreement is None or ticket is None or agreement.done_through(ticket.index - 1):
+                async with self._retaining:
+                    step = forced(self.held_steps(), self._common)
+                    if step is not None and len(self._held) > self.keep:
+                        _log.warning(
+                            "memory tier: rank %d has no buffer set free and the ranks share no newer step "
+                            "than %s: letting go of step %d (a rank failed to commit a snapshot)",
+                            self.rank,
+                            self._common,
+                            step,
+                        )
+                        await self._let_go([step])
+                if len(self._held) > self.keep:
+                    return False
+                break
+            await agreement.changed()
+        return True
+
+    def _floor(self, held: list[int]) -> int | None:
+        """The oldest step the agent must keep of this rank: the newest step every rank
+        holds (or the one restored), unless this rank still holds an older one."""
+        base = self._common if self._common is not None else self._restored
+        if base is None:
+            return None
+        return min([base, *held])
+
+    def _published(self) -> list[int]:
+        return self.held_steps()
+
+    async def _on_common(self, common: int | None) -> None:
+        """After an exchange: let go of what the rule allows (``retention``)."""
+        async with self._retaining:
+            self._common = common
+            drop = droppable(self.held_steps(), common, self.keep)
+            if drop and self.available:
+                await self._let_go(drop)
+
+    async def _let_go(self, steps: list[int]) -> None:
+        """Have the agent forget ``steps`` (of ``_held``), then release their buffers.
+        Under ``_retaining``. On a failure the tier is off (and releases everything) or,
+        refused, keeps them."""
+        gone = [(s, lease) for s, lease in self._held if s in steps]
+        self._held = [(s, lease) for s, lease in self._held if s not in steps]  # no longer reported
+        keep = self.held_steps()
+        try:
+            with anyio.CancelScope(shield=True):
+                await self.client.retain(
+                    self.rank, session=self.session, protect=keep, ns=self.namespace, floor=self._floor(keep)
+                )
+        except (AgentUnavailableError, AgentTimeoutError) as exc:
+            self._held = sorted(self._held + gone, key=lambda h: h[0])
+            self._fail(exc, gone[-1][0] if gone else -1)
+            return
+        except AgentError as exc:
+            self._held = sorted(self._held + gone, key=lambda h: h[0])
+            self._dirty = True
+            _log.warning("memory tier: the agent refused to let go of steps %s: %s", steps, exc)
+            return
+        for _, lease in gone:
+            lease.release()
+
+    async def _begin(self, step: int) -> bool:
+        """BEGIN ``step``: the agent forgets this session's snapshots but those whose
+        buffers are held, and those of ``step`` or later (a rewound run: their buffers
+        are released once it answered). False (handled) when the agent is away or
+        refused."""
+        async with self._retaining:
+            later = [(s, lease) for s, lease in self._held if s >= step]
+            self._held = [(s, lease) for s, lease in self._held if s < step]
+            protect = self.held_steps()
+            try:
+                await self.client.begin(
+                    self.rank,
+                    step,
+                    self.world,
+                    session=self.session,
+                    protect=protect,
+                    ns=self.namespace,
+                    floor=self._floor(protect),
+                    timeline=self.timeline,
+                )
+            except (AgentUnavailableError, AgentTimeoutError) as exc:
+                self._held = sorted(self._held + later, key=lambda h: h[0])
+                self._fail(exc, step)
+                return False
+            except AgentError as exc:
+                self._held = sorted(self._held + later, key=lambda h: h[0])
+                _log.warning("memory tier: the agent refused to begin step %d: %s", step, exc)
+                self._update(refused=self._stats.refused + 1)
+                self._dirty = True
+                return False
+            for _, lease in later:
+                lease.release()
+            return True
+
+    async def _commit(
+        self, lease: Lease[Any], step: int, staged: float, busy: anyio.Event | None, ticket: Ticket | None
+    ) -> None:
         t0 = time.monotonic()
         try:
             with anyio.CancelScope(shield=True):
@@ -377,6 +537,8 @@ class MemoryTier:
                     lease.release()
         finally:
             self._end(busy)
+            if ticket is not None:
+                ticket.ready.set()
 
     async def _hand_over(self, lease: Lease[Any], step: int, staged: float, t0: float) -> None:
         handle = export_shared(lease.state_dict, self.stager)
@@ -387,42 +549,50 @@ class MemoryTier:
         # number to a new one, and a mapping kept by inode would then hash old bytes.
         maps = ArenaMaps()
         try:
-            try:
-                digests = await run_in_thread(
-                    lambda: digests_of(maps, fds, sizes, regions), name="async-stager-tier-hash"
-                )
-            finally:
-                maps.close()
-            kept = [s for s, _ in self._held][1 - self.keep :] if self.keep > 1 else []
-            await self.client.commit(
-                self.rank,
-                step,
-                self.world,
-                handle,
-                digests,
-                PIECE_BYTES,
-                session=self.session,
-                protect=kept,
-                ns=self.namespace,
+            digests = await run_in_thread(
+                lambda: digests_of(maps, fds, sizes, regions), name="async-stager-tier-hash"
             )
-        except (AgentUnavailableError, AgentTimeoutError) as exc:
-            lease.release()
-            self._fail(exc, step)
-            return
-        except AgentError as exc:
-            lease.release()
-            self._dirty = True  # the agent's view of our snapshots is unknown: BEGIN first
-            self._update(refused=self._stats.refused + 1)
-            _log.warning("memory tier: the agent did not accept step %d: %s", step, exc)
-            return
-        except BaseException:
-            lease.release()
-            raise
-        # The agent holds it, and forgot our snapshots but the newest ``keep``: the
-        # older ones' buffers are free for the next stage.
-        self._held.append((step, lease))
-        while len(self._held) > self.keep:
-            self._held.pop(0)[1].release()
+        finally:
+            maps.close()
+        async with self._retaining:
+            after = [*self.held_steps(), step]
+            # One process: this step is the job's newest common one once committed.
+            common = step if self._agreement is None else self._common
+            drop = droppable(after, common, self.keep)
+            keep = [s for s in after if s not in drop]
+            try:
+                await self.client.commit(
+                    self.rank,
+                    step,
+                    self.world,
+                    handle,
+                    digests,
+                    PIECE_BYTES,
+                    session=self.session,
+                    protect=keep,
+                    ns=self.namespace,
+                    floor=self._floor(keep) if self._agreement is not None else min(keep),
+                )
+            except (AgentUnavailableError, AgentTimeoutError) as exc:
+                lease.release()
+                self._fail(exc, step)
+                return
+            except AgentError as exc:
+                lease.release()
+                self._dirty = True  # the agent's view of our snapshots is unknown: BEGIN first
+                self._update(refused=self._stats.refused + 1)
+                _log.warning("memory tier: the agent did not accept step %d: %s", step, exc)
+                return
+            except BaseException:
+                lease.release()
+                raise
+            # The agent holds it and forgot ``drop``: their buffers are free again.
+            self._held.append((step, lease))
+            for _, old in [h for h in self._held if h[0] in drop]:
+                old.release()
+            self._held = [h for h in self._held if h[0] not in drop]
+            if self._agreement is None:
+                self._common = step
         self._update(
             saved=self._stats.saved + 1,
             last_step=step,
@@ -433,27 +603,39 @@ class MemoryTier:
 
     # -- restoring ---------------------------------------------------------------------
 
+    def restarting(self) -> None:
+        """A restore begins (on every rank): the snapshots saved from now on belong to
+        a new run of the job (``timeline``), never combined with the old run's."""
+        self._restores += 1
+
     def note_restored(self, step: int) -> None:
-        """``step`` was restored from memory (``MemoryStats.restored``)."""
+        """``step`` was restored from memory (``MemoryStats.restored``): every rank
+        holds it, so the agent may forget this rank's older ones."""
+        self._restored = step
         self._update(restored=step)
 
-    async def complete_steps(self) -> list[int]:
-        """Steps of this rank the agent holds complete, saved at this world size
-        (newest last); [] if the agent is away (logged)."""
+    async def complete_snapshots(self) -> list[tuple[int, str]]:
+        """(step, timeline) of this rank's snapshots the agent holds complete, saved at
+        this world size (newest commit last); [] if the agent is away (logged)."""
         try:
             infos = await self.client.snapshots(self.rank, ns=self.namespace)
         except Exception as exc:  # noqa: BLE001 - any failure here means: restore from disk
             _log.warning("memory tier: cannot list the agent's snapshots (%s): restoring from disk", exc)
             return []
-        return [i.step for i in infos if i.complete and i.world == self.world]
+        return [(i.step, i.timeline) for i in infos if i.complete and i.world == self.world]
 
-    async def load(self, step: int) -> AttachedStateDict:
-        """Snapshot ``step`` of this rank, attached (no copy) after every region was
-        verified against its digest. Raises AgentError (gone, refused) or
-        IntegrityError (a region does not match). Close the result when loaded."""
-        fetched = await self.client.fetch(self.rank, step, ns=self.namespace)
+    async def complete_steps(self) -> list[int]:
+        """The steps of ``complete_snapshots``."""
+        return [s for s, _ in await self.complete_snapshots()]
+
+    async def load(self, step: int, timeline: str | None = None) -> AttachedStateDict:
+        """Snapshot ``step`` (of ``timeline``: None, the newest) of this rank, attached
+        (no copy) after every region was verified against its digest. Raises AgentError
+        (gone, refused) or IntegrityError (a region does not match, or it is of another
+        timeline). Close the result when loaded."""
+        fetched = await self.client.fetch(self.rank, step, ns=self.namespace, timeline=timeline)
         try:
-            await run_in_thread(lambda: _verify(fetched), name="async-stager-tier-verify")
+            await run_in_thread(lambda: verify_fetched(fetched), name="async-stager-tier-verify")
             return attach_shared(fetched.handle)
         finally:
             fetched.close()  # the mapping keeps the memory
@@ -461,26 +643,3 @@ class MemoryTier:
 
 class _NotTaken(Exception):
     """The agent did not take the snapshot's BEGIN (handled: the save returns False)."""
-
-
-def _verify(f: Fetched) -> None:
-    regions = regions_of(f.handle.refs)
-    if len(regions) != len(f.digests):
-        raise IntegrityError(
-            f"memory snapshot of step {f.step}: {len(f.digests)} digests for {len(regions)} regions",
-            step=f.step,
-        )
-    maps = ArenaMaps()
-    try:
-        got = digests_of(
-            maps, list(f.fds), [a.nbytes for a in f.handle.arenas], regions, f.piece_bytes or PIECE_BYTES
-        )
-    finally:
-        maps.close()
-    for region, want, have in zip(regions, f.digests, got):
-        if list(want) != have:
-            raise IntegrityError(
-                f"memory snapshot of rank {f.rank} step {f.step}: arena {region[0]} bytes "
-                f"[{region[1]}, {region[1] + region[2]}) do not match their checksum",
-                step=f.step,
-            )

@@ -57,7 +57,8 @@ __all__ = [
 
 MAGIC = b"ASTA"
 #: The protocol's version: a peer speaking another one is refused, never guessed at.
-VERSION = 1
+#: 2: ``RETAIN``; retention decided by the trainer (``protect``, ``floor``), ``timeline``.
+VERSION = 2
 HEADER = struct.Struct("!4sBBHIQ")
 #: Bounds a receiver checks before it reads: a JSON body, a blob (a snapshot's pickled
 #: structure), descriptors per message (the kernel's SCM_MAX_FD is 253).
@@ -77,6 +78,7 @@ class Kind(enum.IntEnum):
     LIST = 4
     FETCH = 5
     STATUS = 6
+    RETAIN = 7
     OK = 64
     ERROR = 65
 

@@ -350,10 +350,11 @@ def test_check_reports_the_agent() -> None:
 
     lim = HostLimits(mem_available=8 << 30, nofile=1024, open_fds=10)
     out = io.StringIO()
-    assert agent_report(1 << 30, 2, out, lim)  # 2 x 1 GiB x 2 ranks = 4 GiB = the default bound
+    assert agent_report(1 << 30, 1, out, lim)  # 3 x 1 GiB x 1 rank <= 4 GiB, the default bound
     assert "agent memory bound: 4.00 GiB" in out.getvalue() and "fits" in out.getvalue()
+    assert "needs 3 x 1.00 GiB x 1 rank(s) = 3.00 GiB" in out.getvalue()
     out = io.StringIO()
-    assert not agent_report(1 << 30, 3, out, lim)
+    assert not agent_report(1 << 30, 2, out, lim)
     assert "does not fit" in out.getvalue()
     out = io.StringIO()
     assert not agent_report(1, 1, out, HostLimits(mem_available=8 << 30, memfd=False))

@@ -148,7 +148,7 @@ def _running(pid: int) -> bool:
         return False
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
 def test_example_never_leaves_its_agent_running(tmp_path: Path, how: signal.Signals) -> None:
     """``examples/memory_tier.py`` stopped mid-run (SIGTERM, as a scheduler stops a job;

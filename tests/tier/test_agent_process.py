@@ -25,7 +25,7 @@ from async_stager.errors import AgentUnavailableError
 from tests.tier.helpers_tier import agent_process, child_env, memfds, short_base
 from tests.tier.tier_child import state_of
 
-pytestmark = [pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.timeout(240)]
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tier_child.py")
 

@@ -142,20 +142,23 @@ async def test_damaged_memory_restores_from_disk(tmp_path: Path, caplog: pytest.
 
 
 async def test_no_agent_running_falls_back_to_disk(tmp_path: Path) -> None:
+    """With no agent running, a memory-only save returns False (nothing was stored) and
+    warns once; ``dropped`` lists the steps saved nowhere, never one committed to disk."""
     with short_base() as base:
         async with Checkpointer(
             tmp_path, agent=AgentClient("nobody", base=base, timeout=2), memory_every=1, persist_every=2
         ) as ckpt:
-            with pytest.warns(RuntimeWarning, match="memory checkpoints are off"):
-                assert await ckpt.save(state_of(1), step=1)  # staged; its commit finds no agent
+            with pytest.warns(RuntimeWarning, match="memory checkpoints are off") as warned:
+                assert not await ckpt.save(state_of(1), step=1)  # memory only: nowhere to go
+                assert await ckpt.save(state_of(2), step=2)  # disk goes on
+                assert not await ckpt.save(state_of(3), step=3)  # memory only, and the tier is off
+                assert await ckpt.save(state_of(4), step=4)
                 await settle(ckpt)
-            assert not await ckpt.save(state_of(3), step=3)  # memory only, and the tier is off
-            assert await ckpt.save(state_of(4), step=4)  # disk goes on
-            await settle(ckpt)
-            assert ckpt.steps() == [4]
+            assert len([w for w in warned if "memory checkpoints are off" in str(w.message)]) == 1
+            assert ckpt.steps() == [2, 4]
+            assert ckpt.dropped == [1, 3]
             stats = ckpt.memory
             assert stats is not None and stats.failures == 1 and stats.saved == 0 and not stats.available
-            assert 3 in ckpt.dropped
             state = blank()
             assert await ckpt.restore(state) == 4
             assert_same(values(state), values(state_of(4)))

@@ -1,0 +1,173 @@
+"""Which memory snapshots a rank may let go: the tier's promise, kept for the job.
+
+The promise (docs/concepts.md, the memory tier): after a crash the ranks restore a step
+that every rank holds complete, and lose at most one step against the newest step
+whose ``save()`` had returned on every rank. A rank alone cannot keep it: ranks commit
+in the background at their own speeds, so a rank that lets go of step *n-1* as soon as
+its own *n* is complete may leave a slower rank (still committing *n*) without a step
+in common with it. Hence the rule, checked where the ranks meet:
+
+- A rank lets go of its snapshot of step *s* only once the ranks agreed that every one
+  of them holds complete a newer step *c > s* (the job's newest common step), and it
+  keeps its newest ``keep`` in any case. Nothing is cut before the snapshot that
+  replaces it is complete (the agent's ``BEGIN`` forgets nothing the trainer holds).
+- Agreement (``Agreement``): one exchange per memory save call, in call order, so that
+  the ranks' collectives match whatever each save did (staged, skipped, refused). An
+  exchange starts once that save's snapshot has ended (committed or not) and gathers,
+  from every rank, the steps it holds complete in this run; each rank learns the newest
+  common one and lets go of what the rule allows.
+- A save with no buffer set free (``keep + 1`` sets: ``keep`` held, one written) waits
+  for the exchanges of the saves before it, which free one unless a rank failed to
+  commit a step (refused, agent gone); then the oldest snapshot that is not the common
+  one goes (the promise is already broken by that rank's failure, which it logged).
+
+Why the promise holds: a rank's ``save(n)`` returns only after its own snapshot of
+*n-1* ended (one snapshot at a time), so once every rank returned from ``save(n)``,
+every rank holds *n-1* complete, and none lets go of it before all hold a newer one.
+The views exchanged may be stale (an exchange reports what a rank held when it ran),
+which only delays a release: a step is let go only for a newer one that every rank
+reported, and a rank lets go of that one only for a still newer one every rank
+reported, so the newest common step never disappears.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from async_stager._core.aio.threads import run_in_thread
+
+__all__ = ["Agreement", "Ticket", "droppable", "forced", "newest_common"]
+
+_log = logging.getLogger("async_stager.checkpoint")
+
+
+def newest_common(held: Sequence[Sequence[int]]) -> int | None:
+    """The newest step in every rank's list (None if they share none)."""
+    if not held:
+        return None
+    common = set(held[0])
+    for steps in held[1:]:
+        common &= set(steps)
+    return max(common) if common else None
+
+
+def droppable(held: Sequence[int], common: int | None, keep: int) -> list[int]:
+    """Of a rank's complete steps ``held`` (oldest first), those it may let go: older
+    than the job's newest common step and not among its newest ``keep``."""
+    if common is None or len(held) <= keep:
+        return []
+    return [s for s in held[: len(held) - keep] if s < common]
+
+
+def forced(held: Sequence[int], common: int | None) -> int | None:
+    """The step to let go when no buffer set is free and the ranks' exchanges freed
+    none (a rank failed to commit): the oldest that is neither the common step nor the
+    newest. None if there is none."""
+    for s in held[:-1]:
+        if s != common:
+            return s
+    return None
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One memory save's place in the exchanges: ``ready`` once its snapshot ended
+    (committed, refused, skipped, abandoned), ``done`` once its exchange ran."""
+
+    index: int
+    ready: anyio.Event = field(default_factory=anyio.Event)
+    done: anyio.Event = field(default_factory=anyio.Event)
+
+
+class Agreement:
+    """The ranks' exchanges of the steps each holds complete (see the module doc).
+
+    ``agree(steps)``: a blocking all-gather of this rank's list on a process group of
+    the tier's own (run in a thread, one at a time, in ticket order); ``published()``:
+    this rank's complete steps now; ``on_common(step)``: awaited after each exchange
+    with the newest common step (None: none); ``on_broken(exc)``: the exchange failed
+    (a rank died): no more exchanges."""
+
+    def __init__(
+        self,
+        agree: Callable[[list[int]], list[Any]],
+        *,
+        published: Callable[[], list[int]],
+        on_common: Callable[[int | None], Awaitable[None]],
+        on_broken: Callable[[BaseException], None],
+    ) -> None:
+        self._agree = agree
+        self._published = published
+        self._on_common = on_common
+        self._on_broken = on_broken
+        self._tickets: list[Ticket] = []
+        self._issued = 0
+        self._done = -1
+        self._changed = anyio.Event()
+        self.broken: BaseException | None = None
+        #: The newest common step of the latest exchange.
+        self.common: int | None = None
+
+    def ticket(self, tg: anyio.abc.TaskGroup) -> Ticket:
+        """A place for the save being called (synchronously, at its call): its
+        exchange runs as a task of ``tg`` once the ticket is ready and the previous
+        exchange ran. Set ``ready`` exactly once, whatever becomes of the save."""
+        t = Ticket(self._issued)
+        self._issued += 1
+        prev = self._tickets[-1] if self._tickets else None
+        self._tickets.append(t)
+        tg.start_soon(self._exchange, t, prev)
+        return t
+
+    def done_through(self, index: int) -> bool:
+        """Every exchange up to ticket ``index`` ran (or they stopped: broken)."""
+        return self.broken is not None or self._done >= index
+
+    async def changed(self) -> None:
+        """Until the next exchange ran. Cancellation: only the wait."""
+        await self._changed.wait()
+
+    async def settle(self) -> None:
+        """Until the exchange of every ticket already ready ran. Cancellation: only the
+        wait."""
+        while True:
+            pending = [t for t in self._tickets if t.ready.is_set() and not t.done.is_set()]
+            if not pending:
+                return
+            await pending[-1].done.wait()
+
+    async def _exchange(self, t: Ticket, prev: Ticket | None) -> None:
+        try:
+            if prev is not None:
+                await prev.done.wait()
+            await t.ready.wait()
+            if self.broken is None:
+                mine = self._published()
+                got = await run_in_thread(
+                    lambda: self._agree(mine),
+                    name="async-stager-tier-agree",
+                    daemon=True,  # a peer that never answers must not keep the process
+                    abandon_on_cancel=True,
+                )
+                self.common = newest_common([[int(s) for s in steps] for steps in got])
+                await self._on_common(self.common)
+        except BaseException as exc:  # a dead rank, or this task cancelled
+            # An exchange skipped or abandoned half way leaves the ranks' collectives
+            # out of step: no more exchanges.
+            if self.broken is None:
+                self.broken = exc
+                self._on_broken(exc)
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self._done = max(self._done, t.index)
+            self._tickets.remove(t)
+            t.done.set()
+            changed, self._changed = self._changed, anyio.Event()
+            changed.set()

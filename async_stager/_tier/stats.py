@@ -1,0 +1,46 @@
+"""What the memory tier reports: its counts (``MemoryStats``, public as
+``Checkpointer.memory``) and the snapshot in flight (``TierProgress``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["MemoryStats", "TierProgress"]
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """The memory tier's counts and its newest snapshot, seconds and bytes.
+
+    ``saved``: snapshots the agent accepted; ``skipped``: saves dropped by
+    ``"skip"`` (the previous snapshot was still committing) or while the agent was
+    away; ``refused``: snapshots the agent did not accept; ``failures``: times the
+    agent was found gone or too slow. ``last_step``, ``stage_seconds`` (what the newest
+    save blocked its caller for: BEGIN and stage), ``commit_seconds`` (its hashing and
+    the agent's verification, in the background), ``bytes`` (its tensor bytes);
+    ``available``: the tier is on (False after a failure, until its retry);
+    ``restored``: the step the last ``Checkpointer.restore`` took from memory (None: none
+    did)."""
+
+    saved: int = 0
+    skipped: int = 0
+    refused: int = 0
+    failures: int = 0
+    last_step: int | None = None
+    stage_seconds: float = 0.0
+    commit_seconds: float = 0.0
+    bytes: int = 0
+    available: bool = True
+    restored: int | None = None
+
+
+@dataclass(frozen=True)
+class TierProgress:
+    """A memory snapshot in flight: its step, phase (``"memory-staging"`` or
+    ``"memory-committing"``), seconds since its save was called, and the stage's
+    seconds (None while staging)."""
+
+    step: int
+    phase: str
+    seconds: float
+    staged_seconds: float | None
