@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import warnings
 import weakref
@@ -215,6 +216,7 @@ class Checkpointer:
         self._leave_at: float | None = None
         self._exit_code = 1
         self._closing = False
+        self._loop_thread = -1
         self.last: SaveStats | None = None
         """The newest commit's stats in this session."""
 
@@ -264,6 +266,7 @@ class Checkpointer:
             self._stager = Stager(max_buffer_sets=self._sets, node_ledger=self._ledger)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
+        self._loop_thread = threading.get_ident()
         self._saves.open(
             self._tg, Writer(self.options, self._format, ranks, token), self._stager, self._ledger
         )
@@ -375,10 +378,21 @@ class Checkpointer:
             raise ClosedError("the Checkpointer is not open: use it as `async with Checkpointer(...)`")
         return self._stager
 
-    def _check_open(self) -> anyio.abc.TaskGroup:
+    def _check_open(self, call: str) -> anyio.abc.TaskGroup:
         if self._tg is None or self._closing:
             raise ClosedError("the Checkpointer is not open: use it as `async with Checkpointer(...)`")
+        self._check_loop(call)
         return self._tg
+
+    def _check_loop(self, call: str) -> None:
+        if self._loop_thread != -1 and threading.get_ident() != self._loop_thread:
+            raise CheckpointError(
+                f"{call} must run on the event loop that opened the Checkpointer, not in thread "
+                f"{threading.current_thread().name!r}: from another thread, hand it to the loop: "
+                "token = anyio.lowlevel.current_token() (on the loop), then in the thread "
+                "anyio.from_thread.run(functools.partial(ckpt.save, state, step=n), token=token) "
+                "(no token= in a thread started by anyio.to_thread.run_sync)"
+            )
 
     def _leave_by(self, deadline: float, exit_code: int) -> None:
         """Make leaving the block stop waiting for writes at ``deadline`` (anyio clock):
@@ -393,7 +407,8 @@ class Checkpointer:
         """Save ``state`` as checkpoint ``step``: await the returned coroutine, which
         returns once the state is staged (the sources may change after that, or after
         ``await fence()``); the write runs in the background. Returns False if the
-        ``"skip"`` policy skipped it.
+        ``"skip"`` policy skipped it. Call it on the event loop that opened the
+        Checkpointer.
 
         The snapshot point is this call (``state_dict()`` of each Stateful is called
         now), so ``create_task(ckpt.save(...)); await ckpt.fence()`` saves the values as
@@ -408,7 +423,7 @@ class Checkpointer:
         Cancellation: before it returns, nothing is saved for this call (its stage is
         abandoned, a budgeted save's pipeline cancelled); once it returned, the write
         goes on and commits."""
-        self._check_open()
+        self._check_open("save()")
         if isinstance(step, bool) or not isinstance(step, int):
             raise InvalidOptionTypeError(
                 f"save(step=...) must be an int >= 0, got {step!r} ({type(step).__name__})"
@@ -463,6 +478,7 @@ class Checkpointer:
         """Wait until every save called so far has read its sources: after this, they
         may change. The ordering points are read at this call (``Stager.fence``).
         Cancellation: only the wait."""
+        self._check_loop("fence()")
         stager_fence = self.stager.fence()
         pending = [i.read for i in self._saves.items if not i.read.is_set()]
         tier_fence = self._tier.fence() if self._tier is not None else None
@@ -488,7 +504,7 @@ class Checkpointer:
         """Wait until every save so far is committed (or failed), the memory tier's
         too; raises the first failure not yet raised. Cancellation: only the wait;
         the writes go on."""
-        self._check_open()
+        self._check_open("wait()")
         await self._saves.drain()
         if self._tier is not None:
             await self._tier.wait()
@@ -525,7 +541,7 @@ class Checkpointer:
         boundary. Requests not yet taken are one request. ``await request.taken()`` for
         the step it was taken at, ``await request.wait()`` for its commit. Raises
         ClosedError if not open."""
-        self._check_open()
+        self._check_open("request_save()")
         if self._request is None:
             self._request = SaveRequest()
         return self._request
@@ -602,7 +618,7 @@ class Checkpointer:
 
         Cancellation: deferred until the thread reading the current candidate returns;
         ``state`` may then be partly loaded."""
-        self._check_open()
+        self._check_open("restore()")
         if self._tier is not None:
             got = await _tiered.restore(self._tier, self._ranks, self.options.directory, state, step)
             if got is not None:

@@ -3,6 +3,7 @@ final checkpoint within a deadline, for services that get a preemption notice.""
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 from types import TracebackType
@@ -11,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.abc
 import anyio.lowlevel
+
+from async_stager.errors import InvalidOptionError, InvalidOptionTypeError
 
 if TYPE_CHECKING:
     from async_stager._checkpoint.checkpointer import Checkpointer
@@ -139,7 +142,21 @@ class Shutdown:
         end with the process, their temporary folders are removed by the next open, and
         the newest earlier commit stays the one a restart restores.
 
+        ``deadline``: seconds, a real number (0 or less: it has passed; ``math.inf``:
+        none); NaN or a value that is not a number is refused before anything is saved
+        (InvalidOptionError, InvalidOptionTypeError).
+
         A save in flight's failure propagates. Cancellation: only the wait."""
+        if isinstance(deadline, bool) or not isinstance(deadline, (int, float)):
+            raise InvalidOptionTypeError(
+                f"final_checkpoint(deadline=...) must be a number of seconds, got {deadline!r} "
+                f"({type(deadline).__name__})"
+            )
+        if math.isnan(deadline):
+            raise InvalidOptionError(
+                "final_checkpoint(deadline=...) must be a number of seconds, got NaN (a deadline "
+                "computed from a missing value?); math.inf waits without one"
+            )
         t0 = time.monotonic()
         with anyio.move_on_after(deadline):
             await ckpt.wait()

@@ -6,8 +6,10 @@ messages (a save from another thread, a NaN deadline, a reader a commit waits fo
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -20,7 +22,7 @@ import anyio
 import pytest
 import torch
 
-from async_stager import Checkpointer, CheckpointError, Shutdown
+from async_stager import Checkpointer, CheckpointError, InvalidOptionError, InvalidOptionTypeError, Shutdown
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -409,3 +411,55 @@ async def test_a_commit_waiting_for_a_stopped_reader_says_so(anyio_backend: Any,
             await ckpt.wait()
         w = torch.zeros(2)
         assert await ckpt.restore({"w": w}) == 1 and w.tolist() == [2.0, 2.0]
+
+
+# -- calls made wrong -----------------------------------------------------------------------
+
+
+async def test_save_from_another_thread_says_how_to_reach_the_loop(
+    anyio_backend: Any, tmp_path: Path
+) -> None:
+    async with Checkpointer(tmp_path) as ckpt:
+        state = {"w": torch.ones(2)}
+        errors: list[BaseException] = []
+
+        def in_thread() -> None:
+            for call in (
+                lambda: ckpt.save(state, step=1),
+                ckpt.fence,
+                ckpt.request_save,
+            ):
+                try:
+                    call()
+                except BaseException as exc:  # noqa: BLE001 - kept for the assertions
+                    errors.append(exc)
+
+        await anyio.to_thread.run_sync(in_thread)
+        assert len(errors) == 3 and all(isinstance(e, CheckpointError) for e in errors), errors
+        assert "save() must run on the event loop" in str(errors[0])
+        assert "anyio.from_thread.run(functools.partial(ckpt.save" in str(errors[0])
+        assert str(errors[1]).startswith("fence() must run") and str(errors[2]).startswith("request_save()")
+        assert ckpt.in_flight() == []  # nothing accepted; the Checkpointer stays usable
+
+        # What the message says works (a thread of anyio's: no token needed).
+        def through_the_loop() -> None:
+            anyio.from_thread.run(functools.partial(ckpt.save, state, step=1))
+
+        await anyio.to_thread.run_sync(through_the_loop)
+        await ckpt.wait()
+        assert ckpt.steps() == [1]
+
+
+@pytest.mark.parametrize(
+    ("deadline", "error"),
+    [(math.nan, InvalidOptionError), ("5", InvalidOptionTypeError), (None, InvalidOptionTypeError)],
+)
+async def test_final_checkpoint_refuses_a_deadline_that_is_not_a_number(
+    anyio_backend: Any, tmp_path: Path, deadline: Any, error: type[Exception]
+) -> None:
+    async with Checkpointer(tmp_path) as ckpt, Shutdown() as stop:
+        with pytest.raises(error, match=r"final_checkpoint\(deadline=\.\.\.\) must be a number"):
+            await stop.final_checkpoint(ckpt, {"w": torch.ones(2)}, step=1, deadline=deadline)
+        assert ckpt.in_flight() == [] and ckpt.steps() == []  # nothing saved
+        assert await stop.final_checkpoint(ckpt, {"w": torch.ones(2)}, step=1, deadline=math.inf) == 0
+        assert ckpt.steps() == [1]
