@@ -26,6 +26,7 @@ __all__ = [
     "IntegrityError",
     "InvalidOptionError",
     "InvalidOptionTypeError",
+    "InvalidStateDictError",
     "NestingError",
     "NodeBudgetError",
     "PinningError",
@@ -176,6 +177,14 @@ class AcceleratorRequiredError(UnsupportedError, AssertionError):
 class UncopyableObjectError(StagingError):
     """A non-tensor object in the state dict that cannot be copied (its reduce or copy
     raised); the original exception is the cause."""
+
+
+class InvalidStateDictError(StagingError, TypeError):
+    """What was given to stage is not a state dict (also a TypeError): a plain value
+    with nothing to stage at its top (None, a number, a string), a torch.nn.Module or
+    optimizer inside it (its ``state_dict()`` is the state), or, for ``dcp.save``,
+    anything but a dict. ``path`` names where; nothing was staged, and the stager stays
+    usable."""
 
 
 class NestingError(UncopyableObjectError):

@@ -53,7 +53,10 @@ def is_stateful(value: Any) -> bool:
 def resolve(state: dict[str, Any]) -> dict[str, Any]:
     """What DCP does with a Stateful top-level value: call its ``state_dict()`` now."""
     if not isinstance(state, dict):
-        raise CheckpointError(f"state must be a dict of str keys, got {type(state).__name__}")
+        raise CheckpointError(
+            f"state must be a dict of str keys, got {type(state).__name__}"
+            + (" (pass {'model': model}: its state_dict() is saved)" if is_stateful(state) else "")
+        )
     return {k: v.state_dict() if is_stateful(v) else v for k, v in state.items()}
 
 

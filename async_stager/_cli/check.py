@@ -114,7 +114,8 @@ def add_check_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="will a checkpoint of this size fit this machine's limits? (pre-flight)",
         description="Compare what staging a checkpoint needs (host, pinned and shared memory, "
         "descriptors) with this process's limits (MemAvailable, the memory cgroup, RLIMIT_MEMLOCK, "
-        "/dev/shm, RLIMIT_FSIZE, RLIMIT_NOFILE). Exit status 0: it fits; 1: it does not.",
+        "/dev/shm, RLIMIT_FSIZE, RLIMIT_NOFILE). Exit status 0: it fits; 1: it does not; 2: a "
+        "usage error (a bad or missing option, an unreadable size).",
     )
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument(

@@ -43,6 +43,7 @@ from async_stager._core.aio.waiting import wait_future, wait_future_uninterrupte
 from async_stager._core.copy.device import caller_cuda_device, graph_capture_error
 from async_stager._core.memory.arena import Pinner
 from async_stager._core.memory.ring import ALIGN, padded
+from async_stager._core.walk.objects import stateful_object_error
 from async_stager._dcp.budget import BudgetStats, Pipeline
 from async_stager._dcp.streaming import PipelinePlanner, PipelineWriter
 from async_stager.errors import (
@@ -201,6 +202,11 @@ class _Survey:
                     )
                 self.ring_bytes += n
                 continue
+            refused = stateful_object_error(v)
+            if refused is not None:
+                # As a stage refuses it: no loader takes a pickled module or optimizer.
+                refused.path = where
+                raise refused
             if isinstance(v, torch.Generator):
                 # Its state as of the call: training advances it right after (a
                 # dropout), and torch.save would read it when serialized.

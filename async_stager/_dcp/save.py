@@ -34,7 +34,7 @@ from async_stager._core.aio.threads import run_in_thread
 from async_stager._core.copy.device import caller_cuda_device
 from async_stager._dcp.blocking import _save_blocking as _save_blocking  # patched by tests
 from async_stager._dcp.budget import BudgetStats
-from async_stager.errors import InvalidOptionError, InvalidOptionTypeError
+from async_stager.errors import InvalidOptionError, InvalidOptionTypeError, InvalidStateDictError
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -127,7 +127,11 @@ def save(
     no longer waits for the save, and the cancellation is raised once DCP's thread has
     returned. docs/concepts.md has the pipeline.
 
-    Raises ClosedError (at the call) if the stager is closed.
+    Raises ClosedError (at the call) if the stager is closed, and InvalidStateDictError
+    (at the call) for a ``state_dict`` that is not a dict (as DCP's ``save`` takes), or
+    that holds a module or optimizer below its top level. A top-level value with
+    ``state_dict()`` (a module, an optimizer, a Stateful) is DCP's Stateful: its
+    ``state_dict()`` is what is saved (called at the call, before staging).
 
     ``node_budget_bytes=N`` (or ``node_ledger``, an open ``NodeLedger`` the caller owns):
     the save runs in the budgeted pipeline (``host_budget_bytes``, which defaults to
@@ -155,6 +159,7 @@ def save(
                 else ""
             )
         )
+    state_dict = _resolve_top_level(state_dict)
     if node_ledger is not None and node_budget_bytes not in (None, node_ledger.budget):
         raise InvalidOptionError(
             f"node_budget_bytes={node_budget_bytes} differs from the budget of the node ledger given "
@@ -214,6 +219,38 @@ def save(
     )
     weakref.finalize(coro, _abandon_unstarted, leasing, started)
     return coro
+
+
+def _resolve_top_level(state_dict: Any) -> Any:
+    """DCP's rule at the call: a dict, whose top-level Statefuls (anything with
+    ``state_dict`` and ``load_state_dict`` but a tensor) are their ``state_dict()``,
+    called now, as DCP's ``save`` and ``async_save`` do before staging (the stager
+    refuses a module or optimizer object: ``stateful_object_error``)."""
+    from collections.abc import Mapping
+
+    import torch
+
+    if not isinstance(state_dict, Mapping):
+        raise InvalidStateDictError(
+            f"dcp.save takes a state dict (a dict, as DCP's save does), got {type(state_dict).__name__}"
+            + (
+                " (pass {'model': model}: its state_dict() is saved)"
+                if hasattr(state_dict, "state_dict")
+                else ""
+            ),
+            path=(),
+        )
+
+    def stateful(v: Any) -> bool:
+        return (
+            not isinstance(v, torch.Tensor)
+            and callable(getattr(v, "state_dict", None))
+            and callable(getattr(v, "load_state_dict", None))
+        )
+
+    if not any(map(stateful, state_dict.values())):
+        return state_dict
+    return {k: v.state_dict() if stateful(v) else v for k, v in state_dict.items()}
 
 
 def _abandon_unstarted(leasing: Coroutine[Any, Any, Any], started: list[bool]) -> None:

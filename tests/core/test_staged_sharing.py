@@ -134,3 +134,22 @@ async def test_a_moved_tensor_does_not_keep_trim_from_returning_the_memory(anyio
         assert torch.equal(moved, torch.full((256,), 2.0))
         again = await stager.stage(sd)
         assert all(torch.equal(again[k], sd[k]) for k in sd)
+
+
+@pytest.mark.parametrize("share_memory", [False, True])
+async def test_the_rest_of_a_result_stays_protected_after_one_tensor_moved(
+    share_memory: bool, anyio_backend: Any
+) -> None:
+    sd = state()
+    async with Stager(share_memory=share_memory, max_buffer_sets=2) as stager:
+        staged = await stager.stage(sd)
+        staged["w1"].share_memory_()
+        kept = {k: v.clone() for k, v in staged.items()}
+        for _ in range(3):
+            for v in sd.values():
+                v.add_(1)
+            again = await stager.stage(sd)  # never into the set `staged` still lives in
+            assert all(torch.equal(again[k], sd[k]) for k in sd)
+            assert all(torch.equal(staged[k], kept[k]) for k in kept)
+            del again
+        assert stager.buffer_sets == 2

@@ -43,7 +43,7 @@ from async_stager._core.plan.reuse import plan_holds, take_over
 from async_stager._core.run.enqueue import diagnose_copy_error, enqueue, no_torch_function
 from async_stager._core.run.interp import gc_paused, gil_interval
 from async_stager._core.run.lanes import Lanes
-from async_stager._core.walk.objects import GeneratorStates, generator_states
+from async_stager._core.walk.objects import GeneratorStates, check_state_dict, generator_states
 from async_stager._core.walk.tree import Interrupt, Walk, tensorless_copy
 from async_stager.errors import ClosedError, InvalidOptionError, StagingError
 
@@ -208,9 +208,12 @@ class Engine:
         of torch's default generators (``generator_states``): a generator advances on
         the host, unordered by any stream, so it is read now, not when the worker walks.
 
-        Raises UnsupportedError if one of those streams is capturing a CUDA graph."""
+        Raises UnsupportedError if one of those streams is capturing a CUDA graph, and
+        InvalidStateDictError for an ``sd`` that is not a state dict (``check_state_dict``)."""
         if self.closed:
             raise ClosedError("the stager is closed")
+        if sd is not _NO_STATE:
+            check_state_dict(sd)
         devices = dict.fromkeys(self.backend.known_devices())
         devices.update(dict.fromkeys(d for d in list(self._copiers) if d.type != "cpu"))
         # Checked before anything is made or recorded on a device (a capturing stream

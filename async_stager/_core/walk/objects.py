@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from async_stager.errors import Attr, Nth, StagingError, UncopyableObjectError
+from async_stager.errors import Attr, InvalidStateDictError, Nth, StagingError, UncopyableObjectError
 
 __all__ = [
     "ATOMIC",
@@ -31,8 +31,10 @@ __all__ = [
     "GeneratorStates",
     "Interrupt",
     "ObjectWalk",
+    "check_state_dict",
     "generator_states",
     "key_step",
+    "stateful_object_error",
 ]
 
 _Tensor = torch.Tensor
@@ -141,6 +143,46 @@ def generator_states(sd: Any) -> dict[int, tuple[torch.Generator, Any]]:
     return out
 
 
+#: What holds state but is not a state dict: its ``state_dict()`` is.
+_STATEFUL_OBJECTS: tuple[tuple[type, str], ...] = (
+    (torch.nn.Module, "torch.nn.Module"),
+    (torch.optim.Optimizer, "torch.optim.Optimizer"),
+)
+
+
+def stateful_object_error(obj: Any) -> InvalidStateDictError | None:
+    """The error (path ``()``) for a module or optimizer met where a state dict's
+    values go; None for anything else. Walked, one would be staged as a copy of the
+    whole object (its hooks, its parameters' graph), which no loader takes; calling its
+    ``state_dict()`` from the stager's thread would run the caller's hooks (FSDP's
+    collectives) there."""
+    for cls, name in _STATEFUL_OBJECTS:
+        if isinstance(obj, cls):
+            return InvalidStateDictError(
+                f"a {name} ({type(obj).__name__}) is not a state dict: stage its state_dict() "
+                "(Checkpointer.save and async_stager.dcp.save call state_dict() of a "
+                "top-level value themselves)",
+                path=(),
+            )
+    return None
+
+
+def check_state_dict(sd: Any) -> None:
+    """Refuse, at the call, a top level that is not a state dict: a plain value with
+    nothing to stage (None, a number, a string: ``ATOMIC``), or a module or optimizer.
+    Anything that may hold a tensor (a dict, list, tuple, dataclass, a tensor itself,
+    another object) is staged."""
+    if type(sd) in ATOMIC:
+        raise InvalidStateDictError(
+            f"stage() takes a state dict (a dict, list, tuple, dataclass or tensor), got "
+            f"{type(sd).__name__} {sd!r:.60}: nothing to stage",
+            path=(),
+        )
+    refused = stateful_object_error(sd)
+    if refused is not None:
+        raise refused
+
+
 class Interrupt(Exception):
     """Base of the engine's control-flow exceptions raised from ``tick`` (a
     cancellation): the walk lets them through untouched, never wraps them."""
@@ -172,6 +214,9 @@ class ObjectWalk:
     def _other(self, obj: Any) -> Any:
         if isinstance(obj, _Tensor):
             return self._tensor(obj)
+        refused = stateful_object_error(obj)
+        if refused is not None:
+            raise refused
         cls = type(obj)
         if isinstance(obj, tuple) and hasattr(cls, "_fields") and hasattr(cls, "_make"):
             return self._tuple(obj)  # namedtuple
