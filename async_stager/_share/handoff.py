@@ -220,6 +220,10 @@ class _Exporter(pickle.Pickler):
         Parameter subclass whose reduction is Parameter's own (which rebuilds a plain
         Parameter). Everything else: NotImplemented (pickled as usual)."""
         cls = type(obj)
+        if cls is torch.Generator:
+            # Its state is a small tensor made by its reduction (in no arena): by value.
+            seed, offset, state = obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)[2]
+            return (_rebuild_generator, (str(obj.device), seed, offset, state.numpy().tobytes()))
         if cls is torch.Tensor or cls is torch.nn.Parameter:
             sub = None
             index = self._tensor_ref(obj, obj.requires_grad, cls is torch.nn.Parameter)
@@ -245,6 +249,12 @@ class _Exporter(pickle.Pickler):
             None,
             _set_tensor_state,
         )
+
+
+def _rebuild_generator(device: str, seed: Any, offset: Any, state: bytes) -> torch.Generator:
+    g = torch.Generator(device)
+    g.__setstate__((seed, offset, torch.frombuffer(bytearray(state), dtype=torch.uint8)))
+    return g
 
 
 class _Ref:
@@ -285,7 +295,7 @@ def export_shared(staged: Any, stager: Any) -> SharedHandle:
     pickling) are sent as references, with their lazy conjugate/negative bits, Python
     attributes and class; other tensor subclasses are pickled by their own protocol,
     with their inner storages sent as references.
-    Non-tensor values are pickled by value.
+    Non-tensor values are pickled by value, a ``torch.Generator``'s state too.
     """
     arenas = _shared_arenas(stager)
     buf = io.BytesIO()

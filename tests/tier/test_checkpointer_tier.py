@@ -255,3 +255,31 @@ async def test_fence_covers_memory_snapshots(tmp_path: Path) -> None:
             got = {"t": torch.zeros(1 << 20)}
             assert await ckpt.restore(got, step=1) == 1
             assert bool((got["t"] == 1.0).all())
+
+
+async def test_deferred_wait_snapshot_point_is_the_call(tmp_path: Path) -> None:
+    """A ``"wait"`` memory save behind one still committing stages later, but its
+    snapshot point is the call: a generator drawn from right after the call is saved
+    as it was at the call (as the Checkpointer's deferred disk saves do)."""
+
+    async def run(coro: Any) -> None:
+        await coro
+
+    with short_base() as base:
+        async with (
+            agent_on_loop(base),
+            Checkpointer(tmp_path, agent=AgentClient("ck", base=base), persist_every=100) as ckpt,
+        ):
+            gen = torch.Generator().manual_seed(7)
+            state: dict[str, Any] = {"t": torch.zeros(1 << 20), "rng": gen}
+            assert await ckpt.save(state, step=1)  # its commit is in flight: step 2 waits
+            assert [p.phase for p in ckpt.in_flight()] == ["memory-committing"]
+            at_call = gen.get_state().clone()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run, ckpt.save(state, step=2))
+                torch.randn(100, generator=gen)  # training goes on, drawing numbers
+                await ckpt.fence()
+            await ckpt.wait()
+            got = {"t": torch.zeros(1 << 20), "rng": torch.Generator()}
+            assert await ckpt.restore(got) == 2
+            assert torch.equal(got["rng"].get_state(), at_call)
