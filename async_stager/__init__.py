@@ -28,7 +28,7 @@ from async_stager._share.handoff import (
     attach_shared as attach_shared,
     export_shared as export_shared,
 )
-from async_stager._tier.client import AgentClient
+from async_stager._tier.client import AgentClient, AgentStatus, SnapshotInfo
 from async_stager._tier.stats import MemoryStats
 from async_stager.errors import (
     AcceleratorRequiredError as AcceleratorRequiredError,
@@ -86,10 +86,11 @@ __all__ = [
 ]
 
 #: Importable from here as before, not advertised: the rest of the error hierarchy
-#: (``async_stager.errors``), the writer-process handoff (``async_stager.share``), and
-#: the options records and polling knob.
+#: (``async_stager.errors``), the writer-process handoff (``async_stager.share``), the
+#: options records and polling knob, and what ``AgentClient`` answers (for annotations).
 _COMPAT = [
     "AcceleratorRequiredError",
+    "AgentStatus",
     "AttachedStateDict",
     "Backoff",
     "BudgetTooSmallError",
@@ -103,6 +104,7 @@ _COMPAT = [
     "PinningError",
     "SharedArenaRef",
     "SharedHandle",
+    "SnapshotInfo",
     "StagerOptions",
     "UncopyableObjectError",
     "UnsupportedError",
