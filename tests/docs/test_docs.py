@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ["quickstart.md", "recipes.md", "migration.md", "troubleshooting.md"]
-REFERENCE = ["concepts.md", "api.md", "benchmarks.md", "reliability.md", "../README.md"]
+REFERENCE = ["concepts.md", "api.md", "benchmarks.md", "reliability.md", "object_storage.md", "../README.md"]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 pytestmark = [
