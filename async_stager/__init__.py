@@ -28,7 +28,7 @@ from async_stager._share.handoff import (
     attach_shared as attach_shared,
     export_shared as export_shared,
 )
-from async_stager._tier.client import AgentClient, AgentStatus, SnapshotInfo
+from async_stager._tier.client import AgentClient, AgentStatus as AgentStatus, SnapshotInfo as SnapshotInfo
 from async_stager._tier.stats import MemoryStats
 from async_stager.errors import (
     AcceleratorRequiredError as AcceleratorRequiredError,
