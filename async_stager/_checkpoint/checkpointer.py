@@ -32,7 +32,7 @@ from async_stager._checkpoint import (
     session as _session,
     tiered as _tiered,
 )
-from async_stager._checkpoint.exiting import exit_fast_if_abandoned
+from async_stager._checkpoint.exiting import close_by, exit_fast_if_abandoned
 from async_stager._checkpoint.formats import format_for
 from async_stager._checkpoint.item import SaveItem
 from async_stager._checkpoint.node_budget import CreditLedger, check_largest
@@ -330,7 +330,18 @@ class Checkpointer:
                 # An abandoned write's thread may still read the staged buffers: they
                 # stay mapped until the process exits.
                 if self._own_stager and self._stager is not None and not abandoned:
-                    await self._stager.aclose()
+                    if self._leave_at is None:
+                        await self._stager.aclose()
+                    elif not await close_by(self._stager.close, self._leave_at, name="async-stager-close"):
+                        # Past a missed deadline, a stage still running (a value slow to
+                        # copy, its save given up) is not waited for either.
+                        abandoned = True
+                        exit_fast_if_abandoned(self._exit_code)
+                        _log.warning(
+                            "left the Checkpointer at the shutdown deadline: a snapshot still being taken "
+                            "in the stager's thread (a value slow to copy; its save was given up, nothing "
+                            "of it is saved) was abandoned; its host memory stays until the process exits"
+                        )
                     self._stager = None
                 if self._ledger is not None and not abandoned:
                     # After the stager (its arenas' bytes go back as they are unmapped).
@@ -367,10 +378,17 @@ class Checkpointer:
         """The exit deadline passed: stop waiting for the saves in flight. Their
         threads go on until the process exits; their folders are left for the next
         open to remove (their writer lock is released when this Checkpointer closes)."""
+        what = ", ".join(f"step {p.step} ({p.phase})" for p in self.in_flight()) or "nothing"
         if self._saves.items:
             exit_fast_if_abandoned(self._exit_code)
         self._saves.abandon()
-        _log.warning("left the Checkpointer with saves unfinished (a shutdown deadline passed)")
+        newest = f"step {self.last.step}" if self.last is not None else "the newest earlier commit"
+        _log.warning(
+            "left the Checkpointer at the shutdown deadline: abandoned %s (nothing more is committed; "
+            "%s stays the one a restart restores)",
+            what,
+            newest,
+        )
 
     @property
     def stager(self) -> Stager:

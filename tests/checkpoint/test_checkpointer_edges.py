@@ -15,6 +15,8 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -463,3 +465,47 @@ async def test_final_checkpoint_refuses_a_deadline_that_is_not_a_number(
         assert ckpt.in_flight() == [] and ckpt.steps() == []  # nothing saved
         assert await stop.final_checkpoint(ckpt, {"w": torch.ones(2)}, step=1, deadline=math.inf) == 0
         assert ckpt.steps() == [1]
+
+
+# -- leaving after a missed deadline --------------------------------------------------------
+
+
+class SlowToCopy:
+    """A value the stager copies in its thread (by its reduction), slowly: until
+    ``gate`` is set (or 60 s)."""
+
+    gate: threading.Event | None = None
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        if SlowToCopy.gate is not None and threading.current_thread() is not threading.main_thread():
+            SlowToCopy.gate.wait(60)
+        return (SlowToCopy, ())
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_leaving_after_a_missed_deadline_does_not_wait_for_a_snapshot_being_taken(
+    anyio_backend: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``final_checkpoint`` misses its deadline while the stager copies a slow value:
+    leaving ``async with Checkpointer(...), Shutdown()`` does not wait for that copy
+    (it waited until it ended: 4 s past a 0.5 s deadline), and says what it left."""
+    SlowToCopy.gate = threading.Event()
+    try:
+        with caplog.at_level(logging.WARNING, logger="async_stager.checkpoint"):
+            async with Checkpointer(tmp_path) as ckpt, Shutdown() as stop:
+                await ckpt.save({"w": torch.ones(2)}, step=1)
+                await ckpt.wait()
+                stop.request()
+                state = {"w": torch.ones(2), "slow": SlowToCopy()}
+                assert await stop.final_checkpoint(ckpt, state, step=2, deadline=0.5) == 1
+                t0 = time.monotonic()
+            left = time.monotonic() - t0
+        # A hang guard: a block that waited for the copy would take its 60 s.
+        assert left < 30, f"leaving the block took {left:.1f} s (the slow copy's)"
+        assert ckpt.steps() == [1]
+        assert any("snapshot still being taken" in r.message for r in caplog.records)
+    finally:
+        SlowToCopy.gate.set()
+        SlowToCopy.gate = None
+    async with Checkpointer(tmp_path) as ckpt:  # the folder is usable; step 1 the newest
+        assert await ckpt.restore({"w": torch.zeros(2)}) == 1
