@@ -18,6 +18,7 @@ run before the caller sees the cancellation; an object is then whole or absent.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
@@ -44,6 +45,7 @@ class IOLoop:
         self._thread: threading.Thread | None = None
         self._stopped: Future[None] | None = None
         self._closed = False
+        self._pid = os.getpid()
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -53,6 +55,15 @@ class IOLoop:
         with self._lock:
             if self._closed:
                 raise StoreError(f"{self._name}: the store is closed", key=self._name, reason="closed")
+            if self._pid != os.getpid():
+                # Hazard: a forked child has a copy of the loop but not its thread; a
+                # request sent there would wait for ever.
+                raise StoreError(
+                    f"{self._name}: a store opened before a fork cannot be used in the child: "
+                    "open one in the child",
+                    key=self._name,
+                    reason="closed",
+                )
             if self._loop is not None:
                 return self._loop
             loop = asyncio.new_event_loop()

@@ -37,7 +37,7 @@ async def test_a_large_object_within_its_budget(bucket: str, moto_port: int) -> 
             tracemalloc.stop()
         print(f"\n512 MiB in 16 MiB parts, budget 64 MiB: peak Python memory {(peak - before) / MiB:.1f} MiB")
         assert store.budget.peak <= 64 * MiB
-        assert peak - before <= 2 * 64 * MiB + 4 * MiB
+        assert peak - before <= 2 * 64 * MiB + 8 * MiB  # see test_store_budget.py
         out = np.empty_like(data)
         await store.get_into("big", out)
         assert np.array_equal(out, data)
