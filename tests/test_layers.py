@@ -1,6 +1,6 @@
 """The package's layers and the one direction of their imports (issue 23).
 
-``async_stager`` is ``errors`` -> ``_core`` (the staging pipeline) -> ``_share`` ->
+``async_stager`` is ``errors`` -> ``_core`` (the staging pipeline) -> ``_share`` -> ``_store`` ->
 ``_dcp`` -> ``_checkpoint`` -> ``_cli``, with thin public modules on top
 (``__init__``, ``dcp``, ``share``, ``testing``). A module imports only from its own
 layer or the layers before it; ``_core`` never imports ``torch.distributed``. Checked
