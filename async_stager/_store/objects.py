@@ -33,9 +33,23 @@ MIN_PART = 5 * MiB
 MAX_PART = 5 << 30
 
 
+def _tensor_bytes(t: Any, what: str) -> Any:
+    """A CPU tensor's bytes as a NumPy uint8 array sharing its memory (any dtype, bf16
+    included, which NumPy has no type for)."""
+    import torch
+
+    if t.device.type != "cpu":
+        raise InvalidOptionError(f"{what}: a tensor on {t.device} (stage it to host memory first)")
+    if not t.is_contiguous():
+        raise InvalidOptionError(f"{what}: the tensor is not contiguous (give a contiguous copy)")
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+
 def as_view(data: Any, *, writable: bool = False, what: str = "data") -> memoryview:
     """A flat byte view of a buffer (bytes, bytearray, memoryview, a NumPy array, a CPU
-    tensor's ``numpy()``), without copying it."""
+    tensor of any dtype), without copying it."""
+    if type(data).__module__.startswith("torch") and hasattr(data, "untyped_storage"):
+        data = _tensor_bytes(data, what)
     try:
         view = memoryview(data)
     except TypeError:

@@ -145,7 +145,7 @@ class Store:
 
     async def get_into(self, key: str, dest: Any, *, offset: int = 0) -> int:
         """Read ``len(dest)`` bytes of ``key`` from ``offset`` into ``dest`` (a writable
-        buffer: a bytearray, a tensor's ``numpy()``), in parallel ranged reads."""
+        buffer: a bytearray, a NumPy array, a contiguous CPU tensor), in parallel ranged reads."""
         return await self._io.run(self._get_into(key, dest, offset))
 
     async def get(self, key: str, *, offset: int = 0, length: int | None = None) -> bytearray:

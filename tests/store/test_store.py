@@ -240,3 +240,21 @@ def test_a_store_from_before_a_fork_is_refused_in_the_child(tmp_path: Path) -> N
     assert os.waitstatus_to_exitcode(status) == 0
     assert store.blocking.get("x") == b"1"
     store.blocking.close()
+
+
+async def test_tensors_of_any_dtype_are_buffers(store_url: str) -> None:
+    import torch
+
+    src = torch.randn(1000, 3).to(torch.bfloat16)  # NumPy has no bf16: bytes are read as such
+    async with open_store(store_url, SMALL) as store:
+        await store.put("t", [src, torch.arange(5)])
+        out = torch.empty_like(src)
+        await store.get_into("t", out)  # straight into the tensor's memory
+        assert torch.equal(out, src)
+        tail = torch.empty(5, dtype=torch.int64)
+        await store.get_into("t", tail, offset=src.numel() * 2)
+        assert torch.equal(tail, torch.arange(5))
+        with pytest.raises(InvalidOptionError, match="not contiguous"):
+            await store.put("t2", src.t())
+        with pytest.raises(InvalidOptionError, match="meta"):
+            await store.put("t3", torch.empty(3, device="meta"))
