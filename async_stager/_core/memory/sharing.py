@@ -103,11 +103,14 @@ def _move(orig: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(orig)
     def share_cpu(self: torch.UntypedStorage, *args: Any, **kwargs: Any) -> Any:
         ours = _in_any_arena(self)
+        # Counted before and after the move: a buffer set that looked between the first
+        # count and the swap (and found nothing) looks again after the second. Also
+        # when torch raised part way: a look that finds nothing moved costs one scan.
+        if ours:
+            _bump()
         try:
             return orig(self, *args, **kwargs)
         finally:
-            # Counted even if torch raised part way: a buffer set rechecks its blocks,
-            # which costs one scan when nothing moved.
             if ours:
                 _bump()
 
