@@ -223,8 +223,8 @@ class Checkpointer:
     @property
     def dropped(self) -> list[int]:
         """Steps not written: skipped (``"skip"``) or superseded (``"coalesce"``); with
-        an agent, also memory snapshots skipped (``"skip"``) or not taken while the
-        agent was away."""
+        an agent, also memory-only steps (not ``persist_every`` ones) not taken:
+        skipped (``"skip"``) or the agent away."""
         if self._tier is not None:
             return self._saves.dropped + self._tier.dropped
         return self._saves.dropped
