@@ -19,7 +19,7 @@ from async_stager._store.budget import ByteBudget
 from async_stager._store.objects import ObjectInfo, Payload, TransferOptions, UploadInfo
 from async_stager.errors import StoreError
 
-__all__ = ["Backend", "Progress", "check_key"]
+__all__ = ["Backend", "BackendWriter", "Progress", "check_key"]
 
 #: Called with the bytes of each part (or whole object) once the store acknowledged it.
 Progress = Callable[[int], None]
@@ -42,6 +42,23 @@ def check_key(key: str, root: str) -> str:
     return key
 
 
+class BackendWriter(ABC):
+    """One object written as a stream (``Store.open_writer``), on the I/O loop: each
+    ``write`` copies its bytes into the current part once the budget has room for it
+    (so the caller may reuse its buffer as soon as ``write`` returns); ``close`` makes
+    the object appear, whole; ``abort`` leaves nothing."""
+
+    @abstractmethod
+    async def write(self, view: memoryview) -> None: ...
+
+    @abstractmethod
+    async def close(self) -> ObjectInfo: ...
+
+    @abstractmethod
+    async def abort(self) -> None:
+        """Idempotent; frees whatever the writer held (parts, budget, a hidden file)."""
+
+
 class Backend(ABC):
     """One store's operations; each names the object in its ``StoreError``."""
 
@@ -58,6 +75,12 @@ class Backend(ABC):
     ) -> ObjectInfo:
         """Store ``payload`` as ``key``; the object appears whole or not at all (a
         multipart upload is completed last, or aborted on failure and cancellation)."""
+
+    @abstractmethod
+    def open_writer(
+        self, key: str, budget: ByteBudget, progress: Progress | None, size_hint: int | None
+    ) -> BackendWriter:
+        """A writer for ``key``; nothing is sent before its first ``write``."""
 
     @abstractmethod
     async def put_record(self, key: str, data: bytes, if_absent: bool) -> ObjectInfo:

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
-from async_stager._store.backend import Backend, Progress
+from async_stager._store.backend import Backend, BackendWriter, Progress
 from async_stager._store.budget import ByteBudget
 from async_stager._store.objects import ObjectInfo, Payload, TransferOptions, UploadInfo
 from async_stager._store.retry import Failure, store_error
@@ -138,6 +138,11 @@ class FolderBackend(Backend):
         finally:
             os.close(fd)
         return self._info(key, st)
+
+    def open_writer(
+        self, key: str, budget: ByteBudget, progress: Progress | None, size_hint: int | None
+    ) -> BackendWriter:
+        return FolderWriter(self, key, progress)
 
     async def put_record(self, key: str, data: bytes, if_absent: bool) -> ObjectInfo:
         final, temp = self._file(key), self._temp(key)
@@ -290,3 +295,68 @@ class FolderBackend(Backend):
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)  # at close nothing else runs on this loop
+
+
+class FolderWriter(BackendWriter):
+    """A file written as a stream: to its hidden upload file, renamed over its name at
+    ``close`` (fsynced first); ``abort`` removes the hidden file."""
+
+    def __init__(self, backend: FolderBackend, key: str, progress: Progress | None) -> None:
+        self.backend, self.key, self.progress = backend, key, progress
+        self.final, self.temp = backend._file(key), backend._temp(key)
+        self.fd: int | None = None
+        self.done = False
+
+    async def _open(self) -> int:
+        if self.done:
+            url = self.backend.url(self.key)
+            raise StoreError(f"writing {url}: the writer is closed", key=url, reason="closed")
+        if self.fd is None:
+
+            def open_temp() -> int:
+                self.final.parent.mkdir(parents=True, exist_ok=True)
+                return os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+
+            self.fd = await self.backend._do("writing", self.key, open_temp)
+        return self.fd
+
+    async def write(self, view: memoryview) -> None:
+        fd = await self._open()
+        step = self.backend.options.part_size
+        for start in range(0, view.nbytes, step):
+            piece = view[start : start + step]
+
+            def write(piece: memoryview = piece) -> None:
+                while piece.nbytes:
+                    piece = piece[os.write(fd, piece) :]
+
+            await self.backend._do("writing", self.key, write)
+            if self.progress is not None:
+                self.progress(piece.nbytes)
+
+    async def close(self) -> ObjectInfo:
+        fd = await self._open()
+        final = self.final
+
+        def finish() -> os.stat_result:
+            os.fsync(fd)
+            os.replace(self.temp, final)
+            _fsync_dir(final.parent)
+            return os.stat(final)
+
+        try:
+            st = await self.backend._do("writing", self.key, finish)
+        except BaseException:
+            await self.abort()
+            raise
+        self.done = True
+        self.fd = None
+        os.close(fd)
+        return self.backend._info(self.key, st)
+
+    async def abort(self) -> None:
+        self.done = True
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+            await self.backend._run(lambda: self.temp.unlink(missing_ok=True))

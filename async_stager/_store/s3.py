@@ -24,11 +24,12 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from async_stager._store import s3_transfer
-from async_stager._store.backend import Backend, Progress
+from async_stager._store.backend import Backend, BackendWriter, Progress
 from async_stager._store.budget import ByteBudget
 from async_stager._store.objects import ObjectInfo, Payload, TransferOptions, UploadInfo
 from async_stager._store.retry import retrying, store_error
 from async_stager._store.s3_errors import classify, error_code
+from async_stager._store.s3_writer import S3Writer
 from async_stager.errors import StoreError, UnsupportedError
 
 __all__ = ["S3Backend", "s3_available"]
@@ -139,6 +140,11 @@ class S3Backend(Backend):
         if progress is not None:
             progress(payload.size)
         return ObjectInfo(key, payload.size, str(response.get("ETag", "")))
+
+    def open_writer(
+        self, key: str, budget: ByteBudget, progress: Progress | None, size_hint: int | None
+    ) -> BackendWriter:
+        return S3Writer(self, key, budget, progress, size_hint)
 
     async def put_record(self, key: str, data: bytes, if_absent: bool) -> ObjectInfo:
         """One PUT (atomic on S3: readers see the old object, none, or the whole new

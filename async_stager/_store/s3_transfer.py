@@ -25,7 +25,16 @@ from async_stager._store.objects import ObjectInfo, Payload, TransferOptions, pa
 from async_stager._store.parallel import run_workers
 from async_stager._store.s3_errors import ShortObjectError, TruncatedBodyError, error_code
 
-__all__ = ["S3Target", "composite_etag", "get_into", "put_multipart"]
+__all__ = [
+    "S3Target",
+    "abort_upload",
+    "complete_upload",
+    "composite_etag",
+    "get_into",
+    "put_multipart",
+    "start_upload",
+    "upload_part",
+]
 
 T = TypeVar("T")
 
@@ -42,6 +51,8 @@ class S3Target(Protocol):
     options: TransferOptions
 
     def full(self, key: str) -> str: ...
+
+    def url(self, key: str) -> str: ...
 
     async def client(self) -> Any: ...
 
@@ -64,18 +75,63 @@ async def _upload_part(c: Any, *, bucket: str, key: str, upload_id: str, number:
     )
 
 
-async def put_multipart(
-    b: S3Target, key: str, payload: Payload, budget: ByteBudget, progress: Progress | None
-) -> ObjectInfo:
+async def start_upload(b: S3Target, key: str) -> str:
+    """CreateMultipartUpload (retried); the upload's id."""
     full = b.full(key)
-    part = part_size_for(payload.size, b.options.part_size)
-    spans = ranges(payload.size, part)
     created = await b.call(
         "starting the upload of",
         key,
         lambda c: c.create_multipart_upload(Bucket=b.bucket, Key=full, ChecksumAlgorithm=CHECKSUM),
     )
-    upload_id = created["UploadId"]
+    return str(created["UploadId"])
+
+
+async def upload_part(
+    b: S3Target, key: str, upload_id: str, number: int, of: str, data: bytes
+) -> dict[str, Any]:
+    """UploadPart (retried); its entry for CompleteMultipartUpload."""
+    r = await b.call(
+        f"writing part {number}{of} of",
+        key,
+        functools.partial(
+            _upload_part, bucket=b.bucket, key=b.full(key), upload_id=upload_id, number=number, data=data
+        ),
+    )
+    entry = {"PartNumber": number, "ETag": r["ETag"]}
+    if f"Checksum{CHECKSUM}" in r:
+        entry[f"Checksum{CHECKSUM}"] = r[f"Checksum{CHECKSUM}"]
+    return entry
+
+
+async def complete_upload(b: S3Target, key: str, upload_id: str, parts: list[dict[str, Any]]) -> Any:
+    """CompleteMultipartUpload (retried): the object appears, whole. A retry whose first
+    try completed (its answer lost) finds the object with the ETag its parts give."""
+    full = b.full(key)
+    expected = composite_etag([p["ETag"] for p in parts])
+    tried = [0]
+
+    async def complete(c: Any) -> Any:
+        tried[0] += 1
+        try:
+            return await c.complete_multipart_upload(
+                Bucket=b.bucket, Key=full, UploadId=upload_id, MultipartUpload={"Parts": parts}
+            )
+        except Exception as exc:
+            if tried[0] > 1 and error_code(exc) in ("NoSuchUpload", "404"):
+                head = await c.head_object(Bucket=b.bucket, Key=full)
+                if expected is not None and head.get("ETag", "").strip('"') == expected:
+                    return head
+            raise
+
+    return await b.call("completing the upload of", key, complete)
+
+
+async def put_multipart(
+    b: S3Target, key: str, payload: Payload, budget: ByteBudget, progress: Progress | None
+) -> ObjectInfo:
+    part = part_size_for(payload.size, b.options.part_size)
+    spans = ranges(payload.size, part)
+    upload_id = await start_upload(b, key)
     done: list[dict[str, Any] | None] = [None] * len(spans)
     queue = iter(enumerate(spans))
 
@@ -85,21 +141,10 @@ async def put_multipart(
             try:
                 # Read (copied) only now that its bytes fit: the budget bounds what is held.
                 data = payload.read(offset, length)
-                number = index + 1
-                r = await b.call(
-                    f"writing part {number} of {len(spans)} of",
-                    key,
-                    functools.partial(
-                        _upload_part, bucket=b.bucket, key=full, upload_id=upload_id, number=number, data=data
-                    ),
-                )
+                done[index] = await upload_part(b, key, upload_id, index + 1, f" of {len(spans)}", data)
                 del data
             finally:
                 budget.release(length)
-            entry = {"PartNumber": index + 1, "ETag": r["ETag"]}
-            if f"Checksum{CHECKSUM}" in r:
-                entry[f"Checksum{CHECKSUM}"] = r[f"Checksum{CHECKSUM}"]
-            done[index] = entry
             if progress is not None:
                 progress(length)
 
@@ -107,36 +152,20 @@ async def put_multipart(
         await run_workers(min(b.options.concurrency, len(spans)), worker)
         parts = [p for p in done if p is not None]
         assert len(parts) == len(spans)
-        expected = composite_etag([p["ETag"] for p in parts])
-        tried = [0]
-
-        async def complete(c: Any) -> Any:
-            tried[0] += 1
-            try:
-                return await c.complete_multipart_upload(
-                    Bucket=b.bucket, Key=full, UploadId=upload_id, MultipartUpload={"Parts": parts}
-                )
-            except Exception as exc:
-                if tried[0] > 1 and error_code(exc) in ("NoSuchUpload", "404"):
-                    head = await c.head_object(Bucket=b.bucket, Key=full)
-                    if expected is not None and head.get("ETag", "").strip('"') == expected:
-                        return head
-                raise
-
-        r = await b.call("completing the upload of", key, complete)
+        r = await complete_upload(b, key, upload_id, parts)
     except BaseException:
-        await _abort(b, full, upload_id)
+        await abort_upload(b, key, upload_id)
         raise
     return ObjectInfo(key, payload.size, str(r.get("ETag", "")))
 
 
-async def _abort(b: S3Target, full: str, upload_id: str) -> None:
+async def abort_upload(b: S3Target, key: str, upload_id: str) -> None:
     """Best effort, bounded: a failed abort leaves an unfinished upload, which
     ``list_uploads`` shows and ``abort_uploads`` frees later."""
     try:
         client = await b.client()
         task = asyncio.ensure_future(
-            client.abort_multipart_upload(Bucket=b.bucket, Key=full, UploadId=upload_id)
+            client.abort_multipart_upload(Bucket=b.bucket, Key=b.full(key), UploadId=upload_id)
         )
         # shield: a second cancellation of this task must not cut the abort short.
         await asyncio.wait_for(asyncio.shield(task), b.options.abort_timeout)

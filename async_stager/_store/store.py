@@ -24,6 +24,7 @@ from async_stager._store.ioloop import IOLoop
 from async_stager._store.local import FolderBackend
 from async_stager._store.objects import ObjectInfo, Payload, TransferOptions, UploadInfo, as_view
 from async_stager._store.s3 import S3Backend
+from async_stager._store.writer import BlockingObjectWriter, ObjectWriter
 from async_stager.errors import InvalidOptionError, InvalidOptionTypeError, StoreError
 
 __all__ = ["BlockingStore", "Store", "open_store"]
@@ -67,6 +68,19 @@ class Store:
             raise InvalidOptionTypeError(f"budget: a ByteBudget, not {type(budget).__name__}")
         chosen = self.budget if budget is None else budget
         return lambda: self.backend.put(key, payload, chosen, progress)
+
+    def _open_writer(
+        self, key: str, budget: ByteBudget | None, progress: Progress | None, size_hint: int | None
+    ) -> ObjectWriter:
+        check_key(key, self.root)
+        if budget is not None and not isinstance(budget, ByteBudget):
+            raise InvalidOptionTypeError(f"budget: a ByteBudget, not {type(budget).__name__}")
+        if size_hint is not None and (
+            isinstance(size_hint, bool) or not isinstance(size_hint, int) or size_hint < 0
+        ):
+            raise InvalidOptionError(f"size_hint={size_hint!r}: give None or an int >= 0")
+        inner = self.backend.open_writer(key, self.budget if budget is None else budget, progress, size_hint)
+        return ObjectWriter(self._io, inner, self.url(key))
 
     def _put_record(self, key: str, data: Any, if_absent: bool) -> Op[ObjectInfo]:
         check_key(key, self.root)
@@ -136,6 +150,21 @@ class Store:
         not at all. ``progress(n)`` is called on the I/O thread as parts are stored."""
         return await self._io.run(self._put(key, data, budget, progress))
 
+    def open_writer(
+        self,
+        key: str,
+        *,
+        budget: ByteBudget | None = None,
+        progress: Progress | None = None,
+        size_hint: int | None = None,
+    ) -> ObjectWriter:
+        """A writer that streams ``key`` from ``write`` calls, parts uploaded in
+        parallel as they fill, within ``budget``; the object appears at ``close``
+        (writer.py). ``size_hint``: the expected size, for objects that could need more
+        than 10,000 parts. Nothing is sent before the first write. Its ``blocking``
+        face serves a thread."""
+        return self._open_writer(key, budget, progress, size_hint)
+
     async def put_record(self, key: str, data: Any, *, if_absent: bool = False) -> ObjectInfo:
         """Write a small object in one atomic request (the commit record, written last).
         ``if_absent``: refused (``StoreError``, ``reason="exists"``) if ``key`` exists,
@@ -201,6 +230,16 @@ class BlockingStore:
         self, key: str, data: Any, *, budget: ByteBudget | None = None, progress: Progress | None = None
     ) -> ObjectInfo:
         return self._s._io.run_blocking(self._s._put(key, data, budget, progress))
+
+    def open_writer(
+        self,
+        key: str,
+        *,
+        budget: ByteBudget | None = None,
+        progress: Progress | None = None,
+        size_hint: int | None = None,
+    ) -> BlockingObjectWriter:
+        return self._s._open_writer(key, budget, progress, size_hint).blocking
 
     def put_record(self, key: str, data: Any, *, if_absent: bool = False) -> ObjectInfo:
         return self._s._io.run_blocking(self._s._put_record(key, data, if_absent))

@@ -178,9 +178,10 @@ class FaultProxy:
             self._loop.run_forever()
         finally:
             server.close()
-            for task in asyncio.all_tasks(self._loop):
+            tasks = asyncio.all_tasks(self._loop)
+            for task in tasks:
                 task.cancel()
-            self._loop.run_until_complete(asyncio.sleep(0))
+            self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
             self._loop.close()
 
     def _match(self, method: str, target: str, head: str) -> Rule | None:
@@ -193,6 +194,12 @@ class FaultProxy:
         return None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await self._connection(reader, writer)
+        except asyncio.CancelledError:
+            pass  # the proxy stopping with a delayed request in hand: nothing to say
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         try:
             while True:
