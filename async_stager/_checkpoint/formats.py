@@ -26,6 +26,7 @@ from async_stager._checkpoint.statefuls import (
     KEYS,
     TORCH_FILE,
     apply_loaded,
+    check_dcp_savable,
     check_matches,
     check_torch_restorable,
     load_dcp,
@@ -110,6 +111,9 @@ class DcpFormat(CheckpointFormat):
     name = "dcp"
     several_ranks = True
     budgeted = True
+
+    def check_savable(self, sd: dict[str, Any]) -> None:
+        check_dcp_savable(sd)
 
     def write(self, staged: dict[str, Any], tmp: Path, ranks: Ranks) -> dict[str, Any] | None:
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner

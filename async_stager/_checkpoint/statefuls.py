@@ -4,8 +4,10 @@ and the ``torch`` format's file."""
 
 from __future__ import annotations
 
+import copyreg
 import json
 import os
+import types
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,13 +19,14 @@ from async_stager._checkpoint import integrity as _integrity
 from async_stager._checkpoint.stored import HashingFile
 from async_stager._dcp.blocking import no_dist_quiet
 from async_stager._dcp.files import naming_file
-from async_stager.errors import CheckpointError, IntegrityError
+from async_stager.errors import Attr, CheckpointError, IntegrityError, Nth
 
 __all__ = [
     "KEYS",
     "TORCH_FILE",
     "apply_loaded",
     "assign",
+    "check_dcp_savable",
     "check_matches",
     "check_torch_restorable",
     "is_stateful",
@@ -152,6 +155,133 @@ def check_torch_restorable(sd: Any) -> None:
                 "dataclasses.asdict(...)), register the type with torch.serialization.add_safe_globals, "
                 "or use format='dcp'"
             )
+
+
+def check_dcp_savable(sd: dict[str, Any]) -> None:
+    """Refuse, at ``save``, what the ``dcp`` format could not save or restore, naming
+    its path (CheckpointError, ``path`` set): a dict key DCP turns into another one (a
+    bool, None, float or tuple key: it stores every key as its ``str()``), a value that
+    is not a tensor under an int dict key (DCP gives it back under the key's str), and
+    a value DCP pickles that pickle refuses though the stager copies it (a lambda, a
+    function or class defined inside a function, an instance of such a class). One walk as
+    DCP's own traversal goes (dicts; lists holding tensors or dicts), then into the
+    values it pickles (containers, and objects pickled by their attributes); cheap
+    enough for the event loop (no pickling, no path built unless refused)."""
+    stack: list[tuple[tuple[Any, ...], Any, bool]] = [((), sd, False)]
+    terminal: dict[int, bool] = {}
+    tensor = torch.Tensor
+    while stack:
+        path, value, int_key = stack.pop()
+        if isinstance(value, tensor) or hasattr(value, "__create_write_items__"):
+            continue
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                kind = type(k)
+                if kind is not str and (kind is bool or not isinstance(k, (str, int))):
+                    _check_dcp_key(path, k)
+                if type(v) is not tensor:  # (the common case, without a path made)
+                    stack.append(((*path, k), v, int_key or kind is not str))
+            continue
+        if isinstance(value, list) and not _dcp_terminal(value, terminal):
+            stack.extend(((*path, i), v, int_key) for i, v in enumerate(value))
+            continue
+        if int_key:
+            raise CheckpointError(
+                "a value that is not a tensor under an int dict key does not restore in the "
+                'dcp format (DCP gives it back under the key\'s str); use str keys, a tensor, or format="torch"',
+                path=path,
+            )
+        _check_picklable(path, value)
+
+
+def _check_dcp_key(path: tuple[Any, ...], key: Any) -> None:
+    if isinstance(key, bool) or not isinstance(key, (str, int)):
+        raise CheckpointError(
+            f"a dict key of type {type(key).__name__} cannot be saved in the dcp format (only str and "
+            'int keys restore as themselves); use str keys, or format="torch"',
+            path=(*path, key),
+        )
+
+
+def _dcp_terminal(value: list[Any], memo: dict[int, bool]) -> bool:
+    """DCP's own test (``_traverse``): a list is walked into when it holds a tensor, a
+    dict, or such a list; else it is one pickled value."""
+    known = memo.get(id(value))
+    if known is not None:
+        return known
+    memo[id(value)] = True  # a list that holds itself: no deeper
+    out = not any(
+        isinstance(v, (torch.Tensor, Mapping)) or (isinstance(v, list) and not _dcp_terminal(v, memo))
+        for v in value
+    )
+    memo[id(value)] = out
+    return out
+
+
+def _unpicklable(value: Any) -> str | None:
+    """Why pickle refuses ``value`` itself (not its contents) where the stager copies
+    it (a lock, a file, a generator or a module the stager refuses itself, naming its
+    path): pickle saves a function or a class by its name, which a lambda, a function
+    or class defined inside a function, and an instance of such a class, lack."""
+    if isinstance(value, (types.FunctionType, type)):
+        name = value.__qualname__
+        if "<lambda>" in name:
+            return "a lambda"
+        if "<locals>" in name:
+            kind = "class" if isinstance(value, type) else "function"
+            return f"{kind} {name} (defined inside a function: pickle saves it by a name it lacks)"
+        return None
+    cls = type(value)
+    if "<locals>" in cls.__qualname__ and _plainly_pickled(cls):
+        return f"an instance of class {cls.__qualname__} (defined inside a function: pickle saves its class by name)"
+    return None
+
+
+#: Values pickle always saves (nothing inside them to look at).
+_PLAIN = frozenset({str, bytes, int, float, bool, complex, type(None), torch.Tensor})
+
+
+def _plainly_pickled(kind: type) -> bool:
+    """Pickle saves an instance by its attributes (no reduction of its own)."""
+    base: Any = object
+    return (
+        getattr(kind, "__reduce_ex__", None) is base.__reduce_ex__
+        and getattr(kind, "__reduce__", None) is base.__reduce__
+        and getattr(kind, "__getstate__", None) is getattr(base, "__getstate__", None)
+        and kind not in copyreg.dispatch_table
+    )
+
+
+def _check_picklable(path: tuple[Any, ...], value: Any) -> None:
+    """``value`` and what pickle saves of it: refused (CheckpointError naming the path
+    inside it) where ``_unpicklable`` says pickle would refuse."""
+    stack: list[tuple[tuple[Any, ...], Any]] = [(path, value)]
+    seen: set[int] = set()
+    while stack:
+        where, v = stack.pop()
+        if type(v) in _PLAIN or isinstance(v, torch.Tensor):
+            continue
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        why = _unpicklable(v)
+        if why is not None:
+            raise CheckpointError(
+                f"this value is {why}, which format='dcp' cannot save (DCP pickles the values that are "
+                "not tensors, and pickle refuses it); store plain data instead (a name, a config dict), "
+                "or a function defined at module level",
+                path=where,
+            )
+        if isinstance(v, Mapping):
+            stack.extend(((*where, k), x) for k, x in v.items() if type(x) not in _PLAIN)
+        elif isinstance(v, (list, tuple)):
+            stack.extend(((*where, i), x) for i, x in enumerate(v) if type(x) not in _PLAIN)
+        elif isinstance(v, (set, frozenset)):
+            stack.extend(((*where, Nth(i)), x) for i, x in enumerate(v))
+        elif _plainly_pickled(type(v)):
+            attrs = getattr(v, "__dict__", None)
+            if isinstance(attrs, dict):
+                stack.extend(((*where, Attr(k)), x) for k, x in attrs.items() if isinstance(k, str))
 
 
 def typed_paths(sd: dict[str, Any]) -> dict[str, list[Any]]:

@@ -509,3 +509,60 @@ async def test_leaving_after_a_missed_deadline_does_not_wait_for_a_snapshot_bein
         SlowToCopy.gate = None
     async with Checkpointer(tmp_path) as ckpt:  # the folder is usable; step 1 the newest
         assert await ckpt.restore({"w": torch.zeros(2)}) == 1
+
+
+# -- values a format cannot restore, refused at save() (issue 41, section 4) -------------------
+
+
+def _local_things() -> tuple[Any, Any]:
+    class Local:
+        def __init__(self) -> None:
+            self.x = 1
+
+    def inner() -> int:
+        return 1
+
+    return Local(), inner
+
+
+@pytest.mark.parametrize("fmt", ["dcp", "torch"])
+@pytest.mark.parametrize("what", ["lambda", "local function", "local class instance"])
+async def test_a_value_the_format_cannot_restore_is_refused_at_save_naming_its_path(
+    anyio_backend: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture, fmt: Any, what: str
+) -> None:
+    instance, function = _local_things()
+    value = {"lambda": lambda x: x, "local function": function, "local class instance": instance}[what]
+    async with Checkpointer(tmp_path, format=fmt) as ckpt:
+        with caplog.at_level(logging.WARNING, logger="async_stager"), pytest.raises(CheckpointError) as info:
+            ckpt.save({"w": torch.ones(2), "cfg": {"hooks": [1, value]}}, step=1).close()  # at the call
+        assert "['cfg']['hooks'][1]" in str(info.value)
+        assert fmt in str(info.value)
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # said once: raised
+        assert ckpt.in_flight() == []
+        await ckpt.save({"w": torch.ones(2)}, step=1)  # still usable
+        await ckpt.wait()
+        assert ckpt.steps() == [1]
+
+
+@pytest.mark.parametrize("budgeted", [False, True])
+async def test_a_dcp_key_it_cannot_restore_is_refused_at_save_once(
+    anyio_backend: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture, budgeted: bool
+) -> None:
+    """A bool dict key (DCP would store it as 'True'), a value that is not a tensor
+    under an int key: refused at ``save()`` with the path, raised once and not also
+    logged (it was an ERROR record and then the same error raised at ``wait()``)."""
+    opts: dict[str, Any] = {"host_budget_bytes": 1 << 16} if budgeted else {}
+    async with Checkpointer(tmp_path, **opts) as ckpt:
+        with caplog.at_level(logging.INFO, logger="async_stager"):
+            with pytest.raises(CheckpointError, match="a dict key of type bool") as info:
+                ckpt.save({"w": torch.ones(2), "m": {True: torch.ones(1)}}, step=1).close()
+            assert info.value.path == ("m", True)
+            with pytest.raises(CheckpointError, match="not a tensor under an int dict key") as info:
+                ckpt.save({"optim": {"state": {0: {"momentum": None, "t": torch.ones(1)}}}}, step=1).close()
+            assert info.value.path == ("optim", "state", 0, "momentum")
+        assert not [r for r in caplog.records if "dict key" in r.getMessage()]
+        assert ckpt.in_flight() == []
+        ok = {"w": torch.ones(2), "optim": {"state": {0: {"t": torch.ones(1)}}, "groups": [{"lr": 0.1}]}}
+        await ckpt.save(ok, step=1)
+        await ckpt.wait()
+        assert ckpt.steps() == [1]

@@ -63,9 +63,8 @@ async def test_a_plain_value_under_an_int_key_is_refused_in_the_dcp_format(tmp_p
     """DCP gives a pickled value back under the str of its int key ({'0': 5} beside
     {0: ...}): refused loudly, naming the path, instead of a wrong restore."""
     async with Checkpointer(tmp_path) as ckpt:
-        await ckpt.save({"counts": {0: 5}}, step=1)
         with pytest.raises(CheckpointError, match=r"\['counts'\]\[0\].*not a tensor under an int dict key"):
-            await ckpt.wait()
+            ckpt.save({"counts": {0: 5}}, step=1).close()  # at the call (issue 41, section 4)
         assert ckpt.steps() == []
         await ckpt.save({"m": {0: torch.ones(2)}}, step=2)  # tensors under int keys are fine
         await ckpt.wait()

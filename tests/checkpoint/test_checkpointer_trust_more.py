@@ -135,12 +135,11 @@ async def test_a_damaged_commit_record_that_still_parses_is_not_listed(tmp_path:
 @pytest.mark.parametrize("key", [True, None, 2.5, (1, 2)], ids=["bool", "None", "float", "tuple"])
 async def test_dict_keys_dcp_cannot_restore_are_refused(tmp_path: Path, key: Any) -> None:
     """DCP stores dict keys as their str(): a bool/None/float/tuple key would come
-    back as a string into a target lacking it. The write is refused, naming the key's
-    path; str and int keys restore as themselves."""
+    back as a string into a target lacking it. The save is refused at the call, naming
+    the key's path; str and int keys restore as themselves."""
     async with Checkpointer(tmp_path, format="dcp") as ckpt:
-        await ckpt.save({"m": {key: torch.ones(2)}}, step=1)
         with pytest.raises(CheckpointError, match=r"\['m'\]\[.*cannot be saved in the dcp format"):
-            await ckpt.wait()
+            ckpt.save({"m": {key: torch.ones(2)}}, step=1).close()
         await ckpt.save({"m": {3: torch.ones(2), "x": torch.zeros(1)}}, step=2)
         await ckpt.wait()
         target: dict[str, Any] = {"m": {}}
