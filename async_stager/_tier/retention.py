@@ -15,7 +15,8 @@ in common with it. Hence the rule, checked where the ranks meet:
   the ranks' collectives match whatever each save did (staged, skipped, refused). An
   exchange starts once that save's snapshot has ended (committed or not) and gathers,
   from every rank, the steps it holds complete in this run; each rank learns the newest
-  common one and lets go of what the rule allows.
+  common one and lets go of what the rule allows. The exchanges run in a thread of
+  their own, never waiting for the event loop (see ``Agreement``).
 - A save with no buffer set free (``keep + 1`` sets: ``keep`` held, one written) waits
   for the exchanges of the saves before it, which free one unless a rank failed to
   commit a step (refused, agent gone); then the oldest snapshot that is not the common
@@ -33,14 +34,17 @@ reported, so the newest common step never disappears.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import anyio.abc
 
-from async_stager._core.aio.threads import run_in_thread
+from async_stager._core.aio.waiting import wait_future
 
 __all__ = ["Agreement", "Ticket", "droppable", "forced", "newest_common"]
 
@@ -77,11 +81,14 @@ def forced(held: Sequence[int], common: int | None) -> int | None:
 
 @dataclass(eq=False)
 class Ticket:
-    """One memory save's place in the exchanges: ``ready`` once its snapshot ended
-    (committed, refused, skipped, abandoned), ``done`` once its exchange ran."""
+    """One memory save's place in the exchanges: ``ready`` (set from the loop, once)
+    once its snapshot ended (committed, refused, skipped, abandoned); ``gathered``:
+    the exchange's answer, from the exchanges' thread; ``done`` once the loop applied
+    it."""
 
     index: int
-    ready: anyio.Event = field(default_factory=anyio.Event)
+    ready: threading.Event = field(default_factory=threading.Event)
+    gathered: Future[list[Any]] = field(default_factory=Future)
     done: anyio.Event = field(default_factory=anyio.Event)
 
 
@@ -89,16 +96,22 @@ class Agreement:
     """The ranks' exchanges of the steps each holds complete (see the module doc).
 
     ``agree(steps)``: a blocking all-gather of this rank's list on a process group of
-    the tier's own (run in a thread, one at a time, in ticket order); ``published()``:
-    this rank's complete steps now; ``on_common(step)``: awaited after each exchange
-    with the newest common step (None: none); ``on_broken(exc)``: the exchange failed
-    (a rank died): no more exchanges."""
+    the tier's own; ``published()``: this rank's complete steps now (read from the
+    exchanges' thread: it returns a fresh tuple); ``on_common(step)``: awaited on the
+    loop after each exchange with the newest common step (None: none); ``on_broken``:
+    the exchange failed (a rank died) or its loop side was cancelled: no more exchanges.
+
+    Hazard: the collectives run in a thread of their own, one ticket after another, as
+    soon as a ticket is ready, never waiting for the event loop: a rank whose loop is
+    blocked (a training step's synchronous all-reduce, waiting for the other rank)
+    must still answer the exchange that the other rank's save waits for, or the two
+    would wait for each other for ever."""
 
     def __init__(
         self,
         agree: Callable[[list[int]], list[Any]],
         *,
-        published: Callable[[], list[int]],
+        published: Callable[[], Sequence[int]],
         on_common: Callable[[int | None], Awaitable[None]],
         on_broken: Callable[[BaseException], None],
     ) -> None:
@@ -107,6 +120,8 @@ class Agreement:
         self._on_common = on_common
         self._on_broken = on_broken
         self._tickets: list[Ticket] = []
+        self._queue: queue.SimpleQueue[Ticket | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
         self._issued = 0
         self._done = -1
         self._changed = anyio.Event()
@@ -115,51 +130,75 @@ class Agreement:
         self.common: int | None = None
 
     def ticket(self, tg: anyio.abc.TaskGroup) -> Ticket:
-        """A place for the save being called (synchronously, at its call): its
-        exchange runs as a task of ``tg`` once the ticket is ready and the previous
-        exchange ran. Set ``ready`` exactly once, whatever becomes of the save."""
+        """A place for the save being called (synchronously, at its call). Its exchange
+        runs in the exchanges' thread once the ticket is ready; its answer is applied by
+        a task of ``tg``. Set ``ready`` whatever becomes of the save."""
         t = Ticket(self._issued)
         self._issued += 1
         prev = self._tickets[-1] if self._tickets else None
         self._tickets.append(t)
-        tg.start_soon(self._exchange, t, prev)
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._exchanges, name="async-stager-tier-agree", daemon=True
+            )
+            self._thread.start()
+        self._queue.put(t)
+        tg.start_soon(self._apply, t, prev)
         return t
 
+    def close(self) -> None:
+        """No more tickets: the exchanges' thread ends after those queued (a daemon:
+        one left waiting for a dead rank does not keep the process)."""
+        if self._thread is not None:
+            self._queue.put(None)
+
     def done_through(self, index: int) -> bool:
-        """Every exchange up to ticket ``index`` ran (or they stopped: broken)."""
+        """Every exchange up to ticket ``index`` was applied (or they stopped: broken)."""
         return self.broken is not None or self._done >= index
 
     async def changed(self) -> None:
-        """Until the next exchange ran. Cancellation: only the wait."""
+        """Until the next exchange was applied. Cancellation: only the wait."""
         await self._changed.wait()
 
     async def settle(self) -> None:
-        """Until the exchange of every ticket already ready ran. Cancellation: only the
-        wait."""
+        """Until the exchange of every ticket already ready was applied. Cancellation:
+        only the wait."""
         while True:
             pending = [t for t in self._tickets if t.ready.is_set() and not t.done.is_set()]
             if not pending:
                 return
             await pending[-1].done.wait()
 
-    async def _exchange(self, t: Ticket, prev: Ticket | None) -> None:
+    def _exchanges(self) -> None:
+        """The exchanges' thread: each ticket's collective, in ticket order."""
+        failed: BaseException | None = None
+        while True:
+            t = self._queue.get()
+            if t is None:
+                return
+            t.ready.wait()
+            if failed is not None:
+                t.gathered.set_exception(failed)
+                continue
+            try:
+                got = self._agree(list(self._published()))
+            except BaseException as exc:  # noqa: BLE001 - a dead rank: handed to the loop
+                failed = exc
+                t.gathered.set_exception(exc)
+            else:
+                t.gathered.set_result(got)
+
+    async def _apply(self, t: Ticket, prev: Ticket | None) -> None:
         try:
             if prev is not None:
                 await prev.done.wait()
-            await t.ready.wait()
+            got = await wait_future(t.gathered)
             if self.broken is None:
-                mine = self._published()
-                got = await run_in_thread(
-                    lambda: self._agree(mine),
-                    name="async-stager-tier-agree",
-                    daemon=True,  # a peer that never answers must not keep the process
-                    abandon_on_cancel=True,
-                )
                 self.common = newest_common([[int(s) for s in steps] for steps in got])
                 await self._on_common(self.common)
         except BaseException as exc:  # a dead rank, or this task cancelled
-            # An exchange skipped or abandoned half way leaves the ranks' collectives
-            # out of step: no more exchanges.
+            # An exchange failed, or its answer will not be applied: the ranks' views
+            # are out of step from here on: no more exchanges.
             if self.broken is None:
                 self.broken = exc
                 self._on_broken(exc)

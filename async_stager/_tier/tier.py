@@ -195,6 +195,8 @@ class MemoryTier:
         with anyio.CancelScope(shield=True):
             while self._busy is not None:
                 await self._busy.wait()
+            if self._agreement is not None:
+                self._agreement.close()
             self._release_held()
             await self.client.aclose()
             if self._own_stager and self._stager is not None:
@@ -456,8 +458,10 @@ class MemoryTier:
             return None
         return min([base, *held])
 
-    def _published(self) -> list[int]:
-        return self.held_steps()
+    def _published(self) -> tuple[int, ...]:
+        # Read from the exchanges' thread: one reference taken, then a fresh tuple.
+        held = self._held
+        return tuple(s for s, _ in held)
 
     async def _on_common(self, common: int | None) -> None:
         """After an exchange: let go of what the rule allows (``retention``)."""
@@ -560,6 +564,8 @@ class MemoryTier:
             common = step if self._agreement is None else self._common
             drop = droppable(after, common, self.keep)
             keep = [s for s in after if s not in drop]
+            dropping = [h for h in self._held if h[0] in drop]
+            self._held = [h for h in self._held if h[0] not in drop]  # no longer reported
             try:
                 await self.client.commit(
                     self.rank,
@@ -575,22 +581,24 @@ class MemoryTier:
                 )
             except (AgentUnavailableError, AgentTimeoutError) as exc:
                 lease.release()
+                self._held = sorted(self._held + dropping, key=lambda h: h[0])
                 self._fail(exc, step)
                 return
             except AgentError as exc:
                 lease.release()
+                self._held = sorted(self._held + dropping, key=lambda h: h[0])
                 self._dirty = True  # the agent's view of our snapshots is unknown: BEGIN first
                 self._update(refused=self._stats.refused + 1)
                 _log.warning("memory tier: the agent did not accept step %d: %s", step, exc)
                 return
             except BaseException:
                 lease.release()
+                self._held = sorted(self._held + dropping, key=lambda h: h[0])
                 raise
             # The agent holds it and forgot ``drop``: their buffers are free again.
-            self._held.append((step, lease))
-            for _, old in [h for h in self._held if h[0] in drop]:
+            self._held = [*self._held, (step, lease)]
+            for _, old in dropping:
                 old.release()
-            self._held = [h for h in self._held if h[0] not in drop]
             if self._agreement is None:
                 self._common = step
         self._update(

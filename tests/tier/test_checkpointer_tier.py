@@ -280,6 +280,6 @@ async def test_deferred_wait_snapshot_point_is_the_call(tmp_path: Path) -> None:
                 torch.randn(100, generator=gen)  # training goes on, drawing numbers
                 await ckpt.fence()
             await ckpt.wait()
-            got = {"t": torch.zeros(1 << 20), "rng": torch.Generator()}
+            got: dict[str, Any] = {"t": torch.zeros(1 << 20), "rng": torch.Generator()}
             assert await ckpt.restore(got) == 2
             assert torch.equal(got["rng"].get_state(), at_call)
