@@ -21,6 +21,7 @@ __all__ = [
     "CheckpointError",
     "ClosedError",
     "CopyError",
+    "DeviceTimeoutError",
     "HostAllocationError",
     "HostLimitError",
     "IntegrityError",
@@ -265,6 +266,17 @@ class PinningError(HostAllocationError):
 
 class CopyError(StagingError):
     """A device-to-host or host-to-host copy failed; the original error is the cause."""
+
+
+class DeviceTimeoutError(CopyError, TimeoutError):
+    """Copies on a device did not complete within their bound (``seconds``): the device
+    looks wedged (a kernel that never ends, an Xid error; see nvidia-smi). The copies'
+    host buffers stay reserved until they are seen to complete; the stager stays
+    usable (a later stage takes another buffer set, or waits for this one)."""
+
+    def __init__(self, message: str, *, seconds: float = 0.0) -> None:
+        super().__init__(message)
+        self.seconds = seconds
 
 
 class BudgetTooSmallError(StagingError, ValueError):

@@ -61,6 +61,7 @@ from async_stager._core.copy.simulated import (
     SimulatedDevice,
     SimulatedPinner,
     SimulatedStream,
+    UseAfterFree,
 )
 from async_stager._core.memory.arena import Pinner
 from async_stager.errors import PinningError
@@ -82,6 +83,7 @@ __all__ = [
     "SimulatedDevice",
     "SimulatedPinner",
     "SimulatedStream",
+    "UseAfterFree",
 ]
 
 

@@ -32,6 +32,7 @@ EXPORTED_BEFORE = [
     "Checksums",
     "ClosedError",
     "CopyError",
+    "DeviceTimeoutError",
     "DefaultStager",
     "HostAllocationError",
     "HostLimitError",

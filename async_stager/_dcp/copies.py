@@ -112,7 +112,8 @@ class RingCopies:
         already. Each copier copies bytes, not values, and resolves lazy conj/neg bits
         itself (an accelerator on the device: ``AcceleratorCopier``). A failed enqueue
         raises CopyError naming the write items ``fqns``."""
-        device = srcs[0].device
+        backend = self._backend
+        device = backend.device_of(srcs[0]) if backend is not None else srcs[0].device
         if device.type == "cuda" and device.index is None:  # pragma: no cover - torch sets it
             device = torch.device("cuda", torch.cuda.current_device())
         copier = self._copier(device)

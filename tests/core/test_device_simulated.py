@@ -22,7 +22,7 @@ from helpers import bits, make_engine
 from async_stager import CopyError, Stager
 from async_stager._core.copy.accelerator import AcceleratorCopier
 from async_stager._core.copy.primitives import DeviceEvent
-from async_stager._core.copy.simulated import POISON, SimulatedBackend, SimulatedDevice
+from async_stager._core.copy.simulated import POISON, SimulatedBackend, SimulatedDevice, UseAfterFree
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_thread_leak")]
 
@@ -126,6 +126,131 @@ def test_a_source_freed_without_protection_is_overwritten(
     assert torch.equal(stage(), torch.arange(4096, dtype=torch.float32))
     monkeypatch.setattr(AcceleratorCopier, "protect", lambda self, srcs: None)
     assert poisoned(stage())  # the allocator handed the memory on: overwritten
+    assert sim.errors and all(isinstance(e, UseAfterFree) for e in sim.errors), sim.errors
+    sim.errors.clear()
+    engine.close()
+
+
+def test_a_cpu_leaf_copied_before_the_captures_reads_old_values(
+    sim: SimulatedDevice, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A CPU leaf (AdamW's step, a pinned buffer) is copied by the host copier, as on
+    # CUDA; it may be the target of a device-to-host copy queued on the caller's
+    # stream before the call, so the host copier first waits for the captures.
+    from async_stager._core.copy.copiers import CpuCopier
+
+    backend = SimulatedBackend(sim)
+    engine = make_engine(backend=backend)
+    src = sim.tensor(torch.full((1024,), 3.0))
+    train = sim.stream("train")
+
+    def stage() -> torch.Tensor:
+        buf = torch.zeros(1024)  # the CPU leaf
+        with sim.using(train):
+            sim.launch(later(0.05, lambda: None))  # the producer still running
+            sim.copy([buf], [src])  # then a copy into the CPU leaf, queued before the call
+            staged = engine.run({"buf": buf, "w": src}, engine.capture())
+        for c in staged.completions:
+            c.synchronize()
+        engine.settle(staged)
+        sim.synchronize()  # the copy into buf has landed by now (it must outlive it)
+        out: torch.Tensor = staged.result["buf"].clone()
+        return out
+
+    assert torch.equal(stage(), torch.full((1024,), 3.0))  # the host copier waited
+    assert len(backend.host_made) == 1 and isinstance(backend.host_made[0], CpuCopier)
+    assert backend.guards and set(backend.guards) == {sim.device}  # the worker's device guard
+    monkeypatch.setattr(CpuCopier, "begin", lambda self, capture: None)
+    assert torch.equal(stage(), torch.zeros(1024))  # without the wait: the old values
+    engine.close()
+
+
+def test_a_hash_buffer_freed_outside_its_stream_order_is_poisoned(
+    sim: SimulatedDevice, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The hash kernel holds nothing (as a CUDA kernel): its output buffer is freed when
+    # the copier drops it, right after the enqueue, and reused in the order of the
+    # stream that allocated it. Allocated with the hash stream current, it outlives
+    # the kernel and the copy of the digests to the host; allocated on another stream
+    # (the copier's mistake, played here), the device hands it on at once.
+    from async_stager._core.checksum.digest import Checksums
+
+    engine = make_engine(backend=SimulatedBackend(sim))
+    train = sim.stream("train")
+    sd = {"big": sim.tensor(torch.randn(1 << 18))}  # 1 MiB: hashed on the device
+
+    def stage() -> bool:
+        with sim.using(train):
+            sim.launch(later(0.05, lambda: None))  # the hash waits for the capture
+            staged = engine.run(sd, engine.capture(), checksums=True)
+        for c in staged.completions:
+            c.synchronize()
+        engine.settle(staged)
+        sums, host = staged.checksums, staged.result["big"]
+        assert sums is not None and sums.algorithm_of(host) == "wsum64"
+        return bool(sums.get(host) == Checksums.compute(host, "wsum64"))
+
+    assert stage()  # the digest is the staged copy's
+    empty = SimulatedDevice.empty
+
+    def on_the_default_stream(self: SimulatedDevice, nbytes: int) -> torch.Tensor:
+        with self.using(self.default_stream()):
+            return empty(self, nbytes)
+
+    monkeypatch.setattr(SimulatedDevice, "empty", on_the_default_stream)
+    stage()
+    # The kernel wrote, and the copy read, memory the device had taken back.
+    assert sim.errors and all(isinstance(e, UseAfterFree) for e in sim.errors), sim.errors
+    sim.errors.clear()
+    engine.close()
+
+
+def test_a_kernel_holds_nothing(sim: SimulatedDevice) -> None:
+    # As a CUDA kernel: a tensor passed to launch() is freed when the caller drops it,
+    # even with the kernel still queued; the kernel then touches freed memory.
+    stream = sim.stream("kernels")
+    gate = threading.Event()
+    x = sim.tensor(torch.zeros(64))
+    seen: list[float] = []
+    with sim.using(stream):
+        sim.launch(lambda: gate.wait(60))
+        sim.launch(lambda t: seen.append(float(t.sum())), x)
+    del x  # nothing else holds it: freed (in the order of its stream, idle)
+    gate.set()
+    sim.synchronize()
+    assert len(sim.errors) == 1 and isinstance(sim.errors[0], UseAfterFree), sim.errors
+    sim.errors.clear()
+    assert seen and seen[0] != 0.0  # it read what the memory held then: poison
+
+
+def test_scratch_is_reallocated_and_a_gather_without_grow_is_caught(
+    sim: SimulatedDevice, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # free() gives the scratch's block back (in stream order) and grow() takes a new
+    # one, as CUDA's resize_(0)/resize_(n): a gather into scratch that was not grown
+    # again writes freed memory (a trap here).
+    engine = make_engine(backend=SimulatedBackend(sim), small_tensor_bytes=64)
+
+    def stage() -> dict[str, torch.Tensor]:
+        sd = {f"s{i}": sim.tensor(torch.full((3,), float(i))) for i in range(40)}
+        staged = engine.run(sd, engine.capture())
+        for c in staged.completions:
+            c.synchronize()
+        engine.settle(staged)
+        out: dict[str, torch.Tensor] = {k: v.clone() for k, v in staged.result.items()}
+        return out
+
+    first = stage()
+    assert all(torch.equal(first[f"s{i}"], torch.full((3,), float(i))) for i in range(40))
+    frees = sim.frees
+    again = stage()  # the plan's scratch grown again (a new block), gathered, freed
+    assert sim.frees > frees and again.keys() == first.keys()
+    assert all(torch.equal(again[f"s{i}"], torch.full((3,), float(i))) for i in range(40))
+    monkeypatch.setattr(AcceleratorCopier, "_grow_scratch", lambda self, base: None)
+    wrong = stage()
+    assert sim.errors and all(isinstance(e, UseAfterFree) for e in sim.errors), sim.errors
+    sim.errors.clear()
+    assert not torch.equal(wrong["s7"], torch.full((3,), 7.0))  # poison, not the values
     engine.close()
 
 
@@ -246,9 +371,11 @@ async def test_device_hash_falls_back_to_the_host_copy_when_device_memory_runs_o
 ) -> None:
     from async_stager._core.checksum.digest import Checksums
 
-    with SimulatedDevice(seed=8, capacity=64) as sim:
-        full = sim.tensor(torch.zeros(16))  # the device's 64 bytes taken: no hash buffer
-        big = torch.randn(1 << 18)  # 1 MiB: hashed on the device if it could be
+    with SimulatedDevice(seed=8, capacity=(1 << 20) + 64) as sim:
+        # 1 MiB on the device, hashed there if it could be: the 64 bytes left hold no
+        # hash tables.
+        big = sim.tensor(torch.randn(1 << 18))
+        full = sim.tensor(torch.zeros(16))  # and not even them
         backend = SimulatedBackend(sim)
         async with Stager(backend=backend) as stager:
             lease = await stager.lease({"big": big}, checksums=True)

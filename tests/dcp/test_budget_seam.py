@@ -487,7 +487,7 @@ async def test_a_ring_a_copy_may_still_land_in_is_never_reused_nor_freed(
         async with Stager(backend=backend) as stager:
             with pytest.raises(CopyError, match="wedged"):
                 await adcp.save(
-                    tensors(2),
+                    {k: sim.tensor(v) for k, v in tensors(2).items()},  # copied by the device
                     stager=stager,
                     checkpoint_id=tmp_path,
                     no_dist=True,

@@ -62,6 +62,10 @@ def test_gpu_check_dry_run(tmp_path: Path) -> None:
         if name not in ("requirements", "pytest (cuda + ordering)") and not name.startswith("bench")
     ]
     assert len(steps) == 9 and all(r["result"] == "ok" for r in steps), steps
+    # The simulated device's modes: CPU leaves through the host copier, pooled streams
+    # kept by parallel budgeted saves.
+    assert "CPU leaf by the host copier True" in rows["side-stream snapshot"]["detail"]
+    assert "no stream drawn again" in rows["budgeted pipeline"]["detail"]
     assert rows["requirements"]["result"] == "ok", rows["requirements"]
     # At most 8 files come back from a device run: the table, one JSON, the logs in one
     # archive.

@@ -9,13 +9,22 @@ is told by ``current_async_library`` below, without sniffio):
   quietly: nobody is waiting any more (anyio #1265 raced exactly there).
 - ``poll_completion``: a device completion event is polled with ``query()`` and an
   adaptive back-off, predicted from the bytes in flight and the measured bandwidth, so
-  the loop never blocks and its other timers keep firing on time.
+  the loop never blocks and its other timers keep firing on time; bounded
+  (``Backoff.timeout``: DeviceTimeoutError after).
+
+Hazard: an event loop's timers have a resolution of a millisecond (asyncio's and trio's
+epoll waits round a timeout up to whole milliseconds; uvloop rounds a delay to the
+nearest one, so a sub-millisecond sleep is no sleep at all and the loop spins), so a
+back-off of 0.2-4 ms slept on the loop saw a completed copy 1-4 ms late. After a bare
+yield, the back-off is slept in a thread (``anyio.to_thread``), whose sleeps keep
+their fractions of a millisecond and whose result wakes the loop at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -24,11 +33,14 @@ from typing import Any, TypeVar
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 
 from async_stager._core.copy.device import Completion
-from async_stager.errors import UnsupportedError
+from async_stager.errors import DeviceTimeoutError, InvalidOptionError, UnsupportedError
 
 __all__ = [
+    "DEVICE_WAIT_SECONDS",
+    "LOOP_POLL_DELAY",
     "Backoff",
     "current_async_library",
     "poll_completion",
@@ -176,14 +188,40 @@ async def wait_future_uninterrupted(fut: Future[T]) -> T:
     return fut.result()
 
 
+#: The loop's own polls of a completion are at least this far apart (seconds): the
+#: thread's polls see it sooner unless the loop is busy (see ``poll_completion``).
+LOOP_POLL_DELAY = 0.004
+
+#: Seconds a wait for a device's copies may last by default (``Backoff.timeout``): a
+#: healthy device copies far more than the largest state dict in this time. The same
+#: bound as the host waits' (``HOST_WAIT_SECONDS``).
+DEVICE_WAIT_SECONDS = 600.0
+
+
 @dataclass(frozen=True)
 class Backoff:
     """Polling delays in seconds: first a bare yield to the loop, then the predicted
     remaining time (halved, so as not to overshoot), within [min_delay, max_delay];
-    without a prediction, ``min_delay`` doubling up to ``max_delay``."""
+    without a prediction, ``min_delay`` doubling up to ``max_delay``. The delays are
+    slept in a thread, to the fraction of a millisecond (the loop's timers would round
+    them up to whole ones). ``timeout``: seconds a wait for a completion may last,
+    then DeviceTimeoutError (None: no bound)."""
 
     min_delay: float = 0.0002
-    max_delay: float = 0.004
+    max_delay: float = 0.001
+    timeout: float | None = DEVICE_WAIT_SECONDS
+
+    def __post_init__(self) -> None:
+        for name in ("min_delay", "max_delay", "timeout"):
+            v = getattr(self, name)
+            if v is None and name == "timeout":
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise InvalidOptionError(f"Backoff({name}=...) must be a number of seconds > 0, got {v!r}")
+        if self.max_delay < self.min_delay:
+            raise InvalidOptionError(
+                f"Backoff(max_delay={self.max_delay!r}) is below min_delay={self.min_delay!r}"
+            )
 
     def next_delay(self, previous: float, remaining: float | None) -> float:
         if remaining is not None and remaining > 0:
@@ -203,20 +241,89 @@ async def poll_completion(
     """Poll ``event.query()`` until True; returns how many queries it took.
 
     ``expected_seconds`` is the predicted time from now to completion (bytes in flight
-    over measured bandwidth); the back-off follows it. Cancellation: the wait stops
-    and the copies go on; the caller keeps their buffers reserved.
+    over measured bandwidth); the back-off follows it. After a bare yield to the loop,
+    two pollers race: a thread (``anyio.to_thread``) polls with ``backoff``'s delays to
+    the fraction of a millisecond and wakes the loop as soon as it sees the event
+    complete (what an idle loop needs: its own timers would round those delays up to
+    whole milliseconds); the loop polls too, every ``LOOP_POLL_DELAY`` or more (what a
+    busy loop needs: the thread then waits for the GIL). A query that raises (a device
+    error) is raised here.
+
+    Raises DeviceTimeoutError once ``backoff.timeout`` seconds have passed since the
+    call without the event completing (a wedged device): the copies may still land, so
+    the caller keeps their buffers reserved.
+
+    Cancellation: the wait stops (the thread at its next poll) and the copies go on;
+    the caller keeps their buffers reserved.
     """
     polls = 1
     if event.query():
         return polls
     start = clock()
+    deadline = None if backoff.timeout is None else time.monotonic() + backoff.timeout
     # A bare yield first: tiny copies are often done by the time the loop comes back.
     await anyio.lowlevel.checkpoint()
-    delay = 0.0
-    while True:
-        polls += 1
-        if event.query():
-            return polls
-        remaining = None if expected_seconds is None else expected_seconds - (clock() - start)
-        delay = backoff.next_delay(delay, remaining)
-        await anyio.sleep(delay)
+    polls += 1
+    if event.query():
+        return polls
+
+    def remaining() -> float | None:
+        return None if expected_seconds is None else expected_seconds - (clock() - start)
+
+    stop = threading.Event()
+    # The thread's findings (written there, read on the loop once it has returned).
+    seen: dict[str, Any] = {"polls": 0, "done": False, "error": None}
+
+    def poll_in_thread() -> None:
+        delay = 0.0
+        try:
+            while True:
+                delay = backoff.next_delay(delay, remaining())
+                if deadline is not None:
+                    delay = max(0.0, min(delay, deadline - time.monotonic()))
+                if stop.wait(delay):
+                    return  # the loop saw it first, or the wait was cancelled
+                seen["polls"] += 1
+                if event.query():
+                    seen["done"] = True
+                    return
+                if deadline is not None and time.monotonic() >= deadline:
+                    return
+        except Exception as e:  # noqa: BLE001 - the device's error: raised on the loop
+            seen["error"] = e
+
+    async def thread_poller(scope: anyio.CancelScope) -> None:
+        await anyio.to_thread.run_sync(poll_in_thread, abandon_on_cancel=True)
+        scope.cancel()  # the loop's own polling stops: the thread's findings decide
+
+    done = False
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(thread_poller, tg.cancel_scope)
+            delay = 0.0
+            while True:
+                delay = backoff.next_delay(delay, remaining())
+                await anyio.sleep(max(delay, LOOP_POLL_DELAY))
+                polls += 1
+                if event.query():
+                    done = True
+                    tg.cancel_scope.cancel()
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    tg.cancel_scope.cancel()
+                    break
+    finally:
+        stop.set()
+    polls += int(seen["polls"])
+    error = seen["error"]
+    if error is not None:
+        seen.clear()  # the error's traceback must not keep this frame through ``seen``
+        raise error
+    if done or seen["done"]:
+        return polls
+    raise DeviceTimeoutError(
+        f"the device's copies still not finished after {backoff.timeout:g} s: the device looks "
+        "wedged (a kernel that never ends, an Xid error; see nvidia-smi); their buffers stay "
+        "reserved until they land (Backoff(timeout=...) sets the bound)",
+        seconds=backoff.timeout or 0.0,
+    )

@@ -39,10 +39,13 @@ __all__ = [
     "GROUP_BYTES",
     "MIN_DEVICE_BYTES",
     "OFFLOAD_BYTES",
+    "TABLE_WORDS",
     "device_pairs",
     "digest_tensor",
+    "fill_tables",
     "hash_layout",
     "make_tables",
+    "table_views",
     "piece_count",
     "piece_hashes",
     "raw_bytes",
@@ -106,6 +109,27 @@ def make_tables(device: torch.device) -> Tables:
         torch.arange(0, 24, 8, dtype=torch.int64, device=device),
     )
     return z[:COLS], z[COLS:].view(_ROWS, 1), weights
+
+
+#: int64 words ``fill_tables`` writes (the constants and the byte weights).
+TABLE_WORDS = COLS + _ROWS + 3
+
+
+def table_views(mem: torch.Tensor) -> Tables:
+    """The tables as views of ``mem`` (``TABLE_WORDS`` int64s that ``fill_tables``
+    wrote)."""
+    return mem[:COLS], mem[COLS : COLS + _ROWS].view(_ROWS, 1), mem[COLS + _ROWS :]
+
+
+def fill_tables(mem: torch.Tensor) -> None:
+    """Write ``make_tables``' constants into ``mem`` (``TABLE_WORDS`` int64s, on any
+    device) by kernels on the current stream: memory the caller allocated (a device's
+    stream-ordered allocation), read through ``table_views``."""
+    z, rows, weights = make_tables(mem.device)
+    a, b, w = table_views(mem)
+    a.copy_(z)
+    b.copy_(rows)
+    w.copy_(weights)
 
 
 def _tables_on(device: torch.device) -> Tables:

@@ -29,7 +29,14 @@ from typing import Any
 import torch
 
 from async_stager._core.checksum.digest import Checksums
-from async_stager._core.checksum.wordhash import Tables, hash_layout, make_tables, piece_hashes, raw_bytes
+from async_stager._core.checksum.wordhash import (
+    TABLE_WORDS,
+    fill_tables,
+    hash_layout,
+    piece_hashes,
+    raw_bytes,
+    table_views,
+)
 from async_stager._core.copy.device import Completion
 from async_stager._core.copy.primitives import DeviceEvent, DevicePrimitives, poll_until
 from async_stager._core.copy.scratch import ScratchCopier, bytewise
@@ -62,7 +69,8 @@ class AcceleratorCopier(ScratchCopier):
         self._ctx: contextlib.ExitStack | None = None
         # Made at the first stage that takes checksums; see hash_sources.
         self._hash_stream: Any = None
-        self._tables: Tables | None = None
+        #: The WSUM64 constants (``fill_tables``) in device memory of the hash stream.
+        self._tables: torch.Tensor | None = None
         self._hashing = False
         self._capture: DeviceEvent | None = None
         #: The current stage's device sources, until ``end`` gives them to its event.
@@ -152,19 +160,26 @@ class AcceleratorCopier(ScratchCopier):
             self._hashing = True
             try:
                 if self._tables is None:
-                    self._tables = make_tables(self.device)
+                    # Device memory of the hash stream, written by its kernels (ready
+                    # in its order only), kept as long as the copier.
+                    self._tables = prims.empty(TABLE_WORDS * 8).view(torch.int64)
+                    prims.launch(fill_tables, self._tables)
                 out = prims.empty(total * 8).view(torch.int64)
-                tables = self._tables
-                for _, src, _, _ in layout:
+                srcs = [src for _, src, _, _ in layout]
+                for src in srcs:
                     if prims.owns(src):
                         prims.record_stream(src, stream)
                     self._held.append(src)
+                spans = [(start, pieces) for _, _, start, pieces in layout]
 
-                def run(out: torch.Tensor = out, layout: Any = layout) -> None:
-                    for _, src, start, pieces in layout:
+                # The kernel gets every device tensor as an argument and holds none:
+                # the sources live on through record_stream and the event's hold only.
+                def run(out: torch.Tensor, table_mem: torch.Tensor, *srcs: torch.Tensor) -> None:
+                    tables = table_views(table_mem)
+                    for src, (start, pieces) in zip(srcs, spans):
                         piece_hashes(raw_bytes(src), out[start : start + pieces], tables)
 
-                prims.launch(run)
+                prims.launch(run, out, self._tables, *srcs)
                 prims.copy([host], [out])
             except torch.OutOfMemoryError:
                 self.hash_fallbacks += 1

@@ -274,6 +274,17 @@ class Backend(ABC):
     @abstractmethod
     def copier(self, device: torch.device) -> Copier: ...
 
+    #: True when ``device_of`` may differ from a tensor's own ``device`` (the engine
+    #: then asks it for each source storage; otherwise it reads ``t.device``).
+    places_tensors = False
+
+    def device_of(self, t: torch.Tensor) -> torch.device:
+        """The device whose copier copies source ``t``: its own ``t.device``. A
+        simulated device says its own for the CPU tensors viewing its memory, so the
+        engine's accelerator paths run for them and plain CPU tensors go to the host
+        copier, as on CUDA (``places_tensors``)."""
+        return t.device
+
     def known_devices(self) -> Sequence[torch.device]:
         """Accelerator devices to capture on at a call: every device a source may live
         on (the caller's current device first)."""

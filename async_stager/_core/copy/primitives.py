@@ -150,10 +150,16 @@ class DevicePrimitives(ABC):
     def copy(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
         """Enqueue ``dsts[i].copy_(srcs[i])`` on the current stream, asynchronously."""
 
-    def launch(self, fn: Any) -> None:
-        """Enqueue the device work that ``fn()`` launches (kernels reading and writing
-        device tensors) on the current stream."""
-        fn()
+    def launch(self, fn: Any, *tensors: torch.Tensor) -> None:
+        """Enqueue the device work that ``fn(*tensors)`` launches (kernels reading and
+        writing the device tensors ``tensors``) on the current stream.
+
+        A kernel holds nothing: what it reads stays alive only as long as the caller
+        (or ``record_stream``, an event's hold) keeps it. So ``fn`` takes every device
+        tensor it uses as an argument and must not hold one itself; the simulated
+        device passes it views of the same memory made when it runs, and keeps no
+        reference to ``tensors`` meanwhile."""
+        fn(*tensors)
 
     def capturing(self) -> bool:
         """True if the calling thread's current stream is capturing a graph."""

@@ -16,16 +16,25 @@ The model (what a GPU does that matters to ordering):
   that allocated it, and every stream it was recorded on with ``record_stream``, have
   run what they had queued) and at once overwritten with ``POISON`` bytes, as if the
   next allocation had written it. So a copy that reads a source the copier did not
-  protect, or runs before its wait, copies wrong bytes.
+  protect, or runs before its wait, copies wrong bytes; and an operation that touches
+  memory freed after its enqueue is recorded in ``errors`` (``UseAfterFree``), even
+  when it writes the memory before reading it back.
 - Pending operations know where device memory is (an offset), not which tensor, so they
-  keep nothing alive; a host destination is written by address too (as DMA does).
+  keep nothing alive, a kernel (``launch``) included; a host destination is written by
+  address too (as DMA does).
+- ``free``/``grow`` (scratch between stages) give the block back in stream order and
+  take a new one, perhaps elsewhere, as CUDA's ``resize_(0)``/``resize_(n)``; between
+  them the storage points at a trap (poison; an operation on it is a ``UseAfterFree``).
+- The engine sees the device's tensors on ``device`` (``cuda:0``), through
+  ``SimulatedBackend.device_of``: its CUDA paths run, and every other CPU tensor is a
+  CPU leaf copied by the host copier after its wait for the captures.
 - An asynchronous copy between host and device whose source has lazy conj/neg bits
   resolves them on the host right after the enqueue, as ATen does (racing the copy).
 - bf16/fp16/fp8 copies pass through float32, as CUDA's ``_foreach_copy_`` fast path.
 
 What it cannot show: bandwidth, driver locks, real DMA timing, the real allocator's
-block sizes. Every ``CPU`` tensor that is not the slab's is treated as a host tensor the
-device may read directly (so the engine's CPU sources can be staged through it).
+block sizes. Its own copies (``copy``) may read any CPU tensor that is not the slab's
+as host memory.
 """
 
 from __future__ import annotations
@@ -44,11 +53,12 @@ import numpy as np
 import torch
 
 from async_stager._core.copy.accelerator import AcceleratorCopier
+from async_stager._core.copy.copiers import CpuCopier
 from async_stager._core.copy.device import Backend, Copier
 from async_stager._core.copy.primitives import POOL_STREAMS, DevicePrimitives
 from async_stager._core.memory.arena import Pinner
 
-__all__ = ["POISON", "SimulatedBackend", "SimulatedDevice", "SimulatedStream"]
+__all__ = ["POISON", "SimulatedBackend", "SimulatedDevice", "SimulatedStream", "UseAfterFree"]
 
 #: The byte a freed block is overwritten with.
 POISON = 0xA5
@@ -71,6 +81,9 @@ class SimulatedStream:
         self.capturing = False
         self.queued = 0
         self.finished = 0
+        #: ``time.perf_counter()`` when the last operation ended (how late a waiter
+        #: saw it is measured against this).
+        self.finished_at = 0.0
         self._ops: deque[Callable[[], None]] = deque()
         self._rng = random.Random(sim.seed * 1_000_003 + number)
         self._thread: threading.Thread | None = None
@@ -108,6 +121,7 @@ class SimulatedStream:
                 self.sim.errors.append(e)
             with cond:
                 self._ops.popleft()
+                self.finished_at = time.perf_counter()
                 self.finished += 1
                 self.sim._reap()
                 cond.notify_all()
@@ -130,12 +144,20 @@ class _Event:
         return self.stream.finished >= self.position
 
 
+class UseAfterFree(RuntimeError):
+    """A device operation touched memory freed before it ran (recorded in
+    ``SimulatedDevice.errors``; the operation still runs, on whatever the memory holds
+    now, as a GPU would)."""
+
+
 class _Where:
     """Memory written or read by a pending operation: a device tensor by its offset in
-    the slab (nothing kept alive), a host destination by its address, a host source by
-    reference (host memory the test owns)."""
+    the slab (nothing kept alive; ``block``: the allocation it belonged to at the
+    enqueue, checked when the operation runs), a host destination by its address, a
+    host source by reference (host memory the test owns)."""
 
     __slots__ = (
+        "block",
         "conj",
         "dtype",
         "kind",
@@ -153,12 +175,25 @@ class _Where:
         self.storage_offset = t.storage_offset()
         self.conj, self.neg = t.is_conj(), t.is_neg()
         self.ref: torch.Tensor | None = None
+        self.block: _Block | None = None
         storage = t.untyped_storage()
         self.nbytes = storage.nbytes()
         if sim.owns(t):
             self.kind = "device"
             self.offset = storage.data_ptr() - sim._base
-        elif write:
+            self.block = sim._blocks.get(self.offset)
+            return
+        if sim._trapped(storage.data_ptr()):
+            sim.errors.append(
+                UseAfterFree(
+                    f"a device operation was enqueued on {storage.nbytes()} bytes freed by free() and "
+                    "not grown again (on CUDA: an illegal address)"
+                )
+            )
+            self.kind = "trap"  # reads poison, writes are lost
+            self.offset = 0
+            return
+        if write:
             if any(s < 0 for s in self.stride):
                 raise RuntimeError("the simulated device writes host memory with non-negative strides")
             self.kind = "host"
@@ -171,8 +206,19 @@ class _Where:
     def view(self, sim: SimulatedDevice) -> torch.Tensor:
         if self.ref is not None:
             return self.ref
+        if self.kind == "device" and sim._blocks.get(self.offset) is not self.block:
+            sim.errors.append(
+                UseAfterFree(
+                    f"a device operation on {threading.current_thread().name} touched {self.nbytes} bytes "
+                    f"at offset {self.offset} after they were freed (a missing record_stream, event "
+                    "hold or stream-ordered allocation)"
+                )
+            )
         if self.nbytes == 0:
             return torch.empty(self.size, dtype=self.dtype)
+        if self.kind == "trap":
+            poison = torch.full((self.nbytes,), POISON, dtype=torch.uint8).view(self.dtype)
+            return poison.as_strided(self.size, self.stride, self.storage_offset)
         if self.kind == "device":
             # as_strided's offset counts from the slab's start (its storage).
             typed = sim._slab_t.view(self.dtype)
@@ -199,22 +245,22 @@ class _Where:
 
 
 class _Block:
-    __slots__ = ("nbytes", "owner", "pinned", "start", "uses")
+    __slots__ = ("nbytes", "owner", "start", "uses")
 
     def __init__(self, start: int, nbytes: int, owner: SimulatedStream) -> None:
         self.start, self.nbytes, self.owner = start, nbytes, owner
         #: (stream, position) pairs from ``record_stream``.
         self.uses: list[tuple[SimulatedStream, int]] = []
-        #: Kept for its tensor (scratch freed with ``free``): poisoned, never reused.
-        self.pinned = False
 
 
 class SimulatedDevice(DevicePrimitives):
     """The simulated device (see the module doc). ``capacity``: bytes of device memory;
     ``seed``, ``delay`` (seconds, low and high of each copy's uniform delay): a failure
-    replays with the same values. ``device``: the torch device the engine sees it as
-    (the CPU: its sources are CPU tensors). Use as a context manager, or ``close()``:
-    the streams' threads end."""
+    replays with the same values. ``device``: the torch device the engine sees its
+    tensors on (``SimulatedBackend.device_of``; default ``cuda:0``, so the engine's
+    CUDA paths run; the tensors themselves are CPU tensors viewing its memory, and
+    nothing calls ``torch.cuda`` for it). ``pool``: streams in its pool. Use as a
+    context manager, or ``close()``: the streams' threads end."""
 
     def __init__(
         self,
@@ -225,7 +271,7 @@ class SimulatedDevice(DevicePrimitives):
         device: torch.device | None = None,
         pool: int = POOL_STREAMS,
     ) -> None:
-        super().__init__(device if device is not None else torch.device("cpu"))
+        super().__init__(device if device is not None else torch.device("cuda", 0))
         if pool < 1:
             raise ValueError(f"pool must be at least 1 stream, got {pool}")
         #: Streams in the pool (``pool_stream``, ``stream``), handed out round-robin.
@@ -252,6 +298,9 @@ class SimulatedDevice(DevicePrimitives):
         self._streams: list[SimulatedStream] = []
         self._pool: list[SimulatedStream] = []
         self._pool_next = 0
+        #: Memory that freed scratch points at until it is grown again (never freed).
+        self._traps: list[bytearray] = []
+        self._trap_ranges: list[tuple[int, int]] = []
         self._default = self._stream("default")
         self._local = threading.local()
         self._pinner = SimulatedPinner()
@@ -289,9 +338,16 @@ class SimulatedDevice(DevicePrimitives):
         t.copy_(data.resolve_conj().resolve_neg())
         return t
 
-    def launch(self, fn: Callable[[], Any]) -> None:
-        """Enqueue ``fn`` (device work: a kernel) on the current stream."""
-        self.current_stream().enqueue(lambda: fn())
+    def launch(self, fn: Callable[..., Any], *tensors: torch.Tensor) -> None:
+        """Enqueue ``fn(*tensors)`` (device work: a kernel) on the current stream. A
+        kernel holds nothing: each device tensor of ``tensors`` is known by its address
+        (``fn`` gets a view of the same memory when it runs), so it is freed, and
+        overwritten, as soon as nothing else keeps it; a host tensor is passed as it is.
+        (A test's own ``fn()`` that closes over its tensors keeps them, as its own
+        training code would.)"""
+        where = [_Where(self, t, write=self.owns(t)) for t in tensors]
+        del tensors
+        self.current_stream().enqueue(lambda: fn(*(w.view(self) for w in where)))
 
     def synchronize(self, timeout: float = 60.0) -> None:
         """Wait until every stream has run what it had queued."""
@@ -403,14 +459,49 @@ class SimulatedDevice(DevicePrimitives):
         return torch.from_numpy(arr)[:nbytes]
 
     def grow(self, base: torch.Tensor) -> None:
-        return None  # a scratch block stays its base's (``free`` poisons it only)
+        """A new block for ``base``'s storage (freed by ``free``), allocated on the
+        current stream, perhaps at another address (as CUDA's ``resize_(n)`` after
+        ``resize_(0)``): every view of the storage sees the new memory, whose bytes are
+        whatever the block held (poison, or the last user's)."""
+        storage = base.untyped_storage()
+        if self._block_of(base) is not None:
+            return  # it has its memory
+        fresh = self.empty(storage.nbytes())
+        # In place: the storage (and every view of it) now points at the new block;
+        # ``fresh`` takes the dead placeholder, dropped with it.
+        storage._swap_data_ptr_(fresh.untyped_storage())  # type: ignore[attr-defined]
 
     def free(self, base: torch.Tensor) -> None:
-        block = self._block_of(base)
-        if block is None:
+        """``base``'s block back to the device in stream order (as CUDA's
+        ``resize_(0)``): it is reused once the streams that used it are past their
+        uses. Meanwhile the storage (and every view of it) points at a trap of the same
+        size holding ``POISON`` (host memory never handed out): an operation enqueued
+        on it before ``grow`` is a ``UseAfterFree`` in ``errors`` and reads poison (on
+        CUDA: an illegal address), not a crash here."""
+        if self._block_of(base) is None:
             return
-        block.pinned = True
-        self._release(block)
+        storage = base.untyped_storage()
+        dead = torch.from_numpy(self._trap(storage.nbytes())).untyped_storage()
+        # The block's memory (its numpy owner) goes to ``dead``'s storage object and
+        # dies with it here: the finalizer frees the block in stream order.
+        storage._swap_data_ptr_(dead)  # type: ignore[attr-defined]
+        del dead
+
+    def _trap(self, nbytes: int) -> np.ndarray[Any, Any]:
+        """``nbytes`` of trap memory (an array of its own over it)."""
+        with self.cond:
+            for buf in self._traps:
+                if len(buf) >= nbytes:
+                    break
+            else:
+                buf = bytearray([POISON]) * max(nbytes, 1 << 16)
+                self._traps.append(buf)
+                start = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
+                self._trap_ranges.append((start, start + len(buf)))
+        return np.frombuffer(memoryview(buf)[:nbytes], dtype=np.uint8)
+
+    def _trapped(self, ptr: int) -> bool:
+        return any(a <= ptr < b for a, b in self._trap_ranges)
 
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
         block = self._block_of(tensor)
@@ -424,8 +515,8 @@ class SimulatedDevice(DevicePrimitives):
         return self._blocks.get(t.untyped_storage().data_ptr() - self._base)
 
     def _dead(self, block: _Block) -> None:
-        # The block's last tensor died (any thread, a GC run included).
-        block.pinned = False
+        # The block's last tensor died, or ``free`` gave it back (any thread, a GC run
+        # included).
         self._release(block)
 
     def _release(self, block: _Block) -> None:
@@ -444,7 +535,7 @@ class SimulatedDevice(DevicePrimitives):
                 self._mv[block.start : block.start + block.nbytes] = bytes([POISON]) * block.nbytes
                 self.frees += 1
                 block.uses = []
-                if not block.pinned and self._blocks.get(block.start) is block:
+                if self._blocks.get(block.start) is block:
                     del self._blocks[block.start]
                     self._give(block.start, block.nbytes)
             else:
@@ -521,27 +612,54 @@ class SimulatedPinner:
 
 
 class SimulatedBackend(Backend):
-    """A backend whose accelerator is ``sim``: the real ``AcceleratorCopier`` over it.
-    Sources on ``sim.device`` (the CPU) are copied by it; ``pin``: the stager pins with
-    the device's pinner (recorded, nothing locked)."""
+    """A backend whose accelerator is ``sim``, as the real backend's is a GPU: tensors
+    viewing ``sim``'s memory are on ``sim.device`` (``device_of``; ``cuda:0`` by
+    default), copied by the real ``AcceleratorCopier`` over it; every other CPU tensor
+    is a CPU leaf, copied by the real host copier (``CpuCopier``, ``copy_threads``
+    threads), which first waits on the host for the captures, as on CUDA. The
+    engine's accelerator paths (captures per device, device programs first, the
+    device guard, ``order_after``'s host waits) run as on a GPU. ``pin``: the stager
+    pins with the device's pinner (recorded, nothing locked)."""
 
-    def __init__(self, sim: SimulatedDevice, *, non_blocking: bool = True, pin: bool = False) -> None:
+    places_tensors = True
+
+    def __init__(
+        self, sim: SimulatedDevice, *, non_blocking: bool = True, pin: bool = False, copy_threads: int = 1
+    ) -> None:
         self.sim = sim
         self.non_blocking = non_blocking
         self.pin = pin
-        #: Copiers made (one per device per engine, one per budget lane).
+        self.copy_threads = copy_threads
+        #: Accelerator copiers made (one per engine, one per budget lane).
         self.made: list[AcceleratorCopier] = []
+        #: Host copiers made (for CPU leaves).
+        self.host_made: list[Copier] = []
+        #: Devices the worker made current (``device_guard``), in order.
+        self.guards: list[torch.device] = []
 
     def copier(self, device: torch.device) -> Copier:
+        if device != self.sim.device:
+            if device.type != "cpu":
+                raise RuntimeError(f"the simulated backend has no device {device} (only {self.sim.device})")
+            host = CpuCopier(device, threads=self.copy_threads)
+            self.host_made.append(host)
+            return host
         c = AcceleratorCopier(self.sim, non_blocking=self.non_blocking, wait_seconds=60.0)
         self.made.append(c)
         return c
 
+    def device_of(self, t: torch.Tensor) -> torch.device:
+        return self.sim.device if self.sim.owns(t) else t.device
+
     def known_devices(self) -> Sequence[torch.device]:
         return (self.sim.device,)
 
+    def device_guard(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+        self.guards.append(device)
+        return contextlib.nullcontext()
+
     def capturing(self, device: torch.device) -> bool:
-        return self.sim.capturing()
+        return device == self.sim.device and self.sim.capturing()
 
     @property
     def asynchronous(self) -> bool:

@@ -45,6 +45,7 @@ def make_plan(
     *,
     prefault: bool,
     preflight: Callable[[list[int]], None] | None = None,
+    device_of: Callable[[torch.Tensor], torch.device] | None = None,
 ) -> tuple[Plan, int, int]:
     """The slow path: a new plan for ``leaves`` (in walk order) in ``bufset``; returns
     it with the number of cache hits and misses (source storages).
@@ -57,10 +58,11 @@ def make_plan(
     the copy program per device (``_programs``). ``prefault``: touch new host memory
     now (``reserve()``, so the first real stage pays no page faults). ``preflight``:
     the host-limit check, run before anything is allocated. ``tick`` is the job's
-    cancellation check, called every few hundred storages.
+    cancellation check, called every few hundred storages. ``device_of``: the device
+    whose copier copies a source (``Backend.device_of``; None: its own ``device``).
     """
     uniq, leaf_u = _unique(leaves)
-    groups = _by_storage(uniq, tick)
+    groups = _by_storage(uniq, tick, device_of)
     misses = _reserve(bufset, list(groups.values()), options, prefault=prefault, preflight=preflight)
     tick()
     host_u, units, whole_checks, nbytes = _hosts_and_units(groups, uniq, leaf_u, tick)
@@ -98,14 +100,19 @@ def _unique(leaves: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
     return uniq, leaf_u
 
 
-def _by_storage(uniq: list[torch.Tensor], tick: Callable[[], None]) -> dict[int, _Group]:
-    """The unique tensors grouped by source storage (keyed by StorageImpl address)."""
+def _by_storage(
+    uniq: list[torch.Tensor],
+    tick: Callable[[], None],
+    device_of: Callable[[torch.Tensor], torch.device] | None = None,
+) -> dict[int, _Group]:
+    """The unique tensors grouped by source storage (keyed by StorageImpl address),
+    each with the device whose copier copies it (``device_of``)."""
     groups: dict[int, _Group] = {}
     for u, t in enumerate(uniq):
         st = t.untyped_storage()
         g = groups.get(st._cdata)
         if g is None:
-            g = groups[st._cdata] = _Group(st, t.device)
+            g = groups[st._cdata] = _Group(st, t.device, device_of(t) if device_of is not None else t.device)
         g.members.append(u)
         if not u % 256:
             tick()
@@ -212,7 +219,7 @@ def _hosts_and_units(
         )
         if size:
             rep = first_leaf[rep_u]
-            units.append(Unit(rep, block.tensor if whole else host_u[rep_u], size, whole, g.device, block))
+            units.append(Unit(rep, block.tensor if whole else host_u[rep_u], size, whole, g.copied_by, block))
             if whole:
                 # The members' sizes, strides and offsets are in the fingerprint.
                 whole_checks.append((rep, g.storage.data_ptr(), size))
@@ -288,11 +295,14 @@ def _split_runs(runs: list[list[Unit]], *, cap: int) -> list[list[Unit]]:
 
 
 class _Group:
-    __slots__ = ("block", "device", "members", "storage")
+    __slots__ = ("block", "copied_by", "device", "members", "storage")
 
-    def __init__(self, storage: torch.UntypedStorage, device: torch.device) -> None:
+    def __init__(self, storage: torch.UntypedStorage, device: torch.device, copied_by: torch.device) -> None:
         self.storage = storage
+        #: The storage's own device (the storage cache's key).
         self.device = device
+        #: The device whose copier copies it (its program's).
+        self.copied_by = copied_by
         self.members: list[int] = []
         self.block: Any = None
 

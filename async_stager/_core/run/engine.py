@@ -452,6 +452,7 @@ class Engine:
                     preflight=self._preflight(
                         bufset, reserve=not copy, pinned=not self._skips_pinning(captures)
                     ),
+                    device_of=self.backend.device_of if self.backend.places_tensors else None,
                 )
             # Remembered and watched before the walk below builds the result: the
             # baseline of ``held`` must count the stager's references only.
