@@ -200,7 +200,7 @@ async def loop(mode: str, out: Path, steps: int, every: int, width: int, depth: 
 def write_alone(width: int, depth: int, repeats: int) -> float:
     """The same write with nothing else running: DCP's save of a host copy of the
     loop's state (what the Checkpointer writes), median seconds."""
-    from async_stager._dcp.blocking import _save_blocking
+    from async_stager._dcp.blocking import save_blocking
 
     m, opt, x = model(width, depth)
     m(x).square().mean().backward()
@@ -210,7 +210,7 @@ def write_alone(width: int, depth: int, repeats: int) -> float:
     for _ in range(repeats):
         with tempfile.TemporaryDirectory() as d:
             t0 = time.perf_counter()
-            _save_blocking(sd, no_dist=True, checkpoint_id=d)
+            save_blocking(sd, no_dist=True, checkpoint_id=d)
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

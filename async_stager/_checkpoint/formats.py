@@ -118,7 +118,7 @@ class DcpFormat(CheckpointFormat):
     def write(self, staged: dict[str, Any], tmp: Path, ranks: Ranks) -> dict[str, Any] | None:
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-        from async_stager._dcp.blocking import _save_blocking
+        from async_stager._dcp.blocking import save_blocking
 
         if ranks.coordinator:
             write_typed_paths(tmp, typed_paths(staged))
@@ -133,8 +133,8 @@ class DcpFormat(CheckpointFormat):
             kwargs.update(no_dist=True)
         planner = DefaultSavePlanner()
         try:
-            # _save_blocking picks the host writer (no CUDA stream sync) for the path.
-            _save_blocking(staged, planner=planner, **kwargs)
+            # save_blocking picks the host writer (no CUDA stream sync) for the path.
+            save_blocking(staged, planner=planner, **kwargs)
         finally:
             # Hazard: after a failed save DCP keeps the planner reachable (a closure of
             # its write step outlives the call, out of reach of the collector), and the

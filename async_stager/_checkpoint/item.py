@@ -17,8 +17,7 @@ import anyio
 
 if TYPE_CHECKING:
     from async_stager._core.aio.lease import Lease
-    from async_stager._dcp.budget import BudgetStats
-    from async_stager._dcp.budget_save import BudgetedJob
+    from async_stager._dcp.budget import BudgetedJob, BudgetStats
 
 __all__ = ["Phase", "SaveItem", "clear_frames"]
 

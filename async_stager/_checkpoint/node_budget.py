@@ -223,7 +223,7 @@ def staged_bytes(sd: Any) -> int:
 def check_largest(sd: dict[str, Any], budget: int) -> int:
     """Refuse at ``save()`` a state whose largest tensor item is bigger than the whole
     node budget (BudgetTooSmallError naming it and both sizes); returns its bytes."""
-    from async_stager._dcp.budget_save import largest_tensor
+    from async_stager._dcp.budget import largest_tensor
 
     path, need = largest_tensor(sd)
     if need > budget:
@@ -239,7 +239,7 @@ def check_largest(sd: dict[str, Any], budget: int) -> int:
 
 def ranks_on_node(ledger: NodeLedger) -> int:
     """How many ranks share the ledger (``_dcp.budget.node_ranks``)."""
-    from async_stager._dcp.budget_share import node_ranks
+    from async_stager._dcp.budget import node_ranks
 
     return node_ranks(ledger.path)
 

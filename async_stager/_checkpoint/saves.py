@@ -445,15 +445,13 @@ class SaveQueue:
         """Build a budgeted save's job (``dcp.save``'s checks and pipeline) from its
         snapshot point; its fence points are read now (the caller's streams, when
         called at ``save()``). A refusal is raised to the save's caller."""
-        from async_stager._dcp.budget_save import budgeted_save_job
+        from async_stager._dcp.budget import BudgetSettings, budgeted_save
 
         ranks, ledger = self.ranks, self._ledger
         try:
-            job = budgeted_save_job(
-                item.sd or {},
-                stager=self.stager,
-                budget=self.options.host_budget_bytes or (ledger.budget if ledger is not None else 0),
-                checkpoint_id=str(self.writer.tmp(item)),
+            settings = BudgetSettings(
+                self.options.host_budget_bytes or (ledger.budget if ledger is not None else 0),
+                str(self.writer.tmp(item)),
                 process_group=ranks.group,
                 no_dist=not ranks.distributed,
                 on_stats=item.budget.append,
@@ -461,6 +459,7 @@ class SaveQueue:
                 ledger=ledger,
                 captures=item.point,
             )
+            job = budgeted_save(item.sd or {}, self.stager, settings)
         except Exception as exc:  # noqa: BLE001 - refused at its start: raised to the save's caller
             item.error = exc
             return False

@@ -10,7 +10,7 @@ whether or not the event loop gets turns: the training loop's only awaits may be
 staged copy is free are delivered to the loop.
 
 A budgeted save (``host_budget_bytes``) is a pipeline of pieces driven from the loop
-(``_dcp/budget_save``); its folder, keys and commit use the same steps here, awaited.
+(``_dcp/budget``); its folder, keys and commit use the same steps here, awaited.
 
 Hazards: the collectives (several ranks) run in the save's thread, one save at a time,
 in call order on every rank (a save's thread first waits for every earlier save to

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
     from torch.distributed.checkpoint.storage import StorageWriter
 
-__all__ = ["host_writer", "no_dist_quiet"]
+__all__ = ["host_writer", "no_dist_quiet", "save_blocking"]
 
 #: DCP warns on every ``no_dist`` save and load; a caller that asked for ``no_dist=True``
 #: knows.
@@ -80,7 +80,7 @@ def host_writer(storage_writer: StorageWriter | None, checkpoint_id: Any) -> Sto
     return writer
 
 
-def _save_blocking(
+def save_blocking(
     staged: dict[str, Any], *, no_dist: bool, cuda_device: int | None = None, **kwargs: Any
 ) -> Metadata:
     """The DCP save itself (worker thread). Blocks for the serialization and writes.

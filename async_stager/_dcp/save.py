@@ -32,9 +32,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from async_stager._core.aio.threads import run_in_thread
 from async_stager._core.copy.device import caller_cuda_device
-from async_stager._dcp.blocking import _save_blocking as _save_blocking  # patched by tests
-from async_stager._dcp.budget import BudgetStats
-from async_stager.errors import InvalidOptionError, InvalidOptionTypeError, InvalidStateDictError
+from async_stager._dcp.blocking import save_blocking as save_blocking  # patched by tests
+from async_stager._dcp.budget import BudgetSettings, BudgetStats, budgeted_save
+from async_stager.errors import (
+    InvalidOptionError,
+    InvalidOptionTypeError,
+    InvalidStateDictError,
+    UnsupportedError,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -165,44 +170,33 @@ def save(
             f"node_budget_bytes={node_budget_bytes} differs from the budget of the node ledger given "
             f"({node_ledger.budget}); pass one of them"
         )
-    if node_ledger is not None or node_budget_bytes is not None:
-        from async_stager._core.memory.ledger import NodeLedger
-        from async_stager._dcp.budget_save import budgeted_save
-
-        owns = node_ledger is None
+    node = node_ledger is not None or node_budget_bytes is not None
+    if not node and (node_budget_path is not None or node_budget_job is not None):
+        raise InvalidOptionError("node_budget_path and node_budget_job need node_budget_bytes")
+    if node or host_budget_bytes is not None:
+        if storage_writer is not None or planner is not None:
+            raise UnsupportedError(
+                "a budgeted save brings its own planner and FileSystemWriter: pass checkpoint_id "
+                "(a folder) and leave storage_writer and planner None"
+            )
         ledger = node_ledger
-        if ledger is None:
-            assert node_budget_bytes is not None
+        if ledger is None and node_budget_bytes is not None:
+            from async_stager._core.memory.ledger import NodeLedger
+
             ledger = NodeLedger.open(node_budget_bytes, path=node_budget_path, job=node_budget_job)
-        return budgeted_save(
-            state_dict,
-            stager=stager,
-            budget=host_budget_bytes if host_budget_bytes is not None else ledger.budget,
-            checkpoint_id=checkpoint_id,
-            storage_writer=storage_writer,
-            planner=planner,
+        if host_budget_bytes is None:
+            assert ledger is not None
+            host_budget_bytes = ledger.budget
+        settings = BudgetSettings(
+            host_budget_bytes,
+            checkpoint_id,
             process_group=process_group,
             no_dist=no_dist,
             on_stats=on_budget_stats,
             ledger=ledger,
-            owns_ledger=owns,
+            owns_ledger=node_ledger is None and ledger is not None,
         )
-    if node_budget_path is not None or node_budget_job is not None:
-        raise InvalidOptionError("node_budget_path and node_budget_job need node_budget_bytes")
-    if host_budget_bytes is not None:
-        from async_stager._dcp.budget_save import budgeted_save
-
-        return budgeted_save(
-            state_dict,
-            stager=stager,
-            budget=host_budget_bytes,
-            checkpoint_id=checkpoint_id,
-            storage_writer=storage_writer,
-            planner=planner,
-            process_group=process_group,
-            no_dist=no_dist,
-            on_stats=on_budget_stats,
-        )
+        return budgeted_save(state_dict, stager, settings).coroutine()
     # The staging job is submitted now, leased (what ``snapshot`` does on entering),
     # and the caller's CUDA device read now: the coroutine may run in another thread.
     leasing = stager.lease(state_dict)
@@ -307,7 +301,7 @@ def save_staged(
 
 
 async def _save_staged(staged: dict[str, Any], *, cuda_device: int | None, **kwargs: Any) -> Metadata:
-    fn = functools.partial(_save_blocking, staged, cuda_device=cuda_device, **kwargs)
+    fn = functools.partial(save_blocking, staged, cuda_device=cuda_device, **kwargs)
     metadata: Metadata = await run_in_thread(fn, name="async-stager-dcp-save")
     return metadata
 

@@ -286,7 +286,7 @@ async def test_dcp_save_reads_the_device_at_the_call(
         seen.append(cuda_device)
         return "metadata"
 
-    monkeypatch.setattr(_dcp_save, "_save_blocking", fake_save)
+    monkeypatch.setattr(_dcp_save, "save_blocking", fake_save)
     async with Stager(backend=FakeBackend()) as stager:
         pending = adcp.save({"w": torch.ones(4)}, stager=stager, checkpoint_id=tmp_path, no_dist=True)
         current[0] = 5  # the coroutine runs where another device is current

@@ -476,7 +476,7 @@ async def test_a_ring_a_copy_may_still_land_in_is_never_reused_nor_freed(
     # Review finding 7: after a host wait gave up, the ring was freed (and unpinned)
     # while a copy could still land in it.
     import async_stager._core.run.lanes as lanes_mod
-    import async_stager._dcp.copies as copies_mod
+    import async_stager._dcp.budget.copies as copies_mod
 
     monkeypatch.setattr(copies_mod, "HOST_WAIT_SECONDS", 0.03)
     monkeypatch.setattr(lanes_mod, "_QUARANTINE", [])

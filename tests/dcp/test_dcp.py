@@ -92,20 +92,20 @@ async def test_save_then_load_bit_exact(anyio_backend: Any, tmp_path: Path) -> N
 async def test_lease_is_held_while_saving(anyio_backend: Any, tmp_path: Path, monkeypatch: Any) -> None:
     seen: list[int] = []
     stager = Stager()
-    real = _dcp_save._save_blocking
+    real = _dcp_save.save_blocking
 
     def spy(staged: dict[str, Any], **kw: Any) -> Any:
         seen.append(leases(stager))
         return real(staged, **kw)
 
-    monkeypatch.setattr(_dcp_save, "_save_blocking", spy)
+    monkeypatch.setattr(_dcp_save, "save_blocking", spy)
     async with stager:
         await adcp.save({"a": torch.ones(4)}, stager=stager, checkpoint_id=tmp_path, no_dist=True)
         assert seen == [1] and leases(stager) == 0
 
 
 def slow_save(started: threading.Event, finished: threading.Event, seconds: float) -> Any:
-    real = _dcp_save._save_blocking
+    real = _dcp_save.save_blocking
 
     def save(staged: dict[str, Any], **kw: Any) -> Any:
         started.set()
@@ -121,7 +121,7 @@ async def test_cancel_while_saving_waits_for_the_save(
     anyio_backend: Any, tmp_path: Path, monkeypatch: Any
 ) -> None:
     started, finished = threading.Event(), threading.Event()
-    monkeypatch.setattr(_dcp_save, "_save_blocking", slow_save(started, finished, 0.3))
+    monkeypatch.setattr(_dcp_save, "save_blocking", slow_save(started, finished, 0.3))
     sd = make_sd(1)
     async with Stager() as stager:
         with anyio.move_on_after(0.15) as scope:
@@ -141,7 +141,7 @@ async def test_native_asyncio_cancel_is_deferred_too(
     anyio_backend: Any, tmp_path: Path, monkeypatch: Any
 ) -> None:
     started, finished = threading.Event(), threading.Event()
-    monkeypatch.setattr(_dcp_save, "_save_blocking", slow_save(started, finished, 0.3))
+    monkeypatch.setattr(_dcp_save, "save_blocking", slow_save(started, finished, 0.3))
     async with Stager() as stager:
         task = asyncio.ensure_future(
             adcp.save({"a": torch.ones(3)}, stager=stager, checkpoint_id=tmp_path, no_dist=True)

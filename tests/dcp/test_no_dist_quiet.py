@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from async_stager._dcp.blocking import _save_blocking, no_dist_quiet
+from async_stager._dcp.blocking import no_dist_quiet, save_blocking
 
 
 def test_overlapping_no_dist_saves_never_warn(tmp_path: Path) -> None:
@@ -25,7 +25,7 @@ def test_overlapping_no_dist_saves_never_warn(tmp_path: Path) -> None:
         start.wait()
         try:
             for k in range(8):
-                _save_blocking(
+                save_blocking(
                     {"t": torch.full((256,), float(i))}, no_dist=True, checkpoint_id=tmp_path / f"{i}-{k}"
                 )
         except BaseException as exc:  # noqa: BLE001 - reported below

@@ -13,7 +13,7 @@ import torch
 from async_stager import PinningError
 from async_stager._core.memory.arena import pin
 from async_stager._core.memory.ring import Ring
-from async_stager._dcp.budget import Pipeline
+from async_stager._dcp.budget.pipeline import Pipeline
 from async_stager.testing import FakePinner
 
 pytestmark = [pytest.mark.timeout(60)]

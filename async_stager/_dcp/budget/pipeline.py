@@ -42,7 +42,7 @@ item's pickle (the value without its CPU tensors' data), and a host copy of each
 device tensor's storage inside the value (``storage.cpu()``). Each is checked against
 the budget (``pickling.checked_pickle_module``): BudgetTooSmallError, naming the
 value, when either is bigger, since neither can be cut into pieces. ``dcp.save``
-checks what it can see at the call (``budget_save``).
+checks what it can see at the call (``survey``).
 
 Limits of DCP's public API (documented in docs/concepts.md):
 - The order in which a storage writer asks for items is not part of DCP's interface;
@@ -76,10 +76,11 @@ from async_stager._core.memory.arena import Pinner
 from async_stager._core.memory.buffer_sets import HOST_WAIT_SECONDS
 from async_stager._core.memory.ring import ALIGN, Ring, padded
 from async_stager._core.run.lanes import Lane, Lanes
-from async_stager._dcp.budget_records import Marker, SaveAborted, Streamed, item_nbytes, too_small
-from async_stager._dcp.budget_share import BudgetStats, reserve_share
-from async_stager._dcp.copies import RingCopies
-from async_stager._dcp.pickling import ObjectStream, Segment, Stopped
+from async_stager._dcp.budget.copies import RingCopies
+from async_stager._dcp.budget.pickling import ObjectStream, Segment, Stopped
+from async_stager._dcp.budget.records import Marker, SaveAborted, Streamed, item_nbytes, too_small
+from async_stager._dcp.budget.share import BudgetStats, reserve_share
+from async_stager._dcp.budget.survey import Seen
 from async_stager.errors import CopyError, StagingError, UnsupportedError
 
 if TYPE_CHECKING:
@@ -96,7 +97,7 @@ _CHUNK_MAX = 8 * 1024 * 1024
 _BATCH_ITEM = 64 * 1024 - 1
 #: Bytes of one batch of small tensor items at most.
 _BATCH_BYTES = 1 << 20
-#: Ring bytes assumed per bytes item when the caller gave no estimate (``object_hint``):
+#: Ring bytes assumed per bytes item when the call saw none (``Seen.object_bytes``):
 #: about what ``torch.save`` of a small value writes.
 _ITEM_BYTES = 2048
 
@@ -111,17 +112,12 @@ class Pipeline:
     caller's thread; a device first seen in the copier thread gets one from
     ``lanes.backend``, on the real one the CPU's, with the stager's ``copy_threads``)
     and its ring, kept for the next save (given back by ``finish``). ``pinner``: pins
-    the ring (None: pageable). ``generators``: the ``torch.Generator``s inside bytes
-    items, each with its pickle reduction taken at the call (``pickling``).
-    ``host_wait``: the bytes items may hold CPU tensors, so their serialization first
-    waits on the host for the captures (False: no value holds one; nothing waits).
-    ``captures``: per device, its copier's ``capture()`` at the call (the snapshot
+    the ring (None: pageable). ``seen``: what the call's ``survey`` saw of the bytes
+    items (their estimated size, paths, generators, whether they may hold CPU tensors;
+    None: nothing seen, so they may). ``captures``: per device, its copier's ``capture()`` at the call (the snapshot
     point on the caller's stream); each piece's copy is ordered after it
     (``order_after``: a host copy, and the serialization of bytes items, after all).
-    ``object_hint``: the caller's estimate of the bytes items' serialized size (bytes),
-    only to size the ring (a short estimate means smaller pieces, not a failure);
-    ``object_paths``: per flattened DCP name (``fqn``), the value's path from the root,
-    for errors. ``ledger``: a node budget (``NodeLedger``) the ring's capacity is
+    ``ledger``: a node budget (``NodeLedger``) the ring's capacity is
     reserved from before the ring is allocated (waiting at most ``ledger_wait`` seconds
     in the node's ticket order) and given back when the ring is freed (``finish``: at
     the end of this rank's ``write_data``, before DCP's last collectives, so a rank
@@ -138,11 +134,8 @@ class Pipeline:
         lanes: Lanes,
         lane: Lane,
         pinner: Pinner | None = None,
-        generators: dict[int, tuple[Any, Any]] | None = None,
-        host_wait: bool = True,
+        seen: Seen | None = None,
         digests: dict[str, dict[str, Any]] | None = None,
-        object_hint: int | None = None,
-        object_paths: dict[str, tuple[Any, ...]] | None = None,
         ledger: NodeLedger | None = None,
         ledger_wait: float | None = None,
         owns_ledger: bool = False,
@@ -156,7 +149,7 @@ class Pipeline:
         #: The freed ring's figures (``finish`` drops the ring itself: its memory must
         #: be gone when its node reservation is given back).
         self._ring_stats: tuple[int, int, float] = (0, 0, 0.0)
-        #: The save's coroutine has started (``_budget_save.abandon`` leaves it alone).
+        #: The save has started (``BudgetedJob.forget`` leaves it alone).
         self.started = False
         #: With checksums: each tensor chunk's manifest entry, hashed from its piece as
         #: it lands (the copier thread; the writer thread for a device's piece, once
@@ -166,13 +159,10 @@ class Pipeline:
         self.copies = RingCopies(captures, backend=lanes.backend, copiers=lane.copiers)
         self._lanes = lanes
         self._lane: Lane | None = lane
-        self._generators = generators
-        self._host_wait = host_wait
+        self._seen = seen if seen is not None else Seen()
         #: Pins the ring (the arenas' path, ``arena.pin``); None: the ring is pageable.
         self.pinner = pinner
         self.t0 = t0
-        self.object_hint = object_hint
-        self.object_paths = object_paths or {}
         self.enqueued: Future[None] = Future()
         #: What DCP's default planner resolves for a tensor item; the value of a bytes
         #: item (before DCP's ``torch.save``). Set by ``PipelinePlanner``.
@@ -202,7 +192,7 @@ class Pipeline:
 
     @property
     def error(self) -> BaseException | None:
-        """The copier's failure, if it failed (DCP reports it wrapped; ``_budget_save``
+        """The copier's failure, if it failed (DCP reports it wrapped; ``entry``
         raises a StagingError of ours as itself)."""
         return self._error
 
@@ -218,7 +208,8 @@ class Pipeline:
             raise too_small(self._items, self.budget)
         total = sum(padded(max(item_nbytes(it), 1)) for it in self._items)
         if self._objects:
-            hint = self.object_hint if self.object_hint is not None else _ITEM_BYTES * len(self._objects)
+            hint = self._seen.object_bytes
+            hint = hint if hint is not None else _ITEM_BYTES * len(self._objects)
             total += padded(hint) + _SMALL
         capacity = min(self.budget, max(total, ALIGN))
         if self.ledger is not None:
@@ -239,7 +230,7 @@ class Pipeline:
 
     def _reserve_share(self, need: int, capacity: int) -> int:
         """Writer thread, before the ring exists: its bytes from the node ledger
-        (``budget_share.reserve_share``); returns the capacity granted. A failure is
+        (``share.reserve_share``); returns the capacity granted. A failure is
         the save's (raised as itself); a cancelled save stops the wait."""
         assert self.ledger is not None
 
@@ -308,7 +299,7 @@ class Pipeline:
         return dst
 
     def _fail(self, error: BaseException) -> None:
-        """Record the save's first failure (raised by ``_budget_save`` as itself) and
+        """Record the save's first failure (raised by ``entry`` as itself) and
         stop the copier."""
         with self._cond:
             if self._error is None:
@@ -447,7 +438,7 @@ class Pipeline:
                 if self._objects:
                     # Values are read as of the call: after every capture, a device
                     # tensor inside one on the copy stream (``RingCopies.serializing``).
-                    with self.copies.serializing(host_wait=self._host_wait):
+                    with self.copies.serializing(host_wait=self._seen.host_tensors):
                         self._serialize_objects()
                 self._copy_tensors(ring)
             self._fence_at = time.perf_counter()
@@ -521,7 +512,7 @@ class Pipeline:
             piece=self._piece,
             hand=self._hand,
             where=self._path_of,
-            generators=self._generators,
+            generators=self._seen.generators,
         )
         for at, item in enumerate(self._objects):
             value = self.lookup(item)
@@ -531,7 +522,7 @@ class Pipeline:
 
     def _path_of(self, at: int) -> tuple[Any, ...]:
         fqn = self._objects[at].index.fqn
-        return self.object_paths.get(fqn, (fqn,))
+        return self._seen.paths.get(fqn, (fqn,))
 
     def _piece(self, n: int) -> np.ndarray[Any, Any]:
         ring = self._ring

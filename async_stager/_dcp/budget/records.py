@@ -1,4 +1,4 @@
-"""What the budgeted save's pipeline (``budget``) and its DCP glue (``streaming``) share:
+"""What the budgeted save's pipeline (``pipeline``) and its DCP glue (``streaming``) share:
 the bytes-item stand-in and its marker, the pipeline's interface as the writer sees it,
 the abort error, and the sizes of write items. Below both, so neither imports the other.
 """

@@ -14,7 +14,7 @@ CUDA ordering and a ``FakeBackend`` drives it on the CPU:
   (``record_stream``);
 - host waits are bounded (``HOST_WAIT_SECONDS``) and see an abort.
 
-Owner: the pipeline of one save (``budget.Pipeline``); the copiers are its lane's
+Owner: the pipeline of one save (``pipeline.Pipeline``); the copiers are its lane's
 (``_core.run.lanes``: kept from one budgeted save to the next, so no stream is drawn per
 save; not the stager's own, which belong to its worker), closed by the lane.
 """

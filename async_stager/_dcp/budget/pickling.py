@@ -8,7 +8,7 @@ but into a sink (``RingSink``) whose writes go to the budget's ring instead of a
 budget: the item's pickle itself, and a host copy of a device storage inside the value.
 Neither can be cut into pieces, so each is BudgetTooSmallError naming the value.
 
-Used by ``budget.Pipeline`` in its copier thread.
+Used by ``pipeline.Pipeline`` in its copier thread.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The budgeted save's DCP glue: the planner, the storage writer and its file system.
 
 ``PipelinePlanner`` is DCP's default save planner whose ``resolve_data`` hands out the
-pieces ``budget.Pipeline`` staged. ``PipelineWriter`` is DCP's ``FileSystemWriter``
+pieces ``pipeline.Pipeline`` staged. ``PipelineWriter`` is DCP's ``FileSystemWriter``
 with one thread and its serial loader (the order the pipeline stages in), starting and
 finishing the pipeline around ``write_data``; its file system (``_StreamingFileSystem``)
 opens write streams (``_StreamingStream``) that write a bytes item's pieces as they
@@ -24,14 +24,14 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 
-from async_stager._dcp.budget_records import Marker, PipelineSide, Streamed
+from async_stager._dcp.budget.records import Marker, PipelineSide, Streamed
 from async_stager._dcp.files import naming_file_system
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.storage import WriteResult
     from torch.futures import Future as TorchFuture
 
-__all__ = ["Marker", "PipelinePlanner", "PipelineWriter", "Streamed"]  # the stand-ins: budget_records
+__all__ = ["Marker", "PipelinePlanner", "PipelineWriter", "Streamed"]  # the stand-ins: records
 
 
 class PipelinePlanner(DefaultSavePlanner):
