@@ -283,3 +283,22 @@ async def test_deferred_wait_snapshot_point_is_the_call(tmp_path: Path) -> None:
             got: dict[str, Any] = {"t": torch.zeros(1 << 20), "rng": torch.Generator()}
             assert await ckpt.restore(got) == 2
             assert torch.equal(got["rng"].get_state(), at_call)
+
+
+async def test_close_with_a_memory_save_never_awaited(tmp_path: Path) -> None:
+    """A memory save called and never awaited (its coroutine still referenced) does not
+    hold the Checkpointer's close: its slot is given up at close."""
+    with short_base() as base:
+        async with agent_on_loop(base):
+            with anyio.fail_after(60):  # a hang guard: the close used to wait for ever
+                async with Checkpointer(
+                    tmp_path, agent=AgentClient("ck", base=base), persist_every=100
+                ) as ckpt:
+                    pending = ckpt.save(state_of(1), step=1)  # staged at the call, never awaited
+            assert await pending is False  # abandoned at the close
+            async with Checkpointer(tmp_path, agent=AgentClient("ck", base=base), persist_every=100) as ckpt:
+                assert await ckpt.save(state_of(2), step=2)
+                await ckpt.wait()
+                state = blank()
+                assert await ckpt.restore(state) == 2
+                assert_same(values(state), values(state_of(2)))
