@@ -148,6 +148,8 @@ class MemoryTier:
         self.dropped: list[int] = []
         #: Calls whose stage has not read its sources yet (``fence``).
         self._unread: set[anyio.Event] = set()
+        #: A snapshot was let go without the ranks' agreement (warned once).
+        self._forced = False
         #: Saves whose coroutine has not started: (busy, started, read, ticket).
         self._unstarted: dict[int, tuple[Any, list[bool], anyio.Event, Ticket | None]] = {}
         self._tg: anyio.abc.TaskGroup | None = None
@@ -454,13 +456,16 @@ class MemoryTier:
                 async with self._retaining:
                     step = forced(self.held_steps(), self._common)
                     if step is not None and len(self._held) > self.keep:
-                        _log.warning(
+                        # Once at WARNING (a rank that keeps failing would say it every step).
+                        _log.log(
+                            logging.DEBUG if self._forced else logging.WARNING,
                             "memory tier: rank %d has no buffer set free and the ranks share no newer step "
                             "than %s: letting go of step %d (a rank failed to commit a snapshot)",
                             self.rank,
                             self._common,
                             step,
                         )
+                        self._forced = True
                         await self._let_go([step])
                 if len(self._held) > self.keep:
                     return False
