@@ -1,8 +1,9 @@
 """Checkpointer: stage, write, commit, retain, verify and restore, as one awaitable.
 
 The facade over the checkpoint layer's parts, one job each: ``saves`` (the save
-policy: which saves stage, wait, are dropped, start writing), ``write`` (a save's
-write, checksum, commit and retention, in a worker thread of its own), ``commit``
+policy: which saves stage, wait, are dropped, start writing, whatever their route),
+``routes`` (how a save travels: staged, streamed, admitted by the node budget; each
+writes, checksums, commits and retains in a worker thread of its own), ``commit``
 (the commit protocol and retention on disk), ``restore`` (verify and load), and
 ``formats`` (how a folder is written and read: DCP or torch). ``save`` takes its
 snapshot at the call (a lease on the Stager's buffers) and returns once staged; the
@@ -35,7 +36,7 @@ from async_stager._checkpoint import (
 from async_stager._checkpoint.exiting import close_by, exit_fast_if_abandoned
 from async_stager._checkpoint.formats import format_for
 from async_stager._checkpoint.item import SaveItem
-from async_stager._checkpoint.node_budget import CreditLedger, check_largest
+from async_stager._checkpoint.node_budget import CreditLedger
 from async_stager._checkpoint.options import (
     CheckpointerOptions,
     Format,
@@ -47,6 +48,7 @@ from async_stager._checkpoint.options import (
 )
 from async_stager._checkpoint.progress import SaveProgress, SaveRequest, progress_of, status_line
 from async_stager._checkpoint.ranks import Ranks
+from async_stager._checkpoint.routes import DiskContext, Routes
 from async_stager._checkpoint.saved import SavedStream, Subscribers
 from async_stager._checkpoint.saves import SaveQueue
 from async_stager._checkpoint.statefuls import resolve
@@ -210,7 +212,8 @@ class Checkpointer:
         self._read_only = ""
         #: The coordinator's open made the folder (it did not exist).
         self._created = False
-        self._saves = SaveQueue(self.options, self._ranks, sets, self._deliver)
+        self._saves = SaveQueue(self.options, sets, self._deliver)
+        self._routes = Routes(self._format)
         self._request: SaveRequest | None = None
         self._streams = Subscribers()  # saved()'s iterators, held weakly
         self._leave_at: float | None = None
@@ -267,9 +270,9 @@ class Checkpointer:
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._loop_thread = threading.get_ident()
-        self._saves.open(
-            self._tg, Writer(self.options, self._format, ranks, token), self._stager, self._ledger
-        )
+        writer = Writer(self.options, self._format, ranks, token)
+        self._routes.open(DiskContext(self.options, ranks, writer, self._stager, self._ledger))
+        self._saves.open(self._tg)
         if self._tier is not None:
             self._tier.open(self._tg)
         return self
@@ -307,8 +310,6 @@ class Checkpointer:
             return None
         tg = self._tg
         self._closing = True  # no new saves; the queued ones still start
-        if self._tier is not None:
-            self._tier.closing()  # a memory save never awaited holds nothing
         request, self._request = self._request, None
         if request is not None:
             request._finish(None)  # never taken: no save answers it
@@ -472,17 +473,13 @@ class Checkpointer:
                 return _tiered.both(self._tier.save(resolve(state), step), _returns(False))
             return _returns(False)
         sd = resolve(state)
-        self._format.check_savable(sd)
-        largest = 0
-        if opts.node_budget_bytes is not None:
-            largest = check_largest(sd, opts.node_budget_bytes)  # refused at once
+        largest = self._routes.check(sd)  # what no route can save is refused at once
         # Both tiers: the memory snapshot's stage is submitted first (its snapshot
         # point), the disk save's right after, from the same resolved state.
         memory = self._tier.save(sd, step) if to_memory and self._tier is not None else None
-        # The snapshot point is this call, on the caller's current streams, whenever
-        # the policy lets the save stage (a deferred one stages from it later).
-        point = self.stager.snapshot_point(sd)
-        item = saves.submit(sd, step, t0, largest=largest, point=point)
+        # Its route takes its snapshot point now, on the caller's current streams,
+        # whenever the policy lets the save stage (a deferred one stages from it later).
+        item = saves.submit(self._routes.disk(sd, largest), step, t0)
         coro = saves.await_save(item)
         # A coroutine never awaited must not hold a buffer set or a place in the
         # commit order: it is abandoned when it dies, unless its write has started.

@@ -1,35 +1,46 @@
-"""One accepted ``save`` call of a Checkpointer (``SaveItem``), and clearing the frames
-an error holds: what the save policy (``saves``), the write (``write``), the node budget
-and the progress view all read, below all of them so none imports another's module.
+"""A save's core record (``SaveItem``), the interface of the routes a save travels
+(``Route``, and ``Lane``: what the save queue lends a route), and clearing the frames
+an error holds. Below the queue (``saves``), the writer (``write``), the routes
+(``routes``) and the progress view, so none of them imports another's module.
+
+A save is one record and one route. The record is what every save has: its call order
+(``seq``), its step, its phase, its timings, its events and its outcome. The route owns
+everything that depends on how the save travels (a lease and its staged copy, a
+budgeted job, the node budget's admission, the hand-over to the memory agent) and the
+steps that move it; the queue only orders saves and applies the policy, through the
+``Route`` methods, never asking which route a save takes.
 """
 
 from __future__ import annotations
 
+import abc
 import enum
 import threading
 import traceback
-from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
 if TYPE_CHECKING:
-    from async_stager._core.aio.lease import Lease
-    from async_stager._dcp.budget import BudgetedJob, BudgetStats
+    from collections.abc import Callable
 
-__all__ = ["Phase", "SaveItem", "clear_frames"]
+    import anyio.abc
+
+    from async_stager._checkpoint.options import SaveStats
+
+__all__ = ["Lane", "Phase", "Route", "SaveItem", "clear_frames"]
 
 
 class Phase(enum.Enum):
     """Where a save is; ``value`` is the phase ``SaveProgress`` shows (public strings).
 
-    The queue's phases: ``DEFERRED`` (waits for a buffer set, or for a write slot when
-    it streams), ``STAGING``, ``QUEUED`` (staged, waits for a write slot), ``WRITING``
-    (holds a write slot until its thread ends), ``DONE``. Within ``WRITING`` a save's
-    progress shows ``WRITING`` (its files) or ``COMMITTING`` (waits for the earlier
-    saves, then commits). A memory snapshot shows ``MEMORY_STAGING`` or
+    The queue's phases: ``DEFERRED`` (waits for a buffer set, its admission, or a write
+    slot when it streams), ``STAGING``, ``QUEUED`` (staged, waits for a write slot),
+    ``WRITING`` (holds a write slot until its thread ends), ``DONE``. Within ``WRITING``
+    a route shows ``WRITING`` (its files) or ``COMMITTING`` (waits for the earlier
+    saves, then commits); a memory snapshot shows ``MEMORY_STAGING`` or
     ``MEMORY_COMMITTING``."""
 
     DEFERRED = "deferred"
@@ -44,65 +55,22 @@ class Phase(enum.Enum):
 
 @dataclass(eq=False)
 class SaveItem:
-    """One accepted ``save`` call. ``phase``: see ``Phase``. ``read`` is set once its sources were read (or it
-    ended without reading them); ``done`` once it is committed, failed or dropped."""
+    """One accepted ``save`` call: the core record every route shares. ``read`` is set
+    once its sources were read (or it ended without reading them); ``done`` once it
+    is committed, failed or dropped."""
 
     seq: int
     step: int
-    read: anyio.Event
-    done: anyio.Event
+    route: Route
+    #: When ``save`` was called (monotonic seconds).
+    called: float
     phase: Phase = Phase.DEFERRED
-    #: Within ``WRITING``: ``WRITING`` (its files) or ``COMMITTING`` (waits for the
-    #: earlier saves, then commits). Set by the write's thread.
-    phase_detail: Phase | None = None
-    #: What its commit waits for beyond the earlier saves (a reader of the step it
-    #: replaces), for a person; "" when nothing. Set by the write's thread.
-    waiting_for: str = ""
-    #: Its tensor bytes, once known (at its write).
-    bytes: int | None = None
-    #: The resolved state, until its stage is submitted (or its pipeline built).
-    sd: dict[str, Any] | None = None
-    #: The submitted stage (``stager.lease`` coroutine), until it is awaited.
-    stage: Coroutine[Any, Any, Lease[dict[str, Any]]] | None = None
-    lease: Lease[dict[str, Any]] | None = None
-    #: Its snapshot point, taken at the ``save`` call on the caller's streams
-    #: (``Stager.snapshot_point``): a deferred save stages from it, whenever it stages.
-    point: Any = None
-    #: A budgeted save: its ``dcp.save`` job (``BudgetedJob``), run by its write's
-    #: thread; and the wait that its fence points, read at the call, order.
-    job: BudgetedJob | None = None
-    fence_wait: Callable[[], Awaitable[None]] | None = None
-    #: Its write's loop-side tasks were started (a write a thread started, when an
-    #: earlier one ended, gets them at the loop's next turn).
-    tasks: bool = False
-    digests: dict[str, dict[str, Any]] = field(default_factory=dict)
-    budget: list[BudgetStats] = field(default_factory=list)
+    read: anyio.Event = field(default_factory=anyio.Event)
+    done: anyio.Event = field(default_factory=anyio.Event)
+    #: Seconds from the call to its stage (or its write, when it streams), and that
+    #: its stage (or its last piece) took.
     queued: float = 0.0
     staged: float = 0.0
-    #: The write's own cancel scope (shielded from outer scopes): cancelled only to
-    #: drop a budgeted save whose caller was cancelled, or at a missed exit deadline.
-    scope: anyio.CancelScope = field(default_factory=lambda: anyio.CancelScope(shield=True))
-    #: The stage task's scope: cancelled when the caller cancels the save while staging.
-    stage_scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
-    committed: bool = False
-    #: When ``save`` was called (monotonic seconds).
-    called: float = 0.0
-    #: The caller awaited the save's coroutine / gave it up / its stage failed.
-    awaited: bool = False
-    cancelled: bool = False
-    #: Dropped by ``"coalesce"``: a newer save replaced it before its write.
-    superseded: bool = False
-    #: Its ``save()`` returned (the caller can no longer give it up): only then does it
-    #: replace older queued saves (``"coalesce"``), so a save cancelled before it
-    #: returned never drops the one it would have replaced.
-    returned: bool = False
-    #: The SaveRequest this save answers (``save_if_requested``), and its outcome.
-    request: Any = None
-    stats: Any = None
-    failure: BaseException | None = None
-    error: BaseException | None = None
-    #: Its write started (a budgeted save's pipeline, or a staged copy's write).
-    wrote: bool = False
     #: Set once it ended (by its write's thread, or on the loop): a thread event, so a
     #: later save's thread waits for it without the loop (commits in call order).
     finished: threading.Event = field(default_factory=threading.Event)
@@ -114,24 +82,28 @@ class SaveItem:
     #: The ``finished`` events of the saves called before it, taken when its write
     #: starts (every one of them is writing or ended then).
     earlier: list[threading.Event] = field(default_factory=list)
-    #: Node budget (``node_budget``): its largest tensor item's bytes (checked at
-    #: ``save()``); its admission is being decided (it counts as a buffer set's
-    #: holder meanwhile); how it met the budget (``Admission.path``) and the seconds it
-    #: waited for it; ``stream``: it streams through the budgeted pipeline.
-    largest: int = 0
-    admitting: bool = False
-    admission: str | None = None
-    node_wait: float = 0.0
-    stream: bool = False
-    #: A staged save's write, started in its thread (``Writer.start``), until awaited;
-    #: and the event its thread sets once the staged copy is free.
-    future: Future[Any] | None = None
-    freed: anyio.Event | None = None
-    #: Sets ``freed`` from any thread (made on the loop once it is staged).
-    on_freed: Callable[[], None] | None = None
-    #: A given-up budgeted save's wait for its thread (cancelled at a missed exit
-    #: deadline: the thread is then left to the process's end).
-    thread_wait: anyio.CancelScope | None = None
+    #: The caller awaited the save's coroutine / its ``save()`` returned (only then does
+    #: it replace older queued saves: a save cancelled before it returned never drops
+    #: the one it would have replaced) / the caller gave it up.
+    awaited: bool = False
+    returned: bool = False
+    cancelled: bool = False
+    #: Its write started; its loop-side tasks were started (a write a thread started,
+    #: when an earlier one ended, gets them at the loop's next turn).
+    wrote: bool = False
+    tasks: bool = False
+    #: What its commit waits for beyond the earlier saves (a reader of the step it
+    #: replaces), for a person; "" when nothing. Set by the write's thread.
+    waiting_for: str = ""
+    #: The outcome: committed; dropped by ``"coalesce"`` (a newer save replaced it before
+    #: its write); a refusal or stage failure for its caller (``error``); its write's
+    #: failure (``failure``); the commit's stats; the SaveRequest it answers.
+    committed: bool = False
+    superseded: bool = False
+    error: BaseException | None = None
+    failure: BaseException | None = None
+    stats: SaveStats | None = None
+    request: Any = None
 
     @property
     def ended(self) -> bool:
@@ -161,15 +133,122 @@ class SaveItem:
         for event in self.earlier:
             event.wait()
 
+
+class Lane(Protocol):
+    """What the save queue lends a route: its callbacks, on the loop (``end`` also from a
+    write's thread, under the queue's lock)."""
+
+    @property
+    def abandoned(self) -> bool:
+        """The exit deadline passed: nothing more is started or waited for."""
+
+    def advance(self) -> None:
+        """Move the saves forward (a buffer set or a write slot may be free)."""
+
+    def notify(self) -> None:
+        """Wake the callers waiting on the saves' state."""
+
+    def end(self, item: SaveItem) -> None:
+        """``item`` leaves the queue (idempotent)."""
+
+    def staged(self, item: SaveItem) -> None:
+        """``item`` is staged (``QUEUED``): the policy may apply (``"coalesce"``)."""
+
+
+class Route(abc.ABC):
+    """How one save travels from ``save()`` to its commit: the state it owns and the
+    steps that move it. The queue calls these, in its own order and policy; each
+    answers for this route only. Every method runs on the loop unless it says
+    otherwise.
+
+    Common to every route: its write's thread (``future``), the write's own cancel
+    scope (shielded from outer scopes; cancelled to give up a save before its sources
+    were read, or at a missed exit deadline), and what a progress view shows of the
+    write (``bytes`` once known, ``writing``: ``WRITING`` or ``COMMITTING``, set by
+    the write's thread)."""
+
+    def __init__(self) -> None:
+        self.future: Future[SaveStats] | None = None
+        self.scope = anyio.CancelScope(shield=True)
+        self.bytes: int | None = None
+        self.writing = Phase.WRITING
+
+    # -- accepting and buffer sets ---------------------------------------------------
+
+    def accept(self, item: SaveItem) -> bool:
+        """At ``submit``: prepare what must be read at the call. False: refused
+        (``item.error`` is raised to the caller; it is never queued)."""
+        return True
+
+    def holds_set(self, item: SaveItem) -> bool:
+        """It holds one of the queue's buffer sets, or is about to."""
+        return False
+
+    def wants_set(self, item: SaveItem) -> bool:
+        """``DEFERRED`` and waiting for a buffer set to move on."""
+        return False
+
+    def take_set(self, item: SaveItem, lane: Lane, tg: anyio.abc.TaskGroup) -> None:
+        """A buffer set is free for it (``wants_set``): start its stage (or what
+        decides how it stages), in a task of ``tg``."""
+        raise AssertionError(f"{type(self).__name__} takes no buffer set")
+
+    # -- the write ----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def writable(self, item: SaveItem, *, in_thread: bool = False) -> bool:
+        """It may take a write slot now (its turn in call order is the queue's);
+        ``in_thread``: asked from a write's thread that just ended, off the loop."""
+
+    def prepare_write(self, item: SaveItem) -> bool:
+        """Just before its write starts (under the queue's lock): False if it cannot
+        (``item.error`` is set; the queue ends it)."""
+        return True
+
+    @abc.abstractmethod
+    def start_write(self, item: SaveItem, then: Callable[[], None]) -> None:
+        """Start its write in a thread of its own, now (under the queue's lock, on the
+        loop or in the thread of a write that just ended): sets ``future``. ``then`` is
+        called in that thread once it ended."""
+
+    def start_tasks(self, item: SaveItem, lane: Lane, tg: anyio.abc.TaskGroup) -> None:
+        """The loop-side tasks of its started write, besides the queue's own (its end,
+        its progress records)."""
+
+    @abc.abstractmethod
+    async def wait_write(self, item: SaveItem, lane: Lane) -> SaveStats:
+        """Wait for its write's thread (inside ``scope``): its stats, or its error
+        raised (``GivenUp`` when its caller gave it up in time)."""
+
+    async def write(self, item: SaveItem, lane: Lane) -> SaveStats | None:
+        """Its write, inside its shielded ``scope``; None if the scope was cancelled
+        (given up before its sources were read, or at a missed exit deadline)."""
+        with self.scope:  # shielded: outer cancellation does not stop a write
+            return await self.wait_write(item, lane)
+        return None
+
+    # -- its caller, cancelling, leaving -----------------------------------------------
+
+    @abc.abstractmethod
+    def returns(self, item: SaveItem, *, coalesce: bool) -> bool:
+        """Its caller's ``save()`` may return now (what "staged" means on this route);
+        ``coalesce``: the policy lets a queued save return."""
+
+    def cancel(self, item: SaveItem) -> None:
+        """Its caller gave it up while it was ``STAGING`` or ``WRITING`` (``cancelled``
+        and ``settled`` are set): stop what may stop. A started write's thread sees
+        ``cancelled`` before it writes, and again before it commits."""
+
+    def abandon(self, item: SaveItem) -> None:
+        """The exit deadline passed: cancel every wait of its own."""
+        self.scope.cancel()
+
     def release(self) -> None:
-        """Give its staged copy back (idempotent)."""
-        lease, self.lease = self.lease, None
-        if lease is not None:
-            lease.release()
-        self.sd = None
-        stage, self.stage = self.stage, None
-        if stage is not None:
-            stage.close()  # never awaited: no warning; the stager abandons its job
+        """It left the queue: give back what it holds (idempotent)."""
+
+    async def discard(self, item: SaveItem) -> None:
+        """Remove what its write left after it failed or was given up. Cancellation:
+        deferred until it is removed."""
 
 
 def clear_frames(exc: BaseException) -> None:

@@ -37,7 +37,6 @@ A budget smaller than the largest single tensor is refused at ``save()``
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
@@ -56,7 +55,6 @@ from async_stager.errors import BudgetTooSmallError, NodeBudgetError
 _log = logging.getLogger("async_stager.checkpoint")
 
 if TYPE_CHECKING:
-    from async_stager._checkpoint.item import SaveItem
     from async_stager._core.aio.stager import Stager
 
 __all__ = [
@@ -64,7 +62,6 @@ __all__ = [
     "Admission",
     "CreditLedger",
     "admit",
-    "admit_item",
     "check_largest",
     "ranks_on_node",
     "yield_idle",
@@ -294,51 +291,6 @@ def admit(ledger: CreditLedger, stager: Stager, sd: dict[str, Any], largest: int
     floor_part.release()
     ledger.add_credit(staged)
     return Admission("staged", waited, new, "granted")
-
-
-async def admit_item(
-    ledger: CreditLedger, stager: Stager, item: SaveItem
-) -> Literal["admitted", "failed", "dropped"]:
-    """On the loop: decide how ``item`` meets the node budget (``admit``, in a thread:
-    it may wait up to ``ADMIT_SECONDS`` in the node's ticket order) and say so in the log
-    (INFO on ``async_stager.checkpoint`` when it waited or streams). ``"admitted"``: it
-    stages (the granted bytes are the ledger's credit for its stage) or streams
-    (``item.stream``; this rank's idle staging memory was given back first, for its
-    share); ``"failed"``: ``item.error`` is set, for its caller; ``"dropped"``: it was
-    given up (a coroutine dropped unawaited, a caller cancelled) and is not saved.
-    Cancellation: deferred until the thread returns (it is bounded)."""
-    sd = item.sd
-    if sd is None or item.ended:
-        item.admitting = False
-        return "dropped"
-    try:
-        adm = await run_in_thread(
-            functools.partial(admit, ledger, stager, sd, item.largest), name="async-stager-admit"
-        )
-    except Exception as exc:  # noqa: BLE001 - raised to the save's caller
-        item.admitting = False
-        item.error = exc
-        return "failed"
-    item.admitting = False
-    item.admission, item.node_wait = adm.path, adm.waited
-    if item.ended or item.cancelled:
-        ledger.drop_credit()
-        return "dropped"
-    if adm.path == "streamed" or adm.waited >= 0.01:
-        _log.info(
-            "checkpoint step %d: %s after %.3f s at the node budget (%d bytes): %s",
-            item.step,
-            adm.path,
-            adm.waited,
-            ledger.budget,
-            adm.why,
-        )
-    if adm.path == "streamed":
-        item.stream = True
-        released = await stager.trim()
-        if released:
-            _log.info("checkpoint step %d: gave back %d idle staging bytes to stream", item.step, released)
-    return "admitted"
 
 
 async def yield_idle(stager: Stager, ledger: NodeLedger) -> None:

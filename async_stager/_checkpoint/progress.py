@@ -87,12 +87,13 @@ def progress_of(item: SaveItem, now: float | None = None, rate: float | None = N
     """``item`` as a SaveProgress; ``rate``: the previous commit's bytes per second."""
     now = time.monotonic() if now is None else now
     staged = item.staged if item.phase in (Phase.QUEUED, Phase.WRITING) else None
-    phase = item.phase_detail or item.phase if item.phase is Phase.WRITING else item.phase
+    phase = item.route.writing if item.phase is Phase.WRITING else item.phase
+    nbytes = item.route.bytes
     eta = None
-    if rate and item.bytes is not None and phase is Phase.WRITING:
-        eta = max(0.0, item.bytes / rate - (now - item.called - (staged or 0.0)))
+    if rate and nbytes is not None and phase is Phase.WRITING:
+        eta = max(0.0, nbytes / rate - (now - item.called - (staged or 0.0)))
     waiting = item.waiting_for or None if phase is Phase.COMMITTING else None
-    return SaveProgress(item.step, phase.value, now - item.called, staged, item.bytes, eta, waiting)
+    return SaveProgress(item.step, phase.value, now - item.called, staged, nbytes, eta, waiting)
 
 
 def describe(item: SaveItem, rate: float | None = None) -> str:

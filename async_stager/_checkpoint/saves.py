@@ -1,36 +1,37 @@
-"""The save policy: which accepted saves stage, wait, are dropped, and start writing.
+"""The save queue: the policy that orders a Checkpointer's saves, whatever their route.
 
-A ``SaveItem`` is one accepted ``save`` call; ``SaveQueue`` moves the items forward,
-oldest first: it submits stages while buffer sets are free (a deferred save's snapshot
-point), applies the policy (``"wait"``, ``"skip"``, ``"coalesce"``), and starts writes
-while write slots are free, strictly in call order. The write itself (``Writer``) runs
-in a thread of its own; what comes back to the loop is only its end and the moment the
-staged copy is free, so the loop-side state here changes only on the loop.
+A ``SaveItem`` is one accepted ``save`` call and its ``Route`` (``item``; the routes
+are in ``routes``). ``SaveQueue`` moves the items forward, oldest first: it lends free
+buffer sets to the saves that wait for one, applies the policy (``"wait"``,
+``"skip"``, ``"coalesce"``), starts writes while write slots are free
+(``max_in_flight``), strictly in call order, and delivers the commits in call order.
+It asks each route what it needs through the ``Route`` methods and never which route
+a save takes. A write runs in a thread of its own; what comes back to the loop is only
+its end (and what its route's own tasks wait for), so the loop-side state here changes
+only on the loop, except a queued save's write, which the thread of a write that ended
+may start (under the queue's lock).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
 
 from async_stager._checkpoint.disk import checkpoint_failure
 from async_stager._checkpoint.item import Phase, SaveItem, clear_frames
-from async_stager._checkpoint.node_budget import CreditLedger, admit_item, yield_idle
 from async_stager._checkpoint.options import CheckpointerOptions, SaveStats
 from async_stager._checkpoint.progress import report_progress
-from async_stager._checkpoint.ranks import Ranks
-from async_stager._checkpoint.write import GivenUp, Writer
-from async_stager._core.aio.waiting import threadsafe, wait_future
+from async_stager._checkpoint.write import GivenUp
+from async_stager._core.aio.waiting import threadsafe
 from async_stager.errors import ClosedError
 
 if TYPE_CHECKING:
-    from async_stager._core.aio.stager import Stager
+    from async_stager._checkpoint.item import Route
 
 __all__ = ["SaveQueue"]
 
@@ -40,19 +41,12 @@ _log = logging.getLogger("async_stager.checkpoint")
 class SaveQueue:
     """The accepted saves of one Checkpointer and the policy that moves them.
 
-    ``sets``: buffer sets a save may hold at once; ``deliver``: called on the loop with
-    each commit's stats. Opened with the Checkpointer (``open``): its task group, its
-    writer and its stager."""
+    ``sets``: buffer sets the saves may hold at once; ``deliver``: called on the loop
+    with each commit's stats, in commit order. Opened with the Checkpointer (``open``:
+    its task group)."""
 
-    def __init__(
-        self,
-        options: CheckpointerOptions,
-        ranks: Ranks,
-        sets: int,
-        deliver: Callable[[SaveStats], None],
-    ) -> None:
+    def __init__(self, options: CheckpointerOptions, sets: int, deliver: Callable[[SaveStats], None]) -> None:
         self.options = options
-        self.ranks = ranks
         self.sets = sets
         self.deliver = deliver
         self.items: list[SaveItem] = []
@@ -65,9 +59,6 @@ class SaveQueue:
         self.rate: float | None = None
         self._changed: anyio.Event | None = None
         self._tg: anyio.abc.TaskGroup | None = None
-        self._writer: Writer | None = None
-        self._stager: Stager | None = None
-        self._ledger: CreditLedger | None = None
         #: Guards what a write's thread may change when it ends (``_next_in_thread``)
         #: against the loop: a queued save's phase, the items' order of writes.
         self._lock = threading.RLock()
@@ -85,10 +76,8 @@ class SaveQueue:
         """Writes holding a slot: started, their thread not ended."""
         return sum(1 for i in self.items if i.phase is Phase.WRITING and not i.finished.is_set())
 
-    def open(
-        self, tg: anyio.abc.TaskGroup, writer: Writer, stager: Stager, ledger: CreditLedger | None = None
-    ) -> None:
-        self._tg, self._writer, self._stager, self._ledger = tg, writer, stager, ledger
+    def open(self, tg: anyio.abc.TaskGroup) -> None:
+        self._tg = tg
         self._changed = anyio.Event()
         self.abandoned = False
         # A write's thread that started the next write asks the loop to start its
@@ -119,16 +108,6 @@ class SaveQueue:
     def close(self) -> None:
         self._tg = None
 
-    @property
-    def writer(self) -> Writer:
-        assert self._writer is not None
-        return self._writer
-
-    @property
-    def stager(self) -> Stager:
-        assert self._stager is not None
-        return self._stager
-
     # -- changes -----------------------------------------------------------------------
 
     def notify(self) -> None:
@@ -150,17 +129,13 @@ class SaveQueue:
 
     # -- accepting -----------------------------------------------------------------------
 
-    def submit(
-        self, sd: dict[str, Any], step: int, called: float, *, largest: int = 0, point: Any = None
-    ) -> SaveItem:
-        """Accept a save; ``point``: its snapshot point, taken at the call on the
-        caller's streams (every stage or pipeline of it starts from there)."""
-        item = SaveItem(
-            self.seq, step, anyio.Event(), anyio.Event(), sd=sd, called=called, largest=largest, point=point
-        )
+    def submit(self, route: Route, step: int, called: float) -> SaveItem:
+        """Accept a save of ``step`` along ``route`` (``called``: when ``save`` was
+        called). A route that refuses it at its start (``Route.accept``) leaves it
+        ended, its error for the caller: never queued."""
+        item = SaveItem(self.seq, step, route, called)
         self.seq += 1
-        if self.options.host_budget_bytes is not None and not self._make_job(item):
-            # Refused at its start (raised to the save's caller): never queued.
+        if not route.accept(item):
             item.phase = Phase.DONE
             for event in (item.settled, item.finished):
                 event.set()
@@ -189,17 +164,13 @@ class SaveQueue:
         """Saves not yet ended: their write's thread has not finished (or not started)."""
         return sum(1 for i in self.items if not i.finished.is_set())
 
-    def _holders(self) -> int:
-        """Buffer sets held or about to be: saves staging, and staged copies not yet
-        released (queued, or being written)."""
-        return sum(1 for i in self.items if i.phase is Phase.STAGING or i.lease is not None or i.admitting)
-
     def advance(self) -> None:
-        """Move the saves forward, oldest first: submit stages while buffer sets are
-        free (the snapshot point of a deferred save), then start writes while slots are
-        free, strictly in call order (a save never starts writing before an older one,
-        so a commit never waits for a save that waits for its slot). Runs in background
-        tasks and at each call: a save progresses whether or not its caller awaits."""
+        """Move the saves forward, oldest first: lend free buffer sets to the saves that
+        wait for one (a deferred save stages from its snapshot point), then start writes
+        while slots are free, strictly in call order (a save never starts writing before
+        an older one, so a commit never waits for a save that waits for its slot). Runs
+        in background tasks and at each call: a save progresses whether or not its
+        caller awaits."""
         with self._lock:
             self._advance()
 
@@ -210,90 +181,55 @@ class SaveQueue:
         for item in self.items:
             if item.phase is Phase.WRITING and not item.tasks:
                 self._start_tasks(tg, item)  # its write a thread started
-        opts = self.options
-        budgeted = opts.host_budget_bytes is not None
-        if not budgeted:
-            free = self.sets - self._holders()
-            for item in self.items:
-                if free <= 0:
-                    break
-                if item.phase is not Phase.DEFERRED or item.sd is None or item.stream or item.admitting:
-                    continue
-                if self._ledger is not None and item.admission is None:
-                    # The node budget first (a worker thread): staged or streamed.
-                    item.admitting = True
-                    tg.start_soon(self._admit_task, item)
-                else:
-                    item.stage = self.stager.lease(
-                        item.sd, checksums=self._checksums_while_staging(), at=item.point
-                    )
-                    item.sd = None
-                    item.phase = Phase.STAGING
-                    item.queued = time.monotonic() - item.called
-                    tg.start_soon(self._stage_task, item)
-                free -= 1
+        free = self.sets - sum(1 for i in self.items if i.route.holds_set(i))
         for item in self.items:
-            if self.writing >= opts.max_in_flight:
+            if free <= 0:
                 break
-            if item.phase is Phase.QUEUED:
-                self._start_write(tg, item)
-            elif (budgeted or item.stream) and item.phase is Phase.DEFERRED:
-                self._start_budgeted(tg, item)
-            elif item.phase is not Phase.WRITING:
+            if item.phase is Phase.DEFERRED and item.route.wants_set(item):
+                item.route.take_set(item, self, tg)
+                free -= 1
+        for item in list(self.items):
+            if self.writing >= self.options.max_in_flight:
                 break
+            if item.phase is Phase.WRITING:
+                continue
+            if not item.route.writable(item):
+                break
+            if self._begin_write(item):
+                self._start_tasks(tg, item)
         self.notify()
 
-    def _checksums_while_staging(self) -> bool:
-        """Never: the write's thread hashes the staged host copy beside the write (the
-        bytes as staged, before they reach the disk), on every device. On the CPU,
-        hashing in the copy threads lengthened the caller's blocked time; on a GPU the
-        device hash reads the source at another moment than the copy, so a buffer that
-        training writes during an overlapped stage (BatchNorm's running statistics)
-        made restore reject a checkpoint written correctly. ``stager.lease(sd,
-        checksums=True)`` keeps the device hash for callers who want it."""
-        return False
-
-    def _start_write(self, tg: anyio.abc.TaskGroup, item: SaveItem) -> None:
-        self._begin_write(item)
-        self._start_tasks(tg, item)
-
-    def _begin_write(self, item: SaveItem) -> None:
+    def _begin_write(self, item: SaveItem) -> bool:
         """Start ``item``'s write in a thread of its own, now (holding ``_lock``; on the
         loop, or in the thread of a write that just ended): not in a task, which would
         run only at the loop's next turn, which a training loop that does not yield
-        never gives. Its loop-side tasks follow (``_start_tasks``)."""
+        never gives. Its loop-side tasks follow (``_start_tasks``). False: its route
+        could not start it (its error is for its caller; it ended)."""
+        if not item.route.prepare_write(item):
+            self.end(item)
+            return False
         item.phase = Phase.WRITING
-        item.phase_detail = Phase.WRITING
         item.wrote = True
         if not item.awaited:
             item.settled.set()  # nobody waits in save(): nobody can give it up now
         item.earlier = [i.finished for i in self.items if i.seq < item.seq]
-        if item.lease is not None:
-            # Its thread calls ``on_freed`` once the staged copy is written and hashed;
-            # a task then gives the copy back. Hazard: a thread-safe callback runs
-            # outside any task, where anyio cannot start tasks, so the thread only sets
-            # an event that a task waits on.
-            assert item.on_freed is not None
-            item.future = self.writer.start(item, item.lease, item.on_freed, then=self._next_in_thread)
-        elif item.job is not None:
-            item.future = self.writer.start_budgeted(item, then=self._next_in_thread)
+        item.route.start_write(item, self._next_in_thread)
+        return True
 
     def _start_tasks(self, tg: anyio.abc.TaskGroup, item: SaveItem) -> None:
-        """The loop-side part of a started write: its end, the moment its staged copy is
-        free, its progress records, and (budgeted) the moment its sources were read."""
+        """The loop-side part of a started write: its route's tasks, its end, and its
+        progress records."""
         item.tasks = True
-        if item.freed is not None:
-            tg.start_soon(self._release_when, item, item.freed)
+        item.route.start_tasks(item, self, tg)
         tg.start_soon(self._write_task, item)
         tg.start_soon(report_progress, item, lambda: self.rate)
-        if item.job is not None:
-            tg.start_soon(self._budget_fence_task, item)
 
     def _next_in_thread(self) -> None:
-        """A write's thread ended (in that thread): start the next queued staged save's
-        write at once, if a slot is free and every older save is writing or ended (the
-        order ``advance`` keeps), so a queued save (``"coalesce"``, ``"wait"``) does not
-        wait for the loop's next turn. Its loop-side tasks start at that turn."""
+        """A write's thread ended (in that thread): start the next queued save's write
+        at once, if a slot is free, its route lets a thread start it, and every older
+        save is writing or ended (the order ``advance`` keeps), so a queued save
+        (``"coalesce"``, ``"wait"``) does not wait for the loop's next turn. Its
+        loop-side tasks start at that turn."""
         started = False
         with self._lock:
             if self._tg is None or self.abandoned:
@@ -303,12 +239,20 @@ class SaveQueue:
                     break
                 if item.phase is Phase.WRITING:
                     continue
-                if item.phase is not Phase.QUEUED or item.on_freed is None:
+                if not item.route.writable(item, in_thread=True):
                     break
-                self._begin_write(item)
-                started = True
+                started = self._begin_write(item) or started
         if started and self._wake is not None:
             self._wake()
+
+    def staged(self, item: SaveItem) -> None:
+        """``item``'s route staged it: it is queued for a write slot, its sources read."""
+        with self._lock:
+            item.phase = Phase.QUEUED
+        item.read.set()
+        self.advance()
+        self.coalesce()
+        self.notify()
 
     def end(self, item: SaveItem, *, dropped: bool = False) -> None:
         """An item leaves: committed, failed, dropped or abandoned (idempotent)."""
@@ -316,7 +260,7 @@ class SaveQueue:
             if item.phase is Phase.DONE:
                 return
             item.phase = Phase.DONE
-            item.release()
+            item.route.release()
             item.settled.set()
             item.finished.set()
             item.read.set()
@@ -336,19 +280,12 @@ class SaveQueue:
     def cancel(self, item: SaveItem) -> None:
         """The caller gave the save up before it returned: nothing is saved for it."""
         with self._lock:  # a queued save's write may start in another's thread
-            self._cancel(item)
-
-    def _cancel(self, item: SaveItem) -> None:
-        item.cancelled = True
-        item.settled.set()  # after ``cancelled``: the write's thread reads it next
-        if item.phase is Phase.STAGING:
-            item.stage_scope.cancel()  # the stage task ends it
-        elif item.phase in (Phase.DEFERRED, Phase.QUEUED):
-            self.end(item)
-        elif item.phase is Phase.WRITING and item.lease is None and not item.read.is_set():
-            item.scope.cancel()  # a budgeted save before its last piece: nothing committed
-        # A staged save already handed its write slot: the write's thread sees
-        # ``cancelled`` before it writes, and again before it commits.
+            item.cancelled = True
+            item.settled.set()  # after ``cancelled``: the write's thread reads it next
+            if item.phase in (Phase.DEFERRED, Phase.QUEUED):
+                self.end(item)
+            elif item.phase is not Phase.DONE:
+                item.route.cancel(item)
 
     def abandon(self) -> None:
         """The exit deadline passed: stop waiting for the saves in flight (their
@@ -360,68 +297,12 @@ class SaveQueue:
             if item.phase is Phase.WRITING:
                 item.cancelled = True  # its thread checks it before it commits
                 item.settled.set()
-                item.scope.cancel()
-                item.stage_scope.cancel()  # (a budgeted save's wait for its last piece)
-                if item.thread_wait is not None:
-                    item.thread_wait.cancel()
+                item.route.abandon(item)
             else:
-                item.stage_scope.cancel()
+                item.route.abandon(item)
                 self.end(item)
 
-    # -- the node budget ------------------------------------------------------------------
-
-    async def _admit_task(self, item: SaveItem) -> None:
-        """How a save meets the node budget (``node_budget.admit_item``), then on with
-        it: a failure ends it (raised to its caller), a save given up meanwhile is not
-        saved, else it stages or streams. Cancellation: as ``admit_item``."""
-        assert self._ledger is not None
-        outcome = await admit_item(self._ledger, self.stager, item)
-        if outcome == "failed":
-            self.end(item)
-        elif outcome == "admitted":
-            self.advance()
-            self.notify()
-
-    async def _yield_idle(self) -> None:
-        if self._ledger is not None:
-            await yield_idle(self.stager, self._ledger)
-
-    # -- staging -------------------------------------------------------------------------
-
-    async def _stage_task(self, item: SaveItem) -> None:
-        """Finish a submitted stage (in the background: the caller may await later)."""
-        stage, item.stage = item.stage, None
-        if stage is None:
-            # Ended (abandoned at a missed exit deadline, given up) before this task
-            # ran: its stage was closed with it.
-            self.end(item)
-            return
-        t1 = time.monotonic()
-        lease = None
-        try:
-            with item.stage_scope:  # cancelled when the caller cancels its save
-                lease = await stage
-        except Exception as exc:  # noqa: BLE001 - the stage failed: raised to the save's caller
-            item.error = exc
-        del stage
-        if self._ledger is not None:
-            self._ledger.drop_credit()  # what the stage did not draw of its admission
-        if lease is not None and (item.cancelled or item.phase is Phase.DONE):
-            lease.release()
-            lease = None
-        if lease is None:
-            self.end(item)
-            return
-        item.lease = lease
-        item.staged = time.monotonic() - t1
-        freed = item.freed = anyio.Event()
-        item.on_freed = threadsafe(freed.set)
-        with self._lock:
-            item.phase = Phase.QUEUED
-        item.read.set()
-        self.advance()
-        self.coalesce()
-        self.notify()
+    # -- the policy --------------------------------------------------------------------
 
     def coalesce(self) -> None:
         """``"coalesce"``: of the queued saves, keep the newest whose ``save()``
@@ -431,84 +312,24 @@ class SaveQueue:
         if self.options.policy != "coalesce":
             return
         with self._lock:
-            self._coalesce()
-
-    def _coalesce(self) -> None:
-        kept = [i.seq for i in self.items if i.phase is Phase.QUEUED and i.returned]
-        if not kept:
-            return
-        newest = max(kept)
-        for older in [i for i in self.items if i.phase is Phase.QUEUED and i.seq < newest]:
-            self.end(older, dropped=True)
-
-    def _make_job(self, item: SaveItem) -> bool:
-        """Build a budgeted save's job (``dcp.save``'s checks and pipeline) from its
-        snapshot point; its fence points are read now (the caller's streams, when
-        called at ``save()``). A refusal is raised to the save's caller."""
-        from async_stager._dcp.budget import BudgetSettings, budgeted_save
-
-        ranks, ledger = self.ranks, self._ledger
-        try:
-            settings = BudgetSettings(
-                self.options.host_budget_bytes or (ledger.budget if ledger is not None else 0),
-                str(self.writer.tmp(item)),
-                process_group=ranks.group,
-                no_dist=not ranks.distributed,
-                on_stats=item.budget.append,
-                digests=item.digests if self.options.checksums else None,
-                ledger=ledger,
-                captures=item.point,
-            )
-            job = budgeted_save(item.sd or {}, self.stager, settings)
-        except Exception as exc:  # noqa: BLE001 - refused at its start: raised to the save's caller
-            item.error = exc
-            return False
-        item.job = job
-        item.fence_wait = job.pipeline.fence(at_call=True)  # the streams of the save() call
-        return True
-
-    def _start_budgeted(self, tg: anyio.abc.TaskGroup, item: SaveItem) -> None:
-        """Start a budgeted save's write (building its job first if a node budget's
-        admission chose it); a task of its own waits until its last piece is copied
-        (``item.read``)."""
-        item.queued = time.monotonic() - item.called
-        ledger = self._ledger
-        if ledger is not None and item.admission is None:
-            item.admission = "streamed"
-        if item.job is None and not self._make_job(item):
-            self.end(item)
-            return
-        self._start_write(tg, item)
-
-    async def _budget_fence_task(self, item: SaveItem) -> None:
-        t1 = time.monotonic()
-        try:
-            if item.fence_wait is not None:
-                # Its last piece enqueued, and the streams read at its call ordered
-                # after its copies (no host wait). Cancelled at a missed exit deadline.
-                with item.stage_scope:
-                    await item.fence_wait()
-        finally:
-            item.staged = time.monotonic() - t1
-            item.read.set()
-            self.notify()
+            kept = [i.seq for i in self.items if i.phase is Phase.QUEUED and i.returned]
+            if not kept:
+                return
+            newest = max(kept)
+            for older in [i for i in self.items if i.phase is Phase.QUEUED and i.seq < newest]:
+                self.end(older, dropped=True)
 
     async def await_save(self, item: SaveItem) -> bool:
-        """The caller's side of a save: wait until it is staged (``"coalesce"``: queued
-        is enough; ``"wait"``: until its write started; budgeted: until its last piece
-        is copied). Cancellation: before that, the save is given up."""
+        """The caller's side of a save: wait until its route says it may return (staged;
+        ``"coalesce"``: queued is enough). Cancellation: before that, the save is given
+        up."""
         item.awaited = True
-        opts = self.options
+        coalesce = self.options.policy == "coalesce"
         try:
             while True:
                 if item.error is not None:
                     raise item.error
-                if opts.host_budget_bytes is not None or item.stream:
-                    if item.read.is_set() and item.phase is not Phase.DEFERRED:
-                        break
-                elif item.phase is Phase.WRITING or (
-                    item.phase is Phase.QUEUED and opts.policy == "coalesce"
-                ):
+                if item.route.returns(item, coalesce=coalesce):
                     break
                 if item.phase is Phase.DONE:
                     if item.committed or item.wrote or item.superseded:
@@ -528,13 +349,12 @@ class SaveQueue:
         self.coalesce()
         return True
 
-    # -- writing -------------------------------------------------------------------------
+    # -- a write's end -------------------------------------------------------------------
 
     async def _write_task(self, item: SaveItem) -> None:
-        writer = self.writer
         stats: SaveStats | None = None
         try:
-            outcome = await self._write_outcome(writer, item)
+            outcome = await self._write_outcome(item)
             if isinstance(outcome, BaseException):
                 # Caught one frame down, in a frame that has returned: clearing the
                 # error's frames then reaches every frame that held the staged copy
@@ -546,7 +366,7 @@ class SaveQueue:
         finally:
             item.finished.set()  # (the thread's end) later commits need not wait for the loop
             if not item.committed and not self.abandoned:
-                await writer.discard(item)
+                await item.route.discard(item)
             self.end(item)
         if stats is not None:
             self.rate = stats.bytes_per_second or self.rate
@@ -564,54 +384,17 @@ class SaveQueue:
                 break
             self.deliver(self._undelivered.pop(seq))
 
-    async def _write_outcome(self, writer: Writer, item: SaveItem) -> SaveStats | BaseException | None:
+    async def _write_outcome(self, item: SaveItem) -> SaveStats | BaseException | None:
         """Run the write: its stats, its failure (returned, not raised), or None when
         its caller gave it up before ``save()`` returned (nothing committed)."""
         from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
         try:
-            with item.scope:  # shielded: outer cancellation does not stop a write
-                return await self._write(writer, item)
+            return await item.route.write(item, self)
         except GivenUp:
             return None
         except (Exception, CheckpointException) as group:  # noqa: BLE001 - kept for the next save/wait
             return group
-        return None  # its scope was cancelled (a budgeted save given up): nothing committed
-
-    async def _write(self, writer: Writer, item: SaveItem) -> SaveStats:
-        fut, item.future = item.future, None
-        if fut is None:
-            if item.job is not None:
-                item.job.forget()  # never started: its fence hook must go now
-            raise GivenUp
-        try:
-            return await wait_future(fut)
-        except BaseException:
-            if item.job is not None and not fut.done():
-                # A budgeted save given up before its last piece (its scope cancelled):
-                # stop its copies and wait for its thread, unless the exit deadline
-                # passed (then the thread is left to the process's end).
-                item.job.abort()
-                if not self.abandoned:
-                    # Shielded, but not past a missed exit deadline (``abandon``
-                    # cancels it): a value's serialization may ignore the abort.
-                    with anyio.CancelScope(shield=True) as item.thread_wait:
-                        try:
-                            await wait_future(fut)
-                        except BaseException:  # noqa: BLE001 - its failure (DCP's CheckpointException is one): given up
-                            pass
-            raise
-        finally:
-            if item.freed is not None:
-                item.freed.set()  # the write ended (or failed) before it said so
-
-    async def _release_when(self, item: SaveItem, freed: anyio.Event) -> None:
-        await freed.wait()
-        if item.phase is Phase.WRITING:
-            item.release()  # the staged buffers are free for the next stage
-            self.advance()
-            if self._ledger is not None:
-                await self._yield_idle()
 
     def _record_failure(self, item: SaveItem, group: BaseException) -> None:
         exc: BaseException = group

@@ -1,16 +1,12 @@
-"""One Checkpointer save, from its staged copy to its commit, in a worker thread.
+"""The steps every save to the folder shares, in its write's thread: ``Writer``.
 
-``Writer.write_and_commit`` is the whole background part of a staged save as one
-blocking function: make the save's folder, write the staged copy through its format
-while the staged bytes are hashed beside it, hand the staged copy back, wait for every
-earlier save to end (commits happen in call order), commit on the coordinator and
-retire old checkpoints. It runs in one daemon thread per save, so a save progresses
-whether or not the event loop gets turns: the training loop's only awaits may be
-``fence()`` and ``save()``. Only the end (its stats or its error) and the moment the
-staged copy is free are delivered to the loop.
-
-A budgeted save (``host_budget_bytes``) is a pipeline of pieces driven from the loop
-(``_dcp/budget``); its folder, keys and commit use the same steps here, awaited.
+A route (``routes``) runs its whole write in a daemon thread of its own
+(``Writer.start``), so a save progresses whether or not the event loop gets turns: the
+training loop's only awaits may be ``fence()`` and ``save()``. Through the writer it
+makes the save's folder and checks that the ranks save the same step (``begin``),
+commits on the coordinator and retires old checkpoints (``commit``), and reports its
+stats (``stats``); a failed or given-up save's folder is removed (``discard``). Only
+the end (its stats or its error) is delivered to the loop, by the thread's Future.
 
 Hazards: the collectives (several ranks) run in the save's thread, one save at a time,
 in call order on every rank (a save's thread first waits for every earlier save to
@@ -31,11 +27,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from async_stager._checkpoint import commit as _commit, holds as _holds, integrity as _integrity
 from async_stager._checkpoint.disk import failure_reason
 from async_stager._checkpoint.formats import CheckpointFormat
-from async_stager._checkpoint.item import Phase
 from async_stager._checkpoint.manifest import MANIFEST
 from async_stager._checkpoint.options import CheckpointerOptions, SaveStats
 from async_stager._checkpoint.ranks import Ranks
-from async_stager._checkpoint.statefuls import staged_bytes, typed_paths, write_typed_paths
 from async_stager._core.aio.threads import run_in_thread, start_thread
 from async_stager._core.checksum.digest import Checksums
 from async_stager._dcp.files import disk_full_in, naming_file
@@ -43,9 +37,9 @@ from async_stager.errors import CheckpointError
 
 if TYPE_CHECKING:
     from async_stager._checkpoint.item import SaveItem
-    from async_stager._core.aio.lease import Lease
+    from async_stager._dcp.budget import BudgetStats
 
-__all__ = ["GivenUp", "Writer", "hash_staged"]
+__all__ = ["GivenUp", "Table", "Writer", "hash_staged"]
 
 T = TypeVar("T")
 
@@ -89,70 +83,23 @@ class Writer:
     def tmp(self, item: SaveItem) -> Path:
         return _commit.tmp_dir(self.root, item.step, self.token, item.seq)
 
-    # -- a staged save, in its thread ------------------------------------------------
-
     def start(
-        self,
-        item: SaveItem,
-        lease: Lease[dict[str, Any]],
-        written: Callable[[], None],
-        then: Callable[[], None] = lambda: None,
+        self, item: SaveItem, body: Callable[[], SaveStats], *, name: str, then: Callable[[], None]
     ) -> Future[SaveStats]:
-        """Start ``write_and_commit`` in a daemon thread of its own, now (where the
+        """Start a route's write ``body`` in a daemon thread of its own, now (where the
         write is decided: it must not wait for the loop's next turn, which a training
         loop that does not yield would never give). ``then`` is called in that thread
         once it ended (the next queued write may start). Its Future gives the stats or
         the error."""
-        return start_thread(
-            lambda: self._ending(then, self.write_and_commit, item, lease, written),
-            name=f"async-stager-{self.format.name}-save",
-            daemon=True,
-        )
 
-    def start_budgeted(self, item: SaveItem, then: Callable[[], None] = lambda: None) -> Future[SaveStats]:
-        """Start a budgeted save's whole write (``write_budgeted``) in a daemon thread
-        of its own, now, as ``start`` does for a staged one."""
-        return start_thread(
-            lambda: self._ending(then, self.write_budgeted, item),
-            name="async-stager-budgeted-save",
-            daemon=True,
-        )
+        def run() -> SaveStats:
+            try:
+                return body()
+            finally:
+                item.finished.set()  # later saves' threads may commit now, without the loop
+                then()
 
-    @staticmethod
-    def _ending(
-        then: Callable[[], None], fn: Callable[..., SaveStats], item: SaveItem, *args: Any
-    ) -> SaveStats:
-        try:
-            return fn(item, *args)
-        finally:
-            item.finished.set()  # later saves' threads may commit now, without the loop
-            then()
-
-    def write_and_commit(
-        self, item: SaveItem, lease: Lease[dict[str, Any]], written: Callable[[], None]
-    ) -> SaveStats:
-        """The background part of a staged save (blocking). ``written`` is called (from
-        this thread) once the staged copy is no longer read; it must only schedule
-        work on the loop. Raises GivenUp if the caller gave the save up in time."""
-        if self.ranks.distributed:
-            # One save at a time on several ranks: the collectives in call order.
-            item.wait_earlier()
-        t0 = time.monotonic()
-        if item.cancelled:
-            raise GivenUp
-        self.begin(item)
-        manifest, entry, checksum_seconds, nbytes = self._write_staged(item, lease)
-        written()
-        t1 = time.monotonic()
-        item.phase_detail = Phase.COMMITTING
-        item.wait_earlier()
-        # Its caller may still be cancelled inside save() (the loop has not resumed it
-        # since this write started): wait until it returned or gave up.
-        item.settled.wait()
-        if item.cancelled:
-            raise GivenUp
-        self.commit(item, manifest, entry)
-        return self.stats(item, nbytes, checksum_seconds, t0, t1)
+        return start_thread(run, name=name, daemon=True)
 
     def begin(self, item: SaveItem) -> None:
         """The coordinator makes the save's folder; the ranks check that they save the
@@ -168,28 +115,6 @@ class Writer:
                 "step in the same order; nothing was written",
                 step=item.step,
             )
-
-    def _write_staged(
-        self, item: SaveItem, lease: Lease[dict[str, Any]]
-    ) -> tuple[Table, dict[str, Any] | None, float, int]:
-        """Write a staged copy into the save's folder: the manifest's tensors table, what
-        the format's ``stored`` needs, the checksum seconds and the tensor bytes."""
-        opts = self.options
-        staged = lease.state_dict
-        item.phase_detail = Phase.WRITING
-        item.bytes = staged_bytes(staged)
-        # What the copy threads did not hash (everything, on the CPU: there the stage
-        # leaves hashing to this point, off the caller's blocked path) is hashed from
-        # the staged copy beside the write; both end before the copy is handed back.
-        hashing = hash_staged(staged, opts.checksum_threads, lease.checksums) if opts.checksums else None
-        try:
-            entry = self.format.write(staged, self.tmp(item), self.ranks)
-        finally:
-            if hashing is not None:
-                futures.wait([hashing])  # it reads the staged buffers, whatever happened
-        del staged
-        manifest, checksum_seconds, _ = hashing.result() if hashing is not None else ({}, 0.0, 0)
-        return manifest, entry, checksum_seconds, item.bytes
 
     def commit(self, item: SaveItem, manifest: Table, entry: dict[str, Any] | None) -> None:
         """Gather the ranks' manifests; the coordinator commits; every rank learns the
@@ -233,42 +158,6 @@ class Writer:
                 _commit.commit(self.root, tmp, item.step, layout=self.format.name)
             _commit.retain(self.root, self.options.keep)
 
-    # -- a budgeted save, from the loop ----------------------------------------------
-
-    def write_budgeted(self, item: SaveItem) -> SaveStats:
-        """A budgeted save's write, blocking (its own thread): its folder, its job (the
-        pipeline stages piece by piece and DCP writes them), then its commit, all
-        without the event loop. Raises GivenUp if the caller gave the save up in time
-        (its job is then aborted by the loop, or never run)."""
-        job = item.job
-        assert job is not None
-        try:
-            if self.ranks.distributed:
-                item.wait_earlier()  # one save at a time: the collectives in call order
-            t0 = time.monotonic()
-            if item.cancelled:
-                raise GivenUp
-            self.begin(item)
-            sd, item.sd = item.sd, None
-            if self.ranks.coordinator and sd is not None:
-                write_typed_paths(self.tmp(item), typed_paths(sd))
-            del sd
-            item.phase_detail = Phase.WRITING
-            job.run()
-            stats = item.budget[0] if item.budget else None
-            nbytes = stats.tensor_bytes if stats is not None else 0
-            item.bytes = nbytes
-            t1 = time.monotonic()
-            item.phase_detail = Phase.COMMITTING
-            item.wait_earlier()
-            item.settled.wait()  # its caller may still give it up (see write_and_commit)
-            if item.cancelled:
-                raise GivenUp
-            self.commit(item, item.digests, None)
-            return self.stats(item, nbytes, 0.0, t0, t1)
-        finally:
-            job.forget()  # never run (given up before): its fence hook goes
-
     async def discard(self, item: SaveItem) -> None:
         """Remove a save's folder after it failed or was cancelled (coordinator).
         Cancellation: deferred until the folder is removed."""
@@ -276,19 +165,31 @@ class Writer:
             tmp = self.tmp(item)
             await run_in_thread(lambda: _commit.remove_tmp(tmp), name="async-stager-discard", daemon=True)
 
-    def stats(self, item: SaveItem, nbytes: int, checksum_seconds: float, t0: float, t1: float) -> SaveStats:
-        t2 = time.monotonic()
-        budget = item.budget[0] if item.budget else None
+    def stats(
+        self,
+        item: SaveItem,
+        nbytes: int,
+        checksum_seconds: float,
+        t0: float,
+        t1: float,
+        *,
+        stage_seconds: float,
+        budget: BudgetStats | None = None,
+        admission: str | None = None,
+        node_wait: float = 0.0,
+    ) -> SaveStats:
+        """A commit's stats: ``t0`` its write's start, ``t1`` its files' end (now: the
+        commit's end); what only its route knows is passed in."""
         return SaveStats(
             step=item.step,
             path=str(_commit.step_dir(self.root, item.step)),
             bytes=nbytes,
             queued_seconds=item.queued,
-            stage_seconds=budget.fence_seconds if budget is not None else item.staged,
+            stage_seconds=stage_seconds,
             write_seconds=t1 - t0,
             checksum_seconds=checksum_seconds,
-            commit_seconds=t2 - t1,
+            commit_seconds=time.monotonic() - t1,
             budget=budget,
-            admission=item.admission,
-            node_wait_seconds=item.node_wait + (budget.node_wait_seconds if budget is not None else 0.0),
+            admission=admission,
+            node_wait_seconds=node_wait,
         )

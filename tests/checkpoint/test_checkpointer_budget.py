@@ -216,3 +216,33 @@ async def test_a_budgeted_write_failing_before_its_pipeline_starts_does_not_hang
             assert await ckpt.save(state(), step=2)
             await ckpt.wait()
         assert ckpt.steps() == [2]
+
+
+@pytest.mark.anyio
+async def test_a_budgeted_save_given_up_while_it_waits_for_a_write_slot_lets_fence_return(
+    tmp_path: Path,
+) -> None:
+    """A budgeted save's job is made at its call (a fence hook on the stager, a lane of
+    copiers). One given up before its write started (here: while the save before it
+    holds the only write slot, its commit waiting for the folder's lock) lets them go at
+    once; before, every later ``fence()`` waited for a pipeline that would never run."""
+    import fcntl
+
+    import anyio
+
+    async with Checkpointer(tmp_path, host_budget_bytes=MiB + 4096) as ckpt:
+        fd = os.open(tmp_path / ".lock", os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # step 1's commit waits here, holding the slot
+            assert await ckpt.save(state(), step=1)
+            with anyio.move_on_after(0.5) as scope:
+                await ckpt.save(state(), step=2)  # waits for the slot: given up
+            assert scope.cancelled_caught
+            with anyio.fail_after(30):  # a hang guard
+                await ckpt.fence()
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+        with anyio.fail_after(30):
+            await ckpt.wait()
+        assert ckpt.steps() == [1]
