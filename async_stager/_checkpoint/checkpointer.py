@@ -310,6 +310,8 @@ class Checkpointer:
             return None
         tg = self._tg
         self._closing = True  # no new saves; the queued ones still start
+        if self._tier is not None:
+            self._tier.closing()  # a memory save never awaited holds nothing
         request, self._request = self._request, None
         if request is not None:
             request._finish(None)  # never taken: no save answers it

@@ -148,6 +148,10 @@ class MemoryTier:
         self.dropped: list[int] = []
         #: Calls whose stage has not read its sources yet (``fence``).
         self._unread: set[anyio.Event] = set()
+        #: A snapshot was let go without the ranks' agreement (warned once).
+        self._forced = False
+        #: Saves whose coroutine has not started: (busy, started, read, ticket).
+        self._unstarted: dict[int, tuple[Any, list[bool], anyio.Event, Ticket | None]] = {}
         self._tg: anyio.abc.TaskGroup | None = None
         self._down_until = 0.0
         self._stats = MemoryStats()
@@ -291,15 +295,27 @@ class MemoryTier:
         self._unread.add(read)
         coro = self._finish(stage, sd, point, step, called, started, read, ticket, only)
         # Never awaited: the slot must not stay busy for ever, nor a fence (or the
-        # ranks' exchange) wait for it.
-        weakref.finalize(coro, self._abandon, busy, started, read, ticket)
+        # ranks' exchange) wait for it: when it is collected, or at ``closing``.
+        record = (busy, started, read, ticket)
+        self._unstarted[id(record)] = record
+        weakref.finalize(coro, self._abandon, *record)
+        weakref.finalize(coro, self._unstarted.pop, id(record), None)
         return coro
+
+    def closing(self) -> None:
+        """The Checkpointer closes: a save whose coroutine was never awaited (and is
+        still referenced) is abandoned now, so that no slot stays busy and no exchange
+        waits for it."""
+        for record in list(self._unstarted.values()):
+            self._abandon(*record)
+        self._unstarted.clear()
 
     def _abandon(
         self, busy: anyio.Event | None, started: list[bool], read: anyio.Event, ticket: Ticket | None
     ) -> None:
         if started[0]:
             return
+        started[0] = True
         self._unread.discard(read)
         read.set()
         if ticket is not None:
@@ -347,6 +363,10 @@ class MemoryTier:
         ticket: Ticket | None,
         only: bool,
     ) -> bool:
+        if started[0]:  # abandoned at ``closing``
+            if stage is not None:
+                stage.close()
+            return False
         started[0] = True
         handed = [False]  # the commit task took the ticket over
         try:
@@ -436,13 +456,16 @@ class MemoryTier:
                 async with self._retaining:
                     step = forced(self.held_steps(), self._common)
                     if step is not None and len(self._held) > self.keep:
-                        _log.warning(
+                        # Once at WARNING (a rank that keeps failing would say it every step).
+                        _log.log(
+                            logging.DEBUG if self._forced else logging.WARNING,
                             "memory tier: rank %d has no buffer set free and the ranks share no newer step "
                             "than %s: letting go of step %d (a rank failed to commit a snapshot)",
                             self.rank,
                             self._common,
                             step,
                         )
+                        self._forced = True
                         await self._let_go([step])
                 if len(self._held) > self.keep:
                     return False

@@ -210,6 +210,7 @@ def test_orchestrator_final_checkpoint_on_sigterm_then_resume(tmp_path: Path) ->
     assert (tmp_path / "latest").read_text().strip() == f"step-{again:08d}"
 
 
+@pytest.mark.timeout(600)  # two torchrun attempts of 2 ranks: 85 s beside a loaded suite
 def test_memory_tier_example(tmp_path: Path) -> None:
     """The node agent, then torchrun with 2 ranks: rank 1 SIGKILLs itself at step 7,
     torchrun restarts both, both resume from the agent's memory at step 7, and the

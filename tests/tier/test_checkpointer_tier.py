@@ -283,3 +283,95 @@ async def test_deferred_wait_snapshot_point_is_the_call(tmp_path: Path) -> None:
             got: dict[str, Any] = {"t": torch.zeros(1 << 20), "rng": torch.Generator()}
             assert await ckpt.restore(got) == 2
             assert torch.equal(got["rng"].get_state(), at_call)
+
+
+async def test_close_with_a_memory_save_never_awaited(tmp_path: Path) -> None:
+    """A memory save called and never awaited (its coroutine still referenced) does not
+    hold the Checkpointer's close: its slot is given up at close."""
+    with short_base() as base:
+        async with agent_on_loop(base):
+            with anyio.fail_after(60):  # a hang guard: the close used to wait for ever
+                async with Checkpointer(
+                    tmp_path, agent=AgentClient("ck", base=base), persist_every=100
+                ) as ckpt:
+                    pending = ckpt.save(state_of(1), step=1)  # staged at the call, never awaited
+            assert await pending is False  # abandoned at the close
+            async with Checkpointer(tmp_path, agent=AgentClient("ck", base=base), persist_every=100) as ckpt:
+                assert await ckpt.save(state_of(2), step=2)
+                await ckpt.wait()
+                state = blank()
+                assert await ckpt.restore(state) == 2
+                assert_same(values(state), values(state_of(2)))
+
+
+class Peer:
+    """The other rank of a 2-rank job, at the lowest layer only: the tier's all-gather
+    (``agree``) answers with this rank's steps and the peer's, which the test sets, and
+    blocks while the peer is "still committing" (``hold``)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.steps: list[int] = []
+        self.go = threading.Event()
+        self.go.set()
+        self.calls = 0
+
+    def agree(self, mine: list[int]) -> list[list[int]]:
+        self.go.wait(60)
+        self.calls += 1
+        return [mine, list(self.steps)]
+
+
+async def _held(agent: Agent) -> list[int]:
+    return [h.step for h in agent.snapshots(0) if h.complete]
+
+
+async def test_a_rank_keeps_the_step_a_slower_rank_needs() -> None:
+    """Rank 0 commits steps 1-3 while the other rank is still committing step 2: rank 0
+    keeps step 1 (the only step both hold), and its save of step 4, with no buffer set
+    free, waits for the other rank instead of letting step 1 go. Once the other rank
+    holds step 2, step 1 goes and the save proceeds. A rank that never commits (its agent refuses)
+    does not stall the other for ever: after the exchanges of the saves before, the
+    oldest step that is not the common one goes."""
+    peer = Peer()
+    with short_base() as base:
+        async with agent_on_loop(base) as agent, anyio.create_task_group() as tg:
+            tier = MemoryTier(
+                AgentClient("ck", base=base), rank=0, world=2, keep=2, agree=peer.agree, timeline="t"
+            )
+            tier.open(tg)
+            peer.steps = [1]
+            assert await tier.save({"t": torch.full((1000,), 1.0)}, 1)
+            await tier.wait()
+            peer.go.clear()  # the other rank is still committing step 2 (its exchange waits)
+            for step in (2, 3):
+                assert await tier.save({"t": torch.full((1000,), float(step))}, step)
+                with anyio.fail_after(30):
+                    while tier.busy:
+                        await anyio.sleep(0.01)
+            assert await _held(agent) == [1, 2, 3]  # 1 is the only step both hold: kept
+            saved = anyio.Event()
+
+            async def save4() -> None:
+                assert await tier.save({"t": torch.full((1000,), 4.0)}, 4)
+                saved.set()
+
+            tg.start_soon(save4)
+            with anyio.move_on_after(0.5):
+                await saved.wait()
+            assert not saved.is_set() and await _held(agent) == [1, 2, 3]
+            peer.steps = [1, 2]
+            peer.go.set()
+            with anyio.fail_after(30):
+                await saved.wait()
+            await tier.wait()
+            assert 1 not in await _held(agent) and 4 in await _held(agent)
+            # The other rank stops committing at all: this one goes on regardless.
+            peer.steps = []
+            for step in range(5, 10):
+                with anyio.fail_after(30):
+                    assert await tier.save({"t": torch.full((1000,), float(step))}, step)
+                await tier.wait()
+            assert 9 in await _held(agent) and len(await _held(agent)) <= 3
+            await tier.aclose()
