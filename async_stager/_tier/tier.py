@@ -636,8 +636,11 @@ class MemoryTier:
 
     def restarting(self) -> None:
         """A restore begins (on every rank): the snapshots saved from now on belong to
-        a new run of the job (``timeline``), never combined with the old run's."""
+        a new run of the job (``timeline``), never combined with the old run's. The
+        step the ranks shared in the old run says nothing about the new one."""
         self._restores += 1
+        self._common = None
+        self._restored = None
 
     def note_restored(self, step: int) -> None:
         """``step`` was restored from memory (``MemoryStats.restored``): every rank
