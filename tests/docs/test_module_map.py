@@ -1,4 +1,4 @@
-"""docs/concepts.md's module map names every module of the package, each once, in the
+"""docs/design.md's module map names every module of the package, each once, in the
 package that holds it (issue 23: the map had left 15 modules out)."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from pathlib import Path
 import async_stager
 
 PKG = Path(async_stager.__file__).parent
-CONCEPTS = PKG.parent / "docs" / "concepts.md"
+DESIGN = PKG.parent / "docs" / "design.md"
 
 
 def _documented() -> set[str]:
-    text = CONCEPTS.read_text(encoding="utf-8")
+    text = DESIGN.read_text(encoding="utf-8")
     start = text.index("| package | module | what it holds |")
     rows = []
     for line in text[start:].splitlines()[2:]:
@@ -44,7 +44,7 @@ def _real() -> set[str]:
 
 def test_the_module_map_lists_every_module() -> None:
     documented, real = _documented(), _real()
-    assert not real - documented, f"modules missing from docs/concepts.md's map: {sorted(real - documented)}"
+    assert not real - documented, f"modules missing from docs/design.md's map: {sorted(real - documented)}"
     assert not documented - real, (
-        f"docs/concepts.md's map names modules that do not exist: {sorted(documented - real)}"
+        f"docs/design.md's map names modules that do not exist: {sorted(documented - real)}"
     )
