@@ -20,6 +20,15 @@ from tests.store.s3proxy import FaultProxy, Rule
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """asyncio and trio: what is under test here runs on the store's own loop, and a
+    caller on uvloop reaches it as one on asyncio does (test_store.py runs every
+    operation on all three)."""
+    return str(request.param)
+
+
 MiB = 1 << 20
 #: Quick retries: the policy's numbers, not its waits, are under test here.
 FAST = RetryPolicy(tries=4, base_delay=0.01, max_delay=0.05)

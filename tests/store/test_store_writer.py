@@ -19,6 +19,15 @@ from tests.store.s3proxy import FaultProxy, Rule
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """asyncio and trio: what is under test here runs on the store's own loop, and a
+    caller on uvloop reaches it as one on asyncio does (test_store.py runs every
+    operation on all three)."""
+    return str(request.param)
+
+
 MiB = 1 << 20
 OPTS = TransferOptions(part_size=5 * MiB, concurrency=4, budget_bytes=10 * MiB)
 
