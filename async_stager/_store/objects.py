@@ -154,6 +154,11 @@ class TransferOptions:
             raise InvalidOptionError(
                 f"budget_bytes={self.budget_bytes} is less than one part (part_size={self.part_size})"
             )
+        if self.threshold > self.budget:
+            raise InvalidOptionError(
+                f"multipart_threshold={self.threshold} is more than budget_bytes={self.budget}: an object "
+                "sent in one PUT is held whole"
+            )
 
     @property
     def threshold(self) -> int:

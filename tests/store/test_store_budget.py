@@ -125,6 +125,7 @@ def test_transfer_options_are_checked() -> None:
         {"budget_bytes": 5 * MiB},
         {"multipart_threshold": 0},
         {"concurrency": True},
+        {"multipart_threshold": 200 * MiB, "budget_bytes": 100 * MiB},
     ]:
         with pytest.raises(InvalidOptionError):
             TransferOptions(**bad)  # type: ignore[arg-type]
