@@ -46,7 +46,13 @@ from async_stager._checkpoint.options import (
     check_stager,
     local_directory,
 )
-from async_stager._checkpoint.progress import SaveProgress, SaveRequest, progress_of, status_line
+from async_stager._checkpoint.progress import (
+    SaveProgress,
+    SaveRequest,
+    interrupted_line,
+    progress_of,
+    status_line,
+)
 from async_stager._checkpoint.ranks import Ranks
 from async_stager._checkpoint.routes import DiskContext, Routes
 from async_stager._checkpoint.saved import SavedStream, Subscribers
@@ -315,6 +321,11 @@ class Checkpointer:
         request, self._request = self._request, None
         if request is not None:
             request._finish(None)  # never taken: no save answers it
+        # Left by Ctrl-C (or a cancellation) while saves are in flight: one line says
+        # which committed (the traceback that follows does not).
+        # (On asyncio, Ctrl-C cancels the main task: the block sees a cancellation.)
+        stopped = isinstance(exc, (KeyboardInterrupt, anyio.get_cancelled_exc_class()))
+        interrupted = list(self._saves.items) if stopped else []
         try:
             with anyio.CancelScope(shield=True) as scope:
                 if self._leave_at is not None:
@@ -325,10 +336,15 @@ class Checkpointer:
         finally:
             self._streams.finish()
             self._saves.stop_waker()
+            # Shielded: a block left by a cancellation (on trio every await in it raises
+            # again) must still close; it left the stager, the writer lock and the
+            # Checkpointer itself open.
+            tg.cancel_scope.shield = True
             await tg.__aexit__(None, None, None)  # nothing left in flight: returns at once
             self._tg = None
             if self._tier is not None:
-                await self._tier.aclose()  # the agent keeps what it holds
+                with anyio.CancelScope(shield=True):
+                    await self._tier.aclose()  # the agent keeps what it holds
             self._saves.close()
             abandoned = self._saves.abandoned
             with anyio.CancelScope(shield=True):
@@ -363,6 +379,8 @@ class Checkpointer:
                         )
                     await run_in_thread(session.close, name="async-stager-close")
                     self._session = None
+        if interrupted and exc is not None:
+            _log.warning("%s", interrupted_line(exc, interrupted, self.last))
         if exc is None and len(self._saves.failures) > 1:
             # Nothing comes after a close to raise the others: one error for all of
             # them (each is also logged when it happened), the oldest as its cause.

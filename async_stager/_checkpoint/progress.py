@@ -28,6 +28,7 @@ __all__ = [
     "SaveProgress",
     "SaveRequest",
     "describe",
+    "interrupted_line",
     "progress_of",
     "report_progress",
     "status_line",
@@ -94,6 +95,22 @@ def progress_of(item: SaveItem, now: float | None = None, rate: float | None = N
         eta = max(0.0, nbytes / rate - (now - item.called - (staged or 0.0)))
     waiting = item.waiting_for or None if phase is Phase.COMMITTING else None
     return SaveProgress(item.step, phase.value, now - item.called, staged, nbytes, eta, waiting)
+
+
+def interrupted_line(exc: BaseException, items: list[SaveItem], newest: SaveStats | None) -> str:
+    """One line for leaving a Checkpointer by ``exc`` (Ctrl-C, a cancellation) with
+    ``items`` in flight, once they ended: which were committed, which not, and the
+    newest commit (what a restart restores)."""
+    how = "Ctrl-C" if isinstance(exc, KeyboardInterrupt) else "a cancellation (Ctrl-C is one under asyncio)"
+    done = [str(i.step) for i in items if i.committed]
+    lost = [str(i.step) for i in items if not i.committed]
+    said = []
+    if done:
+        said.append(f"step {', '.join(done)} committed before leaving")
+    if lost:
+        said.append(f"step {', '.join(lost)} not committed")
+    last = f"the newest commit is step {newest.step}" if newest is not None else "no commit in this session"
+    return f"checkpoint: left by {how} with saves in flight: {'; '.join(said)}; {last}"
 
 
 def describe(item: SaveItem, rate: float | None = None) -> str:

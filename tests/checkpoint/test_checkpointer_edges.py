@@ -13,6 +13,7 @@ import math
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -566,3 +567,94 @@ async def test_a_dcp_key_it_cannot_restore_is_refused_at_save_once(
         await ckpt.save(ok, step=1)
         await ckpt.wait()
         assert ckpt.steps() == [1]
+
+
+# -- Ctrl-C during a write (issue 41, section 4) ---------------------------------------------
+
+_CTRL_C_CHILD = """
+import sys, threading, time
+import anyio, torch
+from async_stager import Checkpointer
+
+class SlowToWrite:
+    def __reduce__(self):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(2)  # in the write's thread: Ctrl-C comes meanwhile
+        return (SlowToWrite, ())
+
+async def main(folder):
+    async with Checkpointer(folder) as ckpt:
+        await ckpt.save({"w": torch.ones(2)}, step=1)
+        await ckpt.wait()
+        await ckpt.save({"w": torch.ones(2), "slow": SlowToWrite()}, step=2)
+        print("writing", flush=True)
+        await anyio.sleep(60)
+
+anyio.run(main, sys.argv[1], backend=sys.argv[2])
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_ctrl_c_during_a_write_says_in_one_line_whether_it_committed(tmp_path: Path, backend: str) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CTRL_C_CHILD, str(tmp_path), backend],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "writing"  # (a hang guard: the test's timeout)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    lines = [ln for ln in err.splitlines() if ln.startswith("checkpoint: left by")]
+    assert len(lines) == 1, err[-3000:]
+    assert "step 2 committed before leaving" in lines[0] and "the newest commit is step 2" in lines[0]
+    assert (tmp_path / "step-00000002").is_dir()
+
+
+class GatedWrite:
+    """Pickled by the write's thread (DCP's bytes item): it waits for ``gate`` there."""
+
+    gate: threading.Event | None = None
+
+    def __reduce__(self) -> Any:
+        if GatedWrite.gate is not None and "-save" in threading.current_thread().name:
+            GatedWrite.gate.wait(60)
+        return (GatedWrite, ())
+
+
+async def test_a_cancelled_block_with_a_save_in_flight_says_what_committed(
+    anyio_backend: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    gate = threading.Event()
+    GatedWrite.gate = gate
+    try:
+        with caplog.at_level(logging.WARNING, logger="async_stager.checkpoint"), anyio.CancelScope() as scope:
+            async with Checkpointer(tmp_path) as ckpt:
+                await ckpt.save({"w": torch.ones(2), "g": GatedWrite()}, step=1)
+                scope.cancel()
+                threading.Timer(0.3, gate.set).start()  # the write ends after the block is left
+                await anyio.sleep(10)
+    finally:
+        gate.set()
+        GatedWrite.gate = None
+    lines = [r.getMessage() for r in caplog.records if "with saves in flight" in r.getMessage()]
+    assert lines == [
+        "checkpoint: left by a cancellation (Ctrl-C is one under asyncio) with saves in flight: "
+        "step 1 committed before leaving; the newest commit is step 1"
+    ]
+    # The cancelled block closed (on trio its close's awaits raised again: the stager,
+    # the writer lock and the Checkpointer itself stayed open).
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".writer-")]
+    async with ckpt:  # opens again
+        assert ckpt.steps() == [1]
+    with anyio.CancelScope() as scope:
+        async with ckpt:  # no save in flight: nothing said
+            scope.cancel()
+            await anyio.sleep(10)
+    assert len([r for r in caplog.records if "with saves in flight" in r.getMessage()]) == 1
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".writer-")]
