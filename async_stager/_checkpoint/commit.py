@@ -359,7 +359,15 @@ def commit(root: Path, tmp: Path, step: int, layout: str | None = None) -> Path:
     if dst.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.rename(dst, old)
-    os.rename(tmp, dst)  # the commit point
+    try:
+        os.rename(tmp, dst)  # the commit point
+    except BaseException:
+        # Not committed: the step it was to replace goes back at once (it was left
+        # under its ``.old-`` name, not listed, until the next open's cleaning).
+        if old.exists() and not dst.exists():
+            with contextlib.suppress(OSError):
+                os.rename(old, dst)
+        raise
     # After the commit point the step is committed (steps() and restore() read the
     # COMMIT records): what fails from here on is a warning, never "not committed".
     try:
