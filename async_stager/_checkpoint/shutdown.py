@@ -4,6 +4,7 @@ final checkpoint within a deadline, for services that get a preemption notice.""
 from __future__ import annotations
 
 import math
+import numbers
 import signal
 import time
 from types import TracebackType
@@ -147,11 +148,12 @@ class Shutdown:
         (InvalidOptionError, InvalidOptionTypeError).
 
         A save in flight's failure propagates. Cancellation: only the wait."""
-        if isinstance(deadline, bool) or not isinstance(deadline, (int, float)):
+        if isinstance(deadline, bool) or not isinstance(deadline, numbers.Real):
             raise InvalidOptionTypeError(
                 f"final_checkpoint(deadline=...) must be a number of seconds, got {deadline!r} "
                 f"({type(deadline).__name__})"
             )
+        deadline = float(deadline)
         if math.isnan(deadline):
             raise InvalidOptionError(
                 "final_checkpoint(deadline=...) must be a number of seconds, got NaN (a deadline "
@@ -202,7 +204,9 @@ def _join(stop: Shutdown) -> None:
 
 
 def _deliver(caught_by: Shutdown, signum: int) -> None:
-    for stop in [caught_by, *(s for s in _open if s is not caught_by and signum in s.signals)]:
+    # (Only the blocks of the loop that caught it: one left open by a dead loop is not.)
+    others = (s for s in _open if s is not caught_by and signum in s.signals and s._loop == caught_by._loop)
+    for stop in [caught_by, *others]:
         stop._caught(signum)
 
 

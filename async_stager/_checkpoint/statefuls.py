@@ -170,10 +170,24 @@ def check_dcp_savable(sd: dict[str, Any]) -> None:
     stack: list[tuple[tuple[Any, ...], Any, bool]] = [((), sd, False)]
     terminal: dict[int, bool] = {}
     tensor = torch.Tensor
+    # The containers walked (by id, and whether under an int key): where first.
+    inside: dict[tuple[int, bool], tuple[Any, ...]] = {}
     while stack:
         path, value, int_key = stack.pop()
         if isinstance(value, tensor) or hasattr(value, "__create_write_items__"):
             continue
+        if isinstance(value, (Mapping, list)):
+            first = inside.setdefault((id(value), int_key), path)
+            if first is not path:
+                if first == path[: len(first)]:
+                    # DCP's traversal would recurse for ever (the write failed on it).
+                    raise CheckpointError(
+                        "this container holds itself, which the dcp format cannot save (DCP walks "
+                        'dicts and lists to their leaves); break the cycle, or use format="torch"',
+                        path=path,
+                    )
+                if isinstance(value, Mapping) or not _dcp_terminal(value, terminal):
+                    continue  # shared, seen already
         if isinstance(value, Mapping):
             for k, v in value.items():
                 kind = type(k)
@@ -210,10 +224,13 @@ def _dcp_terminal(value: list[Any], memo: dict[int, bool]) -> bool:
     if known is not None:
         return known
     memo[id(value)] = True  # a list that holds itself: no deeper
-    out = not any(
-        isinstance(v, (torch.Tensor, Mapping)) or (isinstance(v, list) and not _dcp_terminal(v, memo))
-        for v in value
-    )
+    try:
+        out = not any(
+            isinstance(v, (torch.Tensor, Mapping)) or (isinstance(v, list) and not _dcp_terminal(v, memo))
+            for v in value
+        )
+    except RecursionError:
+        out = False  # nested too deep to tell: walked (iteratively); the stager says it is too deep
     memo[id(value)] = out
     return out
 

@@ -28,16 +28,19 @@ _MAX_DEPTH = 200
 
 def _host_bytes(t: torch.Tensor) -> torch.Tensor:
     """A strided tensor's logical bytes as a flat uint8 CPU tensor (lazy conj/neg bits
-    and strides resolved). A fresh contiguous copy: a one-element tensor with a
-    non-unit stride (``x[:, 0]`` of a one-row matrix, ``.imag`` of a one-element
-    complex) counts as contiguous, and ``contiguous()`` would keep its stride, which a
-    byte view refuses."""
+    and strides resolved; no copy of a contiguous CPU tensor). A one-element tensor
+    with a non-unit stride (``x[:, 0]`` of a one-row matrix, ``.imag`` of a one-element
+    complex) counts as contiguous, and ``contiguous()`` keeps its stride, which a byte
+    view refuses: that one is copied."""
     t = t.detach()
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
-    return t.to("cpu").clone(memory_format=torch.contiguous_format).reshape(-1).view(torch.uint8)
+    flat = t.to("cpu").contiguous().reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8)
 
 
 def _parts(t: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:

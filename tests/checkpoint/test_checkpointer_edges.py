@@ -658,3 +658,70 @@ async def test_a_cancelled_block_with_a_save_in_flight_says_what_committed(
             await anyio.sleep(10)
     assert len([r for r in caplog.records if "with saves in flight" in r.getMessage()]) == 1
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".writer-")]
+
+
+async def test_a_failed_replacement_puts_the_step_it_replaces_back(
+    anyio_backend: Any, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Saving step 1 again fails at the commit's rename: step 1 as it was stays listed
+    and restorable at once (it stayed under its ``.old-`` name until the next open)."""
+    real_rename = os.rename
+
+    def rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        if os.fspath(dst).endswith("step-00000001") and ".tmp-" in os.fspath(src):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real_rename(src, dst, *args, **kwargs)
+
+    async with Checkpointer(tmp_path) as ckpt:
+        await ckpt.save({"w": torch.ones(2)}, step=1)
+        await ckpt.wait()
+        monkeypatch.setattr(os, "rename", rename)
+        await ckpt.save({"w": torch.full((2,), 2.0)}, step=1)
+        with pytest.raises(CheckpointError, match="step 1 was not committed"):
+            await ckpt.wait()
+        monkeypatch.setattr(os, "rename", real_rename)
+        assert ckpt.steps() == [1]
+        w = torch.zeros(2)
+        assert await ckpt.restore({"w": w}) == 1 and w.tolist() == [1.0, 1.0]
+        assert _hold(tmp_path, 1).exists()
+
+
+async def test_a_dcp_state_that_holds_itself_is_refused_at_save(anyio_backend: Any, tmp_path: Path) -> None:
+    """A dict or list that holds itself: DCP's traversal would recurse for ever; the
+    check at ``save()`` must neither loop nor recurse, and names the place. A shared
+    (not cyclic) container is fine; a 5000-deep one is left to the stager's own error."""
+    looped: dict[str, Any] = {"t": torch.ones(1)}
+    looped["me"] = looped
+    ring: list[Any] = [torch.ones(1)]
+    ring.append(ring)
+    shared = {"t": torch.ones(1)}
+    deep: list[Any] = []
+    node = deep
+    for _ in range(5000):
+        node.append([])
+        node = node[0]
+    async with Checkpointer(tmp_path) as ckpt:
+        with anyio.fail_after(20):
+            for state, where in (
+                ({"d": looped}, ("d", "me")),
+                ({"x": looped, "y": looped}, None),
+                ({"l": ring}, ("l", 1)),
+            ):
+                with pytest.raises(CheckpointError, match="holds itself") as info:
+                    ckpt.save(state, step=1).close()
+                if where is not None:
+                    assert info.value.path == where
+            with pytest.raises(Exception) as deep_info:
+                await ckpt.save({"deep": deep}, step=1)
+            assert "holds itself" not in str(deep_info.value)
+        await ckpt.save({"x": shared, "y": shared, "z": [shared, 1]}, step=2)
+        await ckpt.wait()
+        assert ckpt.steps() == [2]
+
+
+async def test_final_checkpoint_takes_any_real_number(anyio_backend: Any, tmp_path: Path) -> None:
+    import numpy as np
+
+    async with Checkpointer(tmp_path) as ckpt, Shutdown() as stop:
+        assert await stop.final_checkpoint(ckpt, {"w": torch.ones(2)}, step=1, deadline=np.float32(60)) == 0
+        assert stop.seconds is not None and ckpt.steps() == [1]
