@@ -169,6 +169,7 @@ def check_dcp_savable(sd: dict[str, Any]) -> None:
     enough for the event loop (no pickling, no path built unless refused)."""
     stack: list[tuple[tuple[Any, ...], Any, bool]] = [((), sd, False)]
     terminal: dict[int, bool] = {}
+    left = _PICKLE_LOOKS  # values looked into for what pickle refuses: a bounded cost
     tensor = torch.Tensor
     # The containers walked (by id, and whether under an int key): where first.
     inside: dict[tuple[int, bool], tuple[Any, ...]] = {}
@@ -205,7 +206,7 @@ def check_dcp_savable(sd: dict[str, Any]) -> None:
                 'dcp format (DCP gives it back under the key\'s str); use str keys, a tensor, or format="torch"',
                 path=path,
             )
-        _check_picklable(path, value)
+        left = _check_picklable(path, value, left)
 
 
 def _check_dcp_key(path: tuple[Any, ...], key: Any) -> None:
@@ -269,12 +270,19 @@ def _plainly_pickled(kind: type) -> bool:
     )
 
 
-def _check_picklable(path: tuple[Any, ...], value: Any) -> None:
+#: The values ``check_dcp_savable`` looks into for what pickle refuses, per save (a
+#: best effort beyond it: the write still fails on it, later).
+_PICKLE_LOOKS = 100_000
+
+
+def _check_picklable(path: tuple[Any, ...], value: Any, left: int) -> int:
     """``value`` and what pickle saves of it: refused (CheckpointError naming the path
-    inside it) where ``_unpicklable`` says pickle would refuse."""
+    inside it) where ``_unpicklable`` says pickle would refuse; at most ``left`` values
+    looked into. Returns how many more may be."""
     stack: list[tuple[tuple[Any, ...], Any]] = [(path, value)]
     seen: set[int] = set()
-    while stack:
+    while stack and left > 0:
+        left -= 1
         where, v = stack.pop()
         if type(v) in _PLAIN or isinstance(v, torch.Tensor):
             continue
@@ -299,6 +307,7 @@ def _check_picklable(path: tuple[Any, ...], value: Any) -> None:
             attrs = getattr(v, "__dict__", None)
             if isinstance(attrs, dict):
                 stack.extend(((*where, Attr(k)), x) for k, x in attrs.items() if isinstance(k, str))
+    return left
 
 
 def typed_paths(sd: dict[str, Any]) -> dict[str, list[Any]]:
