@@ -12,11 +12,11 @@ from async_stager._checkpoint.checkpointer import (
 )
 from async_stager._checkpoint.progress import SaveProgress, SaveRequest
 from async_stager._checkpoint.shutdown import Shutdown
-from async_stager._core.aio.lease import Lease
 from async_stager._core.aio.stager import Stager
 from async_stager._core.aio.waiting import Backoff as Backoff
 from async_stager._core.checksum.digest import Checksums
 from async_stager._core.compare import state_differences
+from async_stager._core.memory.lease import Lease
 from async_stager._core.options import StagerOptions as StagerOptions
 from async_stager._core.stats import StageStats
 from async_stager._dcp.default_stager import DefaultStager

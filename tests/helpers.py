@@ -7,7 +7,9 @@ from typing import Any
 
 import torch
 
-from async_stager._core.run.engine import Engine, StageRecord, build_engine
+from async_stager._core.run.engine import Engine
+from async_stager._core.run.make import build_engine
+from async_stager._core.run.records import StageRecord
 
 
 def make_engine(**opts: Any) -> Engine:

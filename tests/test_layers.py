@@ -5,7 +5,10 @@
 (``__init__``, ``dcp``, ``share``, ``testing``). A module imports only from its own
 layer or the layers before it; ``_core`` never imports ``torch.distributed``. Checked
 by parsing every import (also the ones inside functions), so a lazy import cannot
-break the order unseen. Inside one folder, no module imports another round a circle.
+break the order unseen. Inside ``_core`` the same holds between its sub-packages and
+top-level modules (``CORE_LAYERS``: the walk and the checksums below host memory, which
+is below the device copies, the plans, the engine and the async facade; issue 42).
+Inside one folder, no module imports another round a circle.
 """
 
 from __future__ import annotations
@@ -22,6 +25,21 @@ PKG = Path(async_stager.__file__).parent
 LAYERS = ["errors", "_core", "_share", "_store", "_dcp", "_tier", "_checkpoint", "_cli"]
 #: The public face: may import any layer.
 PUBLIC = {"__init__", "__main__", "dcp", "share", "testing"}
+#: The layers inside ``_core``, lowest first: a module's is its first component under
+#: ``_core`` (a sub-package, or a top-level module such as ``options``).
+CORE_LAYERS = [
+    "stats",
+    "compare",
+    "interp",
+    "options",
+    "walk",
+    "checksum",
+    "memory",
+    "copy",
+    "plan",
+    "run",
+    "aio",
+]
 
 
 def _modules() -> list[Path]:
@@ -86,6 +104,43 @@ def test_imports_point_down(path: Path) -> None:
             bad.append(f"line {line}: the package itself (import the module that defines the name)")
         if own in ("errors", "_core") and mod.startswith("torch.distributed"):
             bad.append(f"line {line}: {mod} (the pipeline never imports torch.distributed)")
+    assert not bad, f"{path.relative_to(PKG)}:\n" + "\n".join(bad)
+
+
+# -- the order inside _core (issue 42) ------------------------------------------------
+
+
+def _core_layer(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["async_stager", "_core"] or len(parts) < 3:
+        return None
+    return parts[2]
+
+
+def test_every_core_module_belongs_to_a_core_layer() -> None:
+    stray = [
+        str(p.relative_to(PKG))
+        for p in _modules()
+        if _layer(_name(p)) == "_core" and _core_layer(_name(p)) not in [*CORE_LAYERS, None]
+    ]
+    assert not stray, f"modules of _core outside CORE_LAYERS: {stray}"
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in _modules() if _core_layer(_name(p))], ids=lambda p: str(p.relative_to(PKG))
+)
+def test_core_imports_point_down(path: Path) -> None:
+    """A module of ``_core`` imports only from its own sub-package (or module) and those
+    before it in CORE_LAYERS: ``memory`` never reaches up to the Lease of ``aio`` nor
+    ``copy`` to the interpreter switches of ``run`` (what both need goes below both)."""
+    own = _core_layer(_name(path))
+    assert own is not None
+    rank = CORE_LAYERS.index(own)
+    bad = []
+    for line, mod in _imports(path):
+        target = _core_layer(mod)
+        if target in CORE_LAYERS and CORE_LAYERS.index(target) > rank:
+            bad.append(f"line {line}: {mod} ({target} is above {own} in _core)")
     assert not bad, f"{path.relative_to(PKG)}:\n" + "\n".join(bad)
 
 

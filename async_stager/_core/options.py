@@ -27,15 +27,11 @@ import operator
 import os
 import reprlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol, TypeVar
 
 import torch
 
 from async_stager.errors import InvalidOptionError, InvalidOptionTypeError, UnsupportedError
-
-if TYPE_CHECKING:
-    from async_stager._core.copy.device import Backend
-    from async_stager._core.memory.arena import Pinner
 
 __all__ = [
     "AUTO",
@@ -312,9 +308,24 @@ def _check_names(given: dict[str, object]) -> None:
         )
 
 
+#: A backend's pinner (``memory.arena.Pinner``, in a layer above).
+PinnerT = TypeVar("PinnerT")
+_PinnerT_co = TypeVar("_PinnerT_co", covariant=True)
+
+
+class Seam(Protocol[_PinnerT_co]):
+    """What ``resolve_options`` asks of the device seam (a ``copy.device.Backend``, in
+    a layer above): whether its copies are asynchronous, and its pinner."""
+
+    @property
+    def asynchronous(self) -> bool: ...
+
+    def pinner(self) -> _PinnerT_co | None: ...
+
+
 def resolve_options(
-    backend: Backend, pinner: Pinner | None = None, /, **given: object
-) -> tuple[StagerOptions, Pinner | None]:
+    backend: Seam[PinnerT], pinner: PinnerT | None = None, /, **given: object
+) -> tuple[StagerOptions, PinnerT | None]:
     """The options of a stager on ``backend``, and the pinner it pins with (None: not
     pinning). The one place ``None`` is resolved and a machine limit reported.
 

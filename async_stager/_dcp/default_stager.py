@@ -48,8 +48,9 @@ from typing import Any
 
 from async_stager._core.memory.arena import Arena
 from async_stager._core.options import StagerOptions
-from async_stager._core.run.engine import Cancelled, StageRecord, build_engine
 from async_stager._core.run.jobs import log_stage_done
+from async_stager._core.run.make import build_engine
+from async_stager._core.run.records import Cancelled, StageRecord
 from async_stager._core.run.worker import FifoLock, Worker, WorkerForked, WorkerStopped, clear_locals
 from async_stager._dcp.interface import (
     DEFAULT_METRIC_PREFIX,

@@ -47,8 +47,8 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.planner import SavePlanner
     from torch.distributed.checkpoint.storage import StorageWriter
 
-    from async_stager._core.aio.lease import Lease
     from async_stager._core.aio.stager import Stager
+    from async_stager._core.memory.lease import Lease
     from async_stager._core.memory.ledger import NodeLedger
 
 __all__ = ["BudgetStats", "save", "save_staged"]

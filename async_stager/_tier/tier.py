@@ -50,10 +50,10 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 
-from async_stager._core.aio.lease import Lease
 from async_stager._core.aio.stager import Stager
 from async_stager._core.aio.threads import run_in_thread
-from async_stager._core.run.engine import Captures
+from async_stager._core.memory.lease import Lease
+from async_stager._core.run.records import Captures
 from async_stager._share.handoff import AttachedStateDict, attach_shared, export_shared
 from async_stager._tier.client import AgentClient, verify_fetched
 from async_stager._tier.regions import PIECE_BYTES, ArenaMaps, digests_of, regions_of

@@ -652,7 +652,7 @@ async def test_cuda_default_generator_is_staged_as_of_the_call(anyio_backend: An
 
 
 def test_cuda_generator_at_the_top_level_is_staged_as_of_the_call() -> None:
-    from async_stager._core.run.engine import build_engine
+    from async_stager._core.run.make import build_engine
 
     engine = build_engine()
     try:

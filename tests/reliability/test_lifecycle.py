@@ -26,7 +26,7 @@ from async_stager import (
     UnsupportedError,
     UnsupportedTensorError,
 )
-from async_stager._core.run import interp as _interp
+from async_stager._core import interp as _interp
 
 # Hang guards, not speed checks (the subprocess tests took up to 50 s beside a loaded
 # suite on 2 cores); the inner subprocess timeouts fire first, with the output.

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from async_stager._checkpoint.item import Lane, SaveItem
     from async_stager._checkpoint.options import SaveStats
-    from async_stager._core.aio.lease import Lease
+    from async_stager._core.memory.lease import Lease
 
 __all__ = ["StagedRoute"]
 

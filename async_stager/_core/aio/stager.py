@@ -31,7 +31,6 @@ from typing import Any, Generic, Literal, TypeVar
 
 import anyio.lowlevel
 
-from async_stager._core.aio.lease import Lease
 from async_stager._core.aio.waiting import (
     Backoff,
     poll_completion,
@@ -42,11 +41,13 @@ from async_stager._core.aio.waiting import (
 from async_stager._core.checksum.digest import hasher
 from async_stager._core.copy.device import Backend
 from async_stager._core.memory.arena import Arena, Pinner
+from async_stager._core.memory.lease import Lease
 from async_stager._core.memory.ledger import NodeLedger
 from async_stager._core.options import AUTO, StagerOptions
-from async_stager._core.run.engine import Captures, StageRecord, build_engine
 from async_stager._core.run.jobs import StageJob, drop, job_done, log_stage_end, logged_run
 from async_stager._core.run.lanes import Lanes
+from async_stager._core.run.make import build_engine
+from async_stager._core.run.records import Captures, StageRecord
 from async_stager._core.run.worker import Worker, WorkerForked, WorkerStopped
 from async_stager._core.stats import StageStats
 from async_stager.errors import ClosedError

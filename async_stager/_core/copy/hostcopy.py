@@ -44,9 +44,9 @@ from dataclasses import dataclass
 
 import torch
 
+from async_stager._core import interp as _interp
 from async_stager._core.checksum.digest import PIECE_BYTES as DIGEST_PIECE_BYTES, Checksums, HashTask, hasher
 from async_stager._core.copy.openmp import helpers_supported, omp_threads, runtime
-from async_stager._core.run import interp as _interp
 
 __all__ = [
     "FUSE_BYTES",

@@ -25,22 +25,20 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import torch
 
-from async_stager._core.aio.lease import Lease
-from async_stager._core.copy.device import Completion
 from async_stager._core.memory.arena import Arena, Block, HostPool, Pinner
+from async_stager._core.memory.lease import Lease
 from async_stager._core.memory.sharing import moves
 from async_stager._core.memory.storage_cache import StorageCache
-from async_stager._core.plan.layout import Plan
 from async_stager.errors import BuffersHeldError, ClosedError, CopyError
 
 if TYPE_CHECKING:
     from async_stager._core.memory.ledger import NodeLedger, Reservation
 
-__all__ = ["MAX_PLANS", "BufferSet", "BufferSets"]
+__all__ = ["MAX_PLANS", "BufferSet", "BufferSets", "InFlight", "Layout"]
 
 _log = logging.getLogger("async_stager")
 
@@ -55,7 +53,28 @@ MAX_PLANS = 4
 _HELD_SLICE = 4096
 
 
-class BufferSet:
+class Layout(Protocol):
+    """What a buffer set needs of the plans it keeps (``plan.layout.Plan``, in the
+    layer above): the key they are found by and the host tensors they hand out."""
+
+    @property
+    def signature(self) -> Any: ...
+
+    @property
+    def hosts(self) -> list[Any]: ...
+
+
+class InFlight(Protocol):
+    """Copies into a set not yet landed (a ``copy.device.Completion``, in the layer
+    above): a set is not written again before ``query()`` is True."""
+
+    def query(self) -> bool: ...
+
+
+P = TypeVar("P", bound=Layout)
+
+
+class BufferSet(Generic[P]):
     """One generation of host buffers (see module doc). Fields are guarded by the
     condition variable of the ``BufferSets`` that holds the set, except ``cache``/``plans``, which only the worker
     thread touches while the set is selected."""
@@ -71,10 +90,10 @@ class BufferSet:
         self.index = index
         self.pool = HostPool(shared=shared, pinner=pinner, reserve=reserve)
         self.cache = StorageCache(self.pool)
-        self.plans: OrderedDict[Any, Plan] = OrderedDict()
+        self.plans: OrderedDict[Any, P] = OrderedDict()
         self.leases = 0
         self.busy = False  # selected by a stage that has not finished enqueueing
-        self.inflight: list[Completion] = []
+        self.inflight: list[InFlight] = []
         # Baseline of ``held`` (see ``watch``).
         self._watch_objects: list[Any] = []
         self._watch_refs: list[int] = []
@@ -174,7 +193,7 @@ class BufferSet:
         self.forget_plans()
         self.watch()
 
-    def plan_for(self, signature: Any) -> Plan | None:
+    def plan_for(self, signature: Any) -> P | None:
         plan = self.plans.get(signature)
         if plan is not None:
             self.plans.move_to_end(signature)
@@ -188,7 +207,7 @@ class BufferSet:
         """Drop the plan for ``signature``, if any (it no longer holds)."""
         self.plans.pop(signature, None)
 
-    def remember(self, plan: Plan) -> None:
+    def remember(self, plan: P) -> None:
         self.plans[plan.signature] = plan
         self.plans.move_to_end(plan.signature)
         while len(self.plans) > MAX_PLANS:
@@ -217,7 +236,7 @@ class BufferSet:
 HOST_WAIT_SECONDS = 600.0
 
 
-def wait_bounded(c: Completion, what: str, timeout: float) -> None:
+def wait_bounded(c: InFlight, what: str, timeout: float) -> None:
     """Wait for ``c`` on the host, at most ``timeout`` seconds; CopyError names ``what``.
 
     Polls ``query()`` with a sleep that doubles up to 10 ms: a blocking synchronize
@@ -239,7 +258,7 @@ def wait_bounded(c: Completion, what: str, timeout: float) -> None:
 WARN_AFTER = 5.0
 
 
-class BufferSets:
+class BufferSets(Generic[P]):
     """Every buffer set of one stager, and the choice of the one a stage writes into.
 
     One condition variable guards the sets' ``leases``/``busy``/``inflight`` fields and
@@ -266,15 +285,15 @@ class BufferSets:
         self.pinner = pinner
         self.wait_timeout = wait_timeout
         self.cond = threading.Condition()
-        self._sets: list[BufferSet] = []
-        self.recent: BufferSet | None = None
+        self._sets: list[BufferSet[P]] = []
+        self.recent: BufferSet[P] | None = None
         self.closed = False
         #: Counts the events that may free a set and notify ``cond`` (a lease given
         #: back, a stage done writing): a waiting stage that saw it change since its
         #: last look goes round again at once instead of sleeping through the notice.
         self._events = 0
 
-    def all(self) -> list[BufferSet]:
+    def all(self) -> list[BufferSet[P]]:
         """The sets, as a new list (read without the lock: the list is only replaced
         or appended to)."""
         return list(self._sets)
@@ -294,7 +313,7 @@ class BufferSets:
         lease: bool,
         stop: Callable[[], None],
         spare: Callable[[], bool] | None = None,
-    ) -> tuple[BufferSet | None, Lease[Any] | None]:
+    ) -> tuple[BufferSet[P] | None, Lease[Any] | None]:
         """A buffer set no result of which is reachable or leased (``BufferSet.held``)
         and that no stage is writing, marked busy; a new one while fewer than
         ``max_sets`` exist; otherwise waits for one to be dropped or released. With
@@ -371,7 +390,7 @@ class BufferSets:
                     self.cond.wait(delay)
             delay = min(delay * 2, 0.05)
 
-    def _pick(self, sig: Any, *, make: bool = True) -> BufferSet | None:
+    def _pick(self, sig: Any, *, make: bool = True) -> BufferSet[P] | None:
         """Under the lock: the free set to write into (one with a plan for ``sig``
         first, then the most recent), or a new one (with ``make``), or None."""
         cands = [s for s in self._sets if not s.leases and not s.busy]
@@ -383,9 +402,11 @@ class BufferSets:
                 return s
         if make and len(self._sets) < self.max_sets:
             reserve = None if self.ledger is None else functools.partial(self._reserve, len(self._sets))
-            s = BufferSet(len(self._sets), shared=self.shared, pinner=self.pinner, reserve=reserve)
-            self._sets.append(s)
-            return s
+            new: BufferSet[P] = BufferSet(
+                len(self._sets), shared=self.shared, pinner=self.pinner, reserve=reserve
+            )
+            self._sets.append(new)
+            return new
         return None
 
     def _reserve(self, index: int, nbytes: int, trim_own: Callable[[], int]) -> Reservation:
@@ -427,7 +448,7 @@ class BufferSets:
                 )
         return "; ".join(parts)
 
-    def done_writing(self, bufset: BufferSet, *, succeeded: bool) -> None:
+    def done_writing(self, bufset: BufferSet[P], *, succeeded: bool) -> None:
         """The stage that selected ``bufset`` has enqueued its copies (``succeeded``:
         the set is the most recent, picked first next time) or failed: the set is no
         longer busy."""
@@ -438,12 +459,12 @@ class BufferSets:
             self._events += 1
             self.cond.notify_all()
 
-    def track(self, bufset: BufferSet, completions: Sequence[Completion]) -> None:
+    def track(self, bufset: BufferSet[P], completions: Sequence[InFlight]) -> None:
         """Copies into ``bufset`` in flight (kept reserved until they are observed)."""
         with self.cond:
             bufset.inflight.extend(completions)
 
-    def settle(self, bufset: BufferSet, completions: Sequence[Completion]) -> None:
+    def settle(self, bufset: BufferSet[P], completions: Sequence[InFlight]) -> None:
         """``completions`` have been observed: no longer in flight in ``bufset``."""
         with self.cond:
             for c in completions:
@@ -452,7 +473,7 @@ class BufferSets:
                 except ValueError:
                     pass
 
-    def _give_back(self, bufset: BufferSet) -> None:
+    def _give_back(self, bufset: BufferSet[P]) -> None:
         """One lease on ``bufset`` ends; called only by ``Lease.release`` (once)."""
         with self.cond:
             if bufset.leases > 0:

@@ -38,7 +38,7 @@ __all__ = ["make_plan", "sources"]
 def make_plan(
     copier_for: Callable[[torch.device], Copier],
     options: StagerOptions,
-    bufset: BufferSet,
+    bufset: BufferSet[Plan],
     sig: Any,
     leaves: list[torch.Tensor],
     tick: Callable[[], None],
@@ -120,7 +120,7 @@ def _by_storage(
 
 
 def _reserve(
-    bufset: BufferSet,
+    bufset: BufferSet[Plan],
     groups: list[_Group],
     options: StagerOptions,
     *,
@@ -344,7 +344,7 @@ def sources(units: Sequence[Unit], leaves: Sequence[torch.Tensor]) -> list[torch
 
 
 def _keep_apart(
-    bufset: BufferSet,
+    bufset: BufferSet[Plan],
     groups: list[_Group],
     reads: list[tuple[int, int]],
     *,

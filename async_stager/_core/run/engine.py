@@ -1,7 +1,7 @@
 """The staging engine: walk, reserve host blocks, enqueue copies. Synchronous.
 
-Both public APIs sit on this: the async Stager (``_stager.py``) and the seed's
-DefaultStager (``_default_stager.py``). ``capture`` runs on the caller's thread at the call;
+Both public APIs sit on this: the async Stager (``aio.stager``) and the seed's
+DefaultStager (``_dcp.default_stager``), each made by ``make.build_engine``. ``capture`` runs on the caller's thread at the call;
 ``run`` runs on the stager's worker thread; ``settle`` may run anywhere.
 
 A stage's steps (``Engine._run``): take a free buffer set, build the result, enqueue
@@ -28,45 +28,30 @@ from typing import Any
 
 import torch
 
-from async_stager._core.aio.lease import Lease
 from async_stager._core.checksum.digest import Checksums
-from async_stager._core.copy.copiers import RealBackend, ScratchCopier
+from async_stager._core.copy.copiers import ScratchCopier
 from async_stager._core.copy.device import Backend, Completion, Copier, graph_capture_error
+from async_stager._core.interp import gc_paused, gil_interval
 from async_stager._core.memory.arena import Arena, Pinner, pinning_skipped
 from async_stager._core.memory.buffer_sets import BufferSet, BufferSets
+from async_stager._core.memory.lease import Lease
 from async_stager._core.memory.ledger import NodeLedger
 from async_stager._core.memory.preflight import engine_hook
-from async_stager._core.options import StagerOptions, resolve_options
+from async_stager._core.options import StagerOptions
 from async_stager._core.plan.build import make_plan
 from async_stager._core.plan.layout import Plan, signature_of
 from async_stager._core.plan.reuse import plan_holds, take_over
 from async_stager._core.run.enqueue import diagnose_copy_error, enqueue, no_torch_function
-from async_stager._core.run.interp import gc_paused, gil_interval
 from async_stager._core.run.lanes import Lanes
+from async_stager._core.run.records import Cancelled, Captures, StageRecord
 from async_stager._core.walk.objects import GeneratorStates, check_state_dict, generator_states
-from async_stager._core.walk.tree import Interrupt, Walk, tensorless_copy
-from async_stager.errors import ClosedError, InvalidOptionError, StagingError
+from async_stager._core.walk.tree import Walk, tensorless_copy
+from async_stager.errors import ClosedError, StagingError
 
-__all__ = ["Captures", "Cancelled", "Engine", "StageRecord", "build_engine"]
+__all__ = ["CancelCheck", "Engine"]
 
 
 _log = logging.getLogger("async_stager")
-
-
-class Cancelled(Interrupt):
-    """Internal: the job was cancelled before its copies were enqueued."""
-
-
-class Captures(dict[torch.device, Any]):
-    """What ``Engine.capture`` takes at the call: per device, the copier's capture
-    (the snapshot point on the caller's stream); ``generators``: generator states taken
-    at the call (``generator_states``), which the walk rebuilds them from."""
-
-    __slots__ = ("generators",)
-
-    def __init__(self, points: dict[torch.device, Any], generators: GeneratorStates) -> None:
-        super().__init__(points)
-        self.generators = generators
 
 
 #: ``Engine.capture``'s default: no state dict given (only torch's default generators
@@ -104,62 +89,6 @@ def _nothing_to_give_back() -> None:
     """The release of a lease on a stage that took no buffer set."""
 
 
-@dataclass(eq=False)
-class StageRecord:
-    """The worker's half of a stage: the result and what is still in flight."""
-
-    #: The staged structure; whoever hands it on sets this to None, so the stager
-    #: itself never keeps a result reachable (which would hold its buffer set).
-    result: Any
-    #: The set the result lives in; None for a stage that copied no tensor (it took no
-    #: set: nothing of its result is host memory of the stager).
-    bufset: BufferSet | None
-    completions: list[Completion]
-    #: The hold on ``bufset`` when the stage was leased (released exactly once).
-    lease: Lease[Any] | None
-    tensors: int
-    storages: int
-    nbytes: int
-    hits: int
-    misses: int
-    fast_path: bool
-    worker_seconds: float
-    devices: list[torch.device]
-    #: The digests the copy threads computed (a stage asked for checksums), else None.
-    checksums: Checksums | None = None
-
-
-def build_engine(
-    *,
-    backend: Backend | None = None,
-    pinner: Pinner | None = None,
-    ledger: NodeLedger | None = None,
-    **given: object,
-) -> Engine:
-    """The engine of a stager, from its options as given (StagerOptions fields, ``None``
-    for what the machine supports; see ``resolve_options``) and the device seam:
-    ``backend`` (default: the real one, configured from the resolved options) and
-    ``pinner`` (default: the backend's). Used by both stagers and the tests; checks
-    every option before anything is made. ``ledger``: a node ledger the caller owns
-    (shared with its other users); else one is opened from ``node_budget_bytes`` (and
-    closed with the engine)."""
-    options, pinner = resolve_options(backend if backend is not None else RealBackend(), pinner, **given)
-    owns = False
-    if ledger is not None and options.node_budget_bytes not in (None, ledger.budget):
-        raise InvalidOptionError(
-            f"node_budget_bytes={options.node_budget_bytes} differs from the budget of the node ledger "
-            f"given ({ledger.budget}); pass one of them"
-        )
-    if ledger is None and options.node_budget_bytes is not None:
-        ledger = NodeLedger.open(
-            options.node_budget_bytes, path=options.node_budget_path, job=options.node_budget_job
-        )
-        owns = True
-    if backend is None:
-        backend = RealBackend(non_blocking=options.non_blocking, copy_threads=options.copy_threads)
-    return Engine(options, backend=backend, pinner=pinner, ledger=ledger, owns_ledger=owns)
-
-
 class Engine:
     """Host buffers, caches, plans and copiers of one stager."""
 
@@ -178,7 +107,7 @@ class Engine:
         self.options = options
         self.backend = backend
         self._pinner = pinner
-        self.sets = BufferSets(
+        self.sets: BufferSets[Plan] = BufferSets(
             max_sets=options.max_buffer_sets,
             shared=options.share_memory,
             pinner=self._pinner,
@@ -395,7 +324,7 @@ class Engine:
         )
 
     def _reuse(
-        self, plan: Plan, sd: Any, bufset: BufferSet, tick: CancelCheck, gens: GeneratorStates | None
+        self, plan: Plan, sd: Any, bufset: BufferSet[Plan], tick: CancelCheck, gens: GeneratorStates | None
     ) -> _Built | None:
         """The common case, one walk: the result built around ``plan``'s host tensors,
         if its leaves still have the plan's fingerprint (``plan_holds``) or are new
@@ -419,7 +348,7 @@ class Engine:
         self,
         sd: Any,
         sig: Any,
-        bufset: BufferSet,
+        bufset: BufferSet[Plan],
         tick: CancelCheck,
         gens: GeneratorStates | None,
         captures: dict[torch.device, Any],
@@ -482,7 +411,7 @@ class Engine:
         built: _Built,
         sd: Any,
         sig: Any,
-        bufset: BufferSet,
+        bufset: BufferSet[Plan],
         captures: dict[torch.device, Any],
         tick: CancelCheck,
         copy: bool,
@@ -524,7 +453,7 @@ class Engine:
         return completions, devices, digests
 
     def _preflight(
-        self, bufset: BufferSet, *, reserve: bool, pinned: bool = True
+        self, bufset: BufferSet[Plan], *, reserve: bool, pinned: bool = True
     ) -> Callable[[list[int]], None] | None:
         """The pre-flight check ``make_plan`` runs before it allocates (see
         ``_preflight``): at reserve(), and at a stage into a set that maps nothing yet.

@@ -16,7 +16,8 @@ import time
 import weakref
 from typing import Any
 
-from async_stager._core.run.engine import Engine, StageRecord
+from async_stager._core.run.engine import Engine
+from async_stager._core.run.records import StageRecord
 from async_stager._core.stats import METRIC_PREFIX, StageStats
 
 __all__ = ["StageJob", "drop", "drop_result", "job_done", "log_stage_done", "log_stage_end", "logged_run"]

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from async_stager._core.run import interp as _interp
+from async_stager._core import interp as _interp
 from async_stager.errors import StagingError
 
 __all__ = ["FifoLock", "Worker", "WorkerForked", "WorkerStopped", "clear_locals"]
