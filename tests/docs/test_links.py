@@ -66,3 +66,10 @@ def test_every_relative_link_resolves(page: Path) -> None:
         elif anchor and (dest.suffix != ".md" or anchor not in anchors(dest)):
             broken.append(f"{target}: no heading #{anchor} in {dest.name}")
     assert not broken, f"{page.relative_to(ROOT)}: broken links: {broken}"
+
+
+def test_the_index_lists_every_page() -> None:
+    """docs/index.md, where each kind of reader starts, links every page of docs/."""
+    listed = {Path(t.partition("#")[0]).name for t in links(ROOT / "docs" / "index.md")}
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")} - {"index.md"}
+    assert not pages - listed, f"pages docs/index.md does not list: {sorted(pages - listed)}"
