@@ -48,3 +48,17 @@ def test_the_module_map_lists_every_module() -> None:
     assert not documented - real, (
         f"docs/design.md's map names modules that do not exist: {sorted(documented - real)}"
     )
+
+
+def test_contributing_names_every_layer() -> None:
+    """CONTRIBUTING.md's layout shows a folder for every layer of tests/test_layers.py, and
+    its import chain names them all in that order (it had left out _store and _tier)."""
+    from tests.test_layers import LAYERS
+
+    text = (PKG.parent / "CONTRIBUTING.md").read_text(encoding="utf-8")
+    layout = text[text.index("## Layout") :]
+    layout = layout[: layout.index("```", layout.index("```") + 3)]
+    folders = re.findall(r"^  (_\w+)/", layout, flags=re.MULTILINE)
+    assert folders == [layer for layer in LAYERS if layer.startswith("_")], folders
+    chain = text[text.index("Imports point one way:") :].split(";")[0]
+    assert re.findall(r"`(\w+)`", chain) == LAYERS, chain
