@@ -192,3 +192,11 @@ def test_one_version() -> None:
     attr = project["tool"]["setuptools"]["dynamic"]["version"]["attr"]
     assert attr == "async_stager.__version__"
     assert re.fullmatch(r"\d+\.\d+\.\d+([.-]?(a|b|rc|dev|post)\d*)*", async_stager.__version__)
+
+
+def test_api_md_introduction_names_every_advertised_name() -> None:
+    """The page's first paragraphs, before its first section, name all of ``__all__``."""
+    intro = API_MD.read_text().split("\n## ", 1)[0]
+    named = set(re.findall(r"`([^`]+)`", intro))
+    missing = [name for name in async_stager.__all__ if name not in named]
+    assert not missing, f"docs/api.md's introduction does not name {missing}"
