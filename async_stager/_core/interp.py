@@ -71,7 +71,7 @@ def gil_interval(seconds: float) -> Iterator[None]:
     holder hands over at its next bytecode. Lowering the interval while staging bounds
     the loop's wait to about ``seconds``; it costs nothing when nobody waits (no
     switch is requested). Voluntary sleeps were measured instead: the same lag, at about
-    twice the time of a cached stage of many small tensors (see docs/concepts.md).
+    twice the time of a cached stage of many small tensors (see docs/design.md).
 
     The setting is process-wide, and jobs of several stagers may overlap. The rule:
 

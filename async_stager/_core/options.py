@@ -198,9 +198,9 @@ class StagerOptions:
       buffer set keeps up to four plans, one per state dict layout).
     - ``yield_interval``: the longest the event loop should wait for the GIL while the
       worker runs Python (seconds); applied as the interpreter's switch interval during
-      staging (see docs/concepts.md).
+      staging (see docs/design.md).
     - ``worker_nice``: niceness added to the worker thread (Linux), 0 to leave it; the
-      event loop then preempts host copies at once (see docs/concepts.md).
+      event loop then preempts host copies at once (see docs/design.md).
     - ``copy_threads``: threads for host-to-host copies, the worker and ``n - 1``
       helpers (see ``_hostcopy``); None: torch's intra-op thread count (what
       ``DefaultStager`` uses); ``"auto"`` (``Stager``'s default): decided per copy

@@ -44,7 +44,7 @@ the budget (``pickling.checked_pickle_module``): BudgetTooSmallError, naming the
 value, when either is bigger, since neither can be cut into pieces. ``dcp.save``
 checks what it can see at the call (``survey``).
 
-Limits of DCP's public API (documented in docs/concepts.md):
+Limits of DCP's public API (documented in docs/design.md):
 - The order in which a storage writer asks for items is not part of DCP's interface;
   it is the ``FileSystemWriter`` behaviour above. ``resolve_data`` checks every request
   against the expected order and fails with UnsupportedError rather than deadlock.

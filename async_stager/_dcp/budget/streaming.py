@@ -8,7 +8,7 @@ opens write streams (``_StreamingStream``) that write a bytes item's pieces as t
 land: ``resolve_data`` returns a stand-in (``Streamed``) whose ``getbuffer()`` is a
 marker (``Marker``) the stream recognizes.
 
-Limit of DCP's public API (documented in docs/concepts.md): the writer writes a bytes
+Limit of DCP's public API (documented in docs/design.md): the writer writes a bytes
 item as ``stream.write(data.getbuffer())`` on the stream its file system opened. Should
 a writer do anything else with the stand-in (read it, copy it), the save fails with
 UnsupportedError before any metadata is written; it never writes a wrong item.
