@@ -179,11 +179,7 @@ json.dump({"failed": bool(int(sys.argv[1])), "finished": sys.argv[3] == "1", "ro
 t0=$(now)
 read -r -a PIP <<< "${GPU_CHECK_PIP:-$PY -m pip}"
 mapfile -t reqs < <("$PY" scripts/requirements.py gpu-check 2>>"$LOGS/pip.txt")
-missing=()
-for r in "${reqs[@]}"; do
-    name=${r%%[<>=!~;[ ]*}
-    has "${name//-/_}" || missing+=("$r")
-done
+mapfile -t missing < <("$PY" scripts/requirements.py --missing gpu-check 2>>"$LOGS/pip.txt")
 if [ "${#reqs[@]}" -eq 0 ]; then
     row "requirements" FAILED "$(since "$t0")" "scripts/requirements.py listed nothing; see pip.txt"
     failed=1
@@ -195,11 +191,7 @@ else
     echo "+ ${PIP[*]} install ${where[*]} ${missing[*]}" >> "$LOGS/pip.txt"
     timeout "$((B_REQUIREMENTS * SLACK))" "${PIP[@]}" install --quiet "${where[@]}" "${missing[@]}" >> "$LOGS/pip.txt" 2>&1
     rc=$?
-    still=()
-    for r in "${missing[@]}"; do
-        name=${r%%[<>=!~;[ ]*}
-        has "${name//-/_}" || still+=("$r")
-    done
+    mapfile -t still < <("$PY" scripts/requirements.py --missing gpu-check 2>>"$LOGS/pip.txt")
     if [ "${#still[@]}" -eq 0 ]; then
         row "requirements" ok "$(since "$t0")" "installed from $from: ${missing[*]}"
     else

@@ -4,11 +4,13 @@ which the machine brings in its own build) and, for each extra named,
 ``[project.optional-dependencies]``'s list of it.
 
     python scripts/requirements.py gpu-check        # what scripts/gpu_check.sh installs
+    python scripts/requirements.py --missing gpu-check   # those that do not import here
     pip download -d wheels $(python scripts/requirements.py gpu-check)   # carried wheels
 """
 
 from __future__ import annotations
 
+import importlib
 import re
 import sys
 from pathlib import Path
@@ -39,8 +41,30 @@ def requirements(extras: list[str], path: Path = PYPROJECT) -> list[str]:
             if found is None:
                 raise KeyError(extra) from None
             reqs += _strings(found.group(1))
-    return [r for r in reqs if re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].strip().lower() != "torch"]
+    return [r for r in reqs if name_of(r).lower() != "torch"]
+
+
+def name_of(requirement: str) -> str:
+    """The module a requirement's distribution is imported as (``pytest-timeout``:
+    ``pytest_timeout``)."""
+    return re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].strip().replace("-", "_")
+
+
+def missing(reqs: list[str]) -> list[str]:
+    """Those of ``reqs`` whose module does not import here (one process for all)."""
+    out = []
+    for r in reqs:
+        try:
+            importlib.import_module(name_of(r))
+        except Exception:  # noqa: BLE001 - any failure to import is "missing"
+            out.append(r)
+    return out
 
 
 if __name__ == "__main__":
-    print("\n".join(requirements(sys.argv[1:])))
+    args = sys.argv[1:]
+    only_missing = "--missing" in args
+    reqs = requirements([a for a in args if a != "--missing"])
+    lines = missing(reqs) if only_missing else reqs
+    if lines:  # nothing at all when none (an empty line would read as one requirement)
+        print("\n".join(lines))

@@ -205,6 +205,39 @@ def test_a_hash_buffer_freed_outside_its_stream_order_is_poisoned(
     engine.close()
 
 
+def test_memory_the_allocator_does_not_own_is_kept_by_the_event_hold(
+    sim: SimulatedDevice, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A DLPack import or a CUDA IPC handle: record_stream does nothing for it, and its
+    # owner frees it when the last tensor dies. Only the completion event's hold of
+    # the sources keeps it until the copies have read it.
+    sim.delay = (0.05, 0.05)
+    engine = make_engine(backend=SimulatedBackend(sim))
+
+    def stage() -> torch.Tensor:
+        sd = {"x": sim.foreign(torch.arange(4096, dtype=torch.float32))}
+        staged = engine.run(sd, engine.capture())
+        del sd  # the importer drops it while its copy is in flight
+        for c in staged.completions:
+            c.synchronize()
+        engine.settle(staged)
+        out: torch.Tensor = staged.result["x"].clone()
+        return out
+
+    assert torch.equal(stage(), torch.arange(4096, dtype=torch.float32))
+
+    def record_stream_only(self: AcceleratorCopier, srcs: Any) -> None:
+        for s in srcs:
+            if self.prims.owns(s):
+                self.prims.record_stream(s, self.stream)
+
+    monkeypatch.setattr(AcceleratorCopier, "protect", record_stream_only)
+    assert poisoned(stage())  # record_stream alone: the owner freed it under the copy
+    assert sim.errors and all(isinstance(e, UseAfterFree) for e in sim.errors), sim.errors
+    sim.errors.clear()
+    engine.close()
+
+
 def test_a_kernel_holds_nothing(sim: SimulatedDevice) -> None:
     # As a CUDA kernel: a tensor passed to launch() is freed when the caller drops it,
     # even with the kernel still queued; the kernel then touches freed memory.
@@ -300,6 +333,7 @@ async def test_device_hashes_read_the_sources_as_of_the_call(
 ) -> None:
     from async_stager._core.checksum.digest import Checksums
 
+    sim.kernel_delay = (0.15, 0.2)  # the hash kernels outlast the copies (and a late poll)
     big = sim.tensor(torch.randn(1 << 18))  # 1 MiB: hashed on the device
     train = sim.stream("train")
     async with Stager(backend=SimulatedBackend(sim)) as stager:
@@ -307,13 +341,14 @@ async def test_device_hashes_read_the_sources_as_of_the_call(
             sim.launch(later(0.02, lambda: big.add_(1)))  # queued at the call
             coro = stager.lease({"big": big}, checksums=True)
         lease = await coro
-        sim.synchronize()
-        want = bits(big)
         staged = lease.state_dict["big"]
         sums = lease.checksums
         assert sums is not None and sums.algorithm_of(staged) == "wsum64"
-        assert torch.equal(bits(staged), want)
-        assert sums.get(staged) == Checksums.compute(staged, "wsum64")
+        # Read as soon as the stage is complete: its completion covers the hashes.
+        digest = sums.get(staged)
+        sim.synchronize()
+        assert torch.equal(bits(staged), bits(big))
+        assert digest == Checksums.compute(staged, "wsum64")
         lease.release()
 
 

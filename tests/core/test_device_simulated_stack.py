@@ -66,6 +66,15 @@ def expected(sim: SimulatedDevice, sd: dict[str, torch.Tensor]) -> dict[str, tor
 async def test_checkpointer_training_loop(tmp_path: Path, anyio_backend: Any, budget: int | None) -> None:
     with SimulatedDevice(seed=21, delay=(0.0, 0.003)) as sim:
         sd = model(sim)
+        # What each parameter holds, kept on the host beside the device (the device is
+        # never synchronized in the loop: a fence that did not order the next step
+        # after the copies would show).
+        host = {k: v.clone() for k, v in sd.items()}
+        # A CPU leaf (a loss copied back every step, into pinned memory): the copy into
+        # it is queued on the caller's stream before the save, so the host copier must
+        # wait for the capture before reading it.
+        loss_dev = sim.tensor(torch.zeros(256))
+        loss = torch.zeros(256)
         train = sim.stream("train")
         saved: dict[int, dict[str, torch.Tensor]] = {}
         stager = Stager(backend=SimulatedBackend(sim))
@@ -75,15 +84,29 @@ async def test_checkpointer_training_loop(tmp_path: Path, anyio_backend: Any, bu
                     # A step still running on the device at the call: its writes are
                     # in the checkpoint; the next step's writes (after fence) are not.
                     train_step(sim, sd, step, seconds=0.01)
-                    await ckpt.save({"model": dict(sd), "step": step}, step=step)
-                    saved[step] = expected(sim, sd)
+                    sim.launch(lambda t, v=float(step): t.fill_(v), loss_dev)
+                    sim.copy([loss], [loss_dev])
+                    for v in host.values():
+                        v.add_(float(step))
+                    await ckpt.save({"model": dict(sd), "loss": loss, "step": step}, step=step)
+                    saved[step] = {k: bits(v.clone()) for k, v in host.items()}
                     await ckpt.fence()
                     train_step(sim, sd, 100)  # the next step, overlapping the write
+                    for v in host.values():
+                        v.add_(100.0)
             await ckpt.wait()
+            sim.synchronize()
+            for k, v in expected(sim, sd).items():  # the mirror kept up with the device
+                assert torch.equal(v, bits(host[k])), k
             for step in (2, 4):
-                back: dict[str, Any] = {"model": {k: torch.zeros_like(v) for k, v in sd.items()}, "step": 0}
+                back: dict[str, Any] = {
+                    "model": {k: torch.zeros_like(v) for k, v in sd.items()},
+                    "loss": torch.zeros(256),
+                    "step": 0,
+                }
                 assert await ckpt.restore(back, step=step) == step
                 assert back["step"] == step
+                assert torch.equal(back["loss"], torch.full((256,), float(step))), step
                 for k, v in saved[step].items():
                     assert torch.equal(bits(back["model"][k]), v), (step, k)
         await stager.aclose()

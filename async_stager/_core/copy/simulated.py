@@ -88,8 +88,8 @@ class SimulatedStream:
         self._rng = random.Random(sim.seed * 1_000_003 + number)
         self._thread: threading.Thread | None = None
 
-    def delay(self) -> float:
-        lo, hi = self.sim.delay
+    def delay(self, kernel: bool = False) -> float:
+        lo, hi = self.sim.kernel_delay if kernel else self.sim.delay
         return self._rng.uniform(lo, hi) if hi > 0 else 0.0
 
     def enqueue(self, op: Callable[[], None]) -> int:
@@ -245,18 +245,21 @@ class _Where:
 
 
 class _Block:
-    __slots__ = ("nbytes", "owner", "start", "uses")
+    __slots__ = ("foreign", "nbytes", "owner", "start", "uses")
 
     def __init__(self, start: int, nbytes: int, owner: SimulatedStream) -> None:
         self.start, self.nbytes, self.owner = start, nbytes, owner
         #: (stream, position) pairs from ``record_stream``.
         self.uses: list[tuple[SimulatedStream, int]] = []
+        #: Memory the allocator does not own (``SimulatedDevice.foreign``).
+        self.foreign = False
 
 
 class SimulatedDevice(DevicePrimitives):
     """The simulated device (see the module doc). ``capacity``: bytes of device memory;
-    ``seed``, ``delay`` (seconds, low and high of each copy's uniform delay): a failure
-    replays with the same values. ``device``: the torch device the engine sees its
+    ``seed``, ``delay`` (seconds, low and high of each copy's uniform delay),
+    ``kernel_delay`` (the same for a kernel, ``launch``): a failure replays with the
+    same values. ``device``: the torch device the engine sees its
     tensors on (``SimulatedBackend.device_of``; default ``cuda:0``, so the engine's
     CUDA paths run; the tensors themselves are CPU tensors viewing its memory, and
     nothing calls ``torch.cuda`` for it). ``pool``: streams in its pool. Use as a
@@ -270,6 +273,7 @@ class SimulatedDevice(DevicePrimitives):
         capacity: int = 64 << 20,
         device: torch.device | None = None,
         pool: int = POOL_STREAMS,
+        kernel_delay: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         super().__init__(device if device is not None else torch.device("cuda", 0))
         if pool < 1:
@@ -278,6 +282,8 @@ class SimulatedDevice(DevicePrimitives):
         self.pool_size = pool
         self.seed = seed
         self.delay = delay
+        #: Seconds (low, high) a kernel (``launch``) takes, drawn as a copy's delay.
+        self.kernel_delay = kernel_delay
         self.capacity = capacity = max(_ALIGN, capacity // _ALIGN * _ALIGN)
         self.cond = threading.Condition(threading.RLock())
         self.closed = False
@@ -338,6 +344,17 @@ class SimulatedDevice(DevicePrimitives):
         t.copy_(data.resolve_conj().resolve_neg())
         return t
 
+    def foreign(self, data: torch.Tensor) -> torch.Tensor:
+        """A device tensor holding ``data``'s values in memory the device's allocator
+        does not own (a DLPack import, a CUDA IPC handle): ``record_stream`` does
+        nothing for it, and its owner frees it (overwritten at once) when its last
+        tensor dies, whatever a stream still has queued on it."""
+        t = self.tensor(data)
+        block = self._block_of(t)
+        assert block is not None
+        block.foreign = True
+        return t
+
     def launch(self, fn: Callable[..., Any], *tensors: torch.Tensor) -> None:
         """Enqueue ``fn(*tensors)`` (device work: a kernel) on the current stream. A
         kernel holds nothing: each device tensor of ``tensors`` is known by its address
@@ -347,7 +364,15 @@ class SimulatedDevice(DevicePrimitives):
         training code would.)"""
         where = [_Where(self, t, write=self.owns(t)) for t in tensors]
         del tensors
-        self.current_stream().enqueue(lambda: fn(*(w.view(self) for w in where)))
+        stream = self.current_stream()
+        wait = stream.delay(kernel=True)
+
+        def run() -> None:
+            if wait:
+                time.sleep(wait)
+            fn(*(w.view(self) for w in where))
+
+        stream.enqueue(run)
 
     def synchronize(self, timeout: float = 60.0) -> None:
         """Wait until every stream has run what it had queued."""
@@ -505,7 +530,7 @@ class SimulatedDevice(DevicePrimitives):
 
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
         block = self._block_of(tensor)
-        if block is not None:
+        if block is not None and not block.foreign:  # the allocator's blocks only
             with self.cond:
                 block.uses.append((stream, stream.queued))
 
@@ -523,7 +548,10 @@ class SimulatedDevice(DevicePrimitives):
         with self.cond:
             if self.closed:
                 return
-            block.uses.append((block.owner, block.owner.queued))
+            if block.foreign:
+                block.uses = []  # its owner frees it at once, whatever streams still read it
+            else:
+                block.uses.append((block.owner, block.owner.queued))
             self._releases.append(block)
             self._reap()
 

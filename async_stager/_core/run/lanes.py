@@ -15,7 +15,8 @@ Rules:
   separate lanes. Every lane given back is kept idle with its copiers (its streams):
   saves in parallel again take them again and draw no new stream, so the lanes made
   are the most saves ever in flight at once. Only ``IDLE_LANES`` idle lanes keep their
-  ring (host memory); the others' rings are closed when they are given back.
+  ring (host memory) and their host copier (its threads); the others' are closed when
+  they are given back.
 - A lane whose copies could not be seen to land (a settle that timed out) is never
   reused nor freed: its ring may still be written by a copy in flight, so it is kept
   referenced for the life of the process (``quarantined``) and logged.
@@ -80,6 +81,12 @@ class Lane:
             return 0
         ring.close()
         return ring.capacity
+
+    def drop_host_copiers(self) -> None:
+        """Close the copiers of the CPU (no stream to keep; a host copier's helper
+        threads end); the next save makes one again if it needs it."""
+        for d in [d for d in self.copiers if d.type == "cpu"]:
+            self.copiers.pop(d).close()
 
     def close(self) -> BaseException | None:
         """Close every copier (bounded waits) and the ring; returns the first error."""
@@ -160,6 +167,7 @@ class Lanes:
         if lane.ring is not None and rings >= IDLE_LANES:
             try:
                 lane.drop_ring()  # its streams are kept; its host memory is not
+                lane.drop_host_copiers()  # no stream to keep: its copy threads go
             except Exception as e:  # noqa: BLE001 - the lane is closed instead
                 lane.close()
                 return e
