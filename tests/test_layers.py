@@ -238,3 +238,67 @@ def test_no_import_cycle_inside_a_package() -> None:
     assert not found, "import cycles (put what both sides need below both):\n" + "\n".join(
         f"{package}: {sorted(comp)}\n    " + "\n    ".join(where) for (package, comp), where in found.items()
     )
+
+
+# -- no private name crosses modules (issue 42) ------------------------------------------
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_private_name_crosses_modules() -> None:
+    """A module uses only the public names of another: no ``from m import _name``, no
+    ``m._name`` on an imported module, no ``getattr(obj, "_name")`` on another object
+    (what a layer above needs is public in its module, or behind an internal handle).
+    Failed before: ``_save_blocking`` imported three times, ``getattr(stager,
+    "_shared_arenas")`` twice, ``reducers._delegate_storage``."""
+    modules = {_name(p) for p in _modules()}
+    bad = []
+    for path in _modules():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        imported: set[str] = set()  # names bound to modules of the package
+        foreign: set[str] = set()  # names bound by other imports (torch's privates are torch's)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = _name(path).split(".")
+                    parts = parts[: len(parts) - node.level + (1 if path.name == "__init__.py" else 0)]
+                    base = ".".join(parts + ([node.module] if node.module else []))
+                for a in node.names:
+                    full = f"{base}.{a.name}"
+                    if base.startswith("async_stager") and full in modules:
+                        imported.add(a.asname or a.name)  # a module
+                    elif base.startswith("async_stager") and _private(a.name):
+                        bad.append(f"{path.relative_to(PKG)}:{node.lineno} imports {full}")
+                if not base.startswith("async_stager"):
+                    foreign.update(a.asname or a.name for a in node.names)
+            elif isinstance(node, ast.Import):
+                imported.update(
+                    a.asname for a in node.names if a.asname and a.name.startswith("async_stager")
+                )
+                foreign.update(
+                    (a.asname or a.name).split(".")[0]
+                    for a in node.names
+                    if not a.name.startswith("async_stager")
+                )
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and _private(node.attr):
+                if node.value.id in imported:
+                    bad.append(f"{path.relative_to(PKG)}:{node.lineno} uses {node.value.id}.{node.attr}")
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr", "setattr")
+                and len(node.args) >= 2
+                and isinstance(node.args[0], ast.Name)
+                and node.args[0].id not in ("self", "cls", *foreign)
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+                and _private(node.args[1].value)
+            ):
+                bad.append(
+                    f"{path.relative_to(PKG)}:{node.lineno} {node.func.id}(..., {node.args[1].value!r})"
+                )
+    assert not bad, "private names used across modules:\n" + "\n".join(bad)

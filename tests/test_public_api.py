@@ -200,3 +200,39 @@ def test_api_md_introduction_names_every_advertised_name() -> None:
     named = set(re.findall(r"`([^`]+)`", intro))
     missing = [name for name in async_stager.__all__ if name not in named]
     assert not missing, f"docs/api.md's introduction does not name {missing}"
+
+
+def test_the_public_classes_show_only_what_users_call() -> None:
+    """Issue 42: what the layers above need of a Stager (a snapshot point taken now and
+    staged later, the device seam, fence hooks, the shared arenas, the bytes a stage may
+    reuse) is behind its internal handle, not on the class; so are the Lease's binding,
+    a SaveRequest's answering and the Checkpointer's exit deadline."""
+    from async_stager import Checkpointer, Lease, SaveRequest, Stager
+
+    def shown(cls: type) -> set[str]:
+        return {n for n in dir(cls) if not n.startswith("_")}
+
+    assert shown(Stager) == {
+        "aclose",
+        "buffer_sets",
+        "close",
+        "closed",
+        "fence",
+        "host_bytes",
+        "lease",
+        "reserve",
+        "snapshot",
+        "stage",
+        "stats",
+        "trim",
+    }
+    assert list(inspect.signature(Stager.lease).parameters) == ["self", "sd", "checksums"]
+    assert shown(Lease) == {"checksums", "release", "released", "state_dict"}
+    assert shown(SaveRequest) == {"done", "taken", "wait"}
+    for cls, names in (
+        (Stager, ["_shared_arenas", "snapshot_point", "add_fence_hook", "lanes", "reusable_bytes"]),
+        (Lease, ["_bind"]),
+        (SaveRequest, ["_take", "_finish"]),
+        (Checkpointer, ["_leave_by"]),
+    ):
+        assert not [n for n in names if hasattr(cls, n)], cls

@@ -49,9 +49,11 @@ from async_stager._checkpoint.options import (
 from async_stager._checkpoint.progress import (
     SaveProgress,
     SaveRequest,
+    finish_request,
     interrupted_line,
     progress_of,
     status_line,
+    take_request,
 )
 from async_stager._checkpoint.ranks import Ranks
 from async_stager._checkpoint.routes import DiskContext, Routes
@@ -320,7 +322,7 @@ class Checkpointer:
             self._tier.closing()  # a memory save never awaited holds nothing
         request, self._request = self._request, None
         if request is not None:
-            request._finish(None)  # never taken: no save answers it
+            finish_request(request, None)  # never taken: no save answers it
         # Left by Ctrl-C (or a cancellation) while saves are in flight: one line says
         # which committed (the traceback that follows does not).
         # (On asyncio, Ctrl-C cancels the main task: the block sees a cancellation.)
@@ -434,13 +436,6 @@ class Checkpointer:
                 "anyio.from_thread.run(functools.partial(ckpt.save, state, step=n), token=token) "
                 "(no token= in a thread started by anyio.to_thread.run_sync)"
             )
-
-    def _leave_by(self, deadline: float, exit_code: int) -> None:
-        """Make leaving the block stop waiting for writes at ``deadline`` (anyio clock):
-        ``Shutdown.final_checkpoint`` after it missed its deadline. ``exit_code``: the
-        status the process exits with if an abandoned write is still running then."""
-        self._leave_at = deadline
-        self._exit_code = exit_code
 
     # -- saving -----------------------------------------------------------------------
 
@@ -597,12 +592,12 @@ class Checkpointer:
         request, self._request = self._request, None
         if request is None:
             return False
-        request._take(step)
+        take_request(request, step)
         seq = self._saves.seq
         try:
             coro = self.save(state, step=step)
         except BaseException as exc:
-            request._finish(None, exc if isinstance(exc, Exception) else None)
+            finish_request(request, None, exc if isinstance(exc, Exception) else None)
             raise
         made = [i for i in self._saves.items if i.seq == seq]  # the save this call made, if any
         if made:
@@ -610,10 +605,10 @@ class Checkpointer:
         try:
             accepted = await coro
         except BaseException as exc:
-            request._finish(None, exc if isinstance(exc, Exception) else None)
+            finish_request(request, None, exc if isinstance(exc, Exception) else None)
             raise
         if not accepted:
-            request._finish(None)
+            finish_request(request, None)
         return accepted
 
     def saved(self) -> SavedStream:
@@ -669,3 +664,12 @@ class Checkpointer:
             fallback=fallback,
             created=self._created,
         )
+
+
+def leave_by(ckpt: Checkpointer, deadline: float, exit_code: int) -> None:
+    """Make leaving ``ckpt``'s block stop waiting for writes at ``deadline`` (anyio
+    clock): ``Shutdown.final_checkpoint`` after it missed its deadline. ``exit_code``:
+    the status the process exits with if an abandoned write is still running then. A
+    function, not a method: a Checkpointer shows its users only what they call."""
+    ckpt._leave_at = deadline
+    ckpt._exit_code = exit_code

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from async_stager._core.aio.stager import stager_internals
 from async_stager._core.aio.threads import run_in_thread
 from async_stager._core.memory.arena import MIN_ARENA_BYTES, align
 from async_stager._core.memory.ledger import NodeLedger, Reservation
@@ -247,7 +248,7 @@ def admit(ledger: CreditLedger, stager: Stager, sd: dict[str, Any], largest: int
     ``"staged"`` the new bytes are this ledger's credit until the stage draws them;
     the caller drops what is left (``drop_credit``) once the stage ended."""
     need = staged_bytes(sd)
-    new = max(0, need - stager.reusable_bytes)
+    new = max(0, need - stager_internals(stager).reusable_bytes)
     if new == 0:
         return Admission("cached" if need else "staged", 0.0, 0, "a cached buffer set holds the staged copy")
     n = ranks_on_node(ledger)

@@ -28,10 +28,12 @@ __all__ = [
     "SaveProgress",
     "SaveRequest",
     "describe",
+    "finish_request",
     "interrupted_line",
     "progress_of",
     "report_progress",
     "status_line",
+    "take_request",
 ]
 
 _log = logging.getLogger("async_stager.checkpoint")
@@ -176,10 +178,6 @@ class SaveRequest:
         await self._taken.wait()
         return self.step
 
-    def _take(self, step: int) -> None:
-        self.step = step
-        self._taken.set()
-
     async def wait(self) -> SaveStats | None:
         """The commit's SaveStats, or None when no commit answers the request; a failed
         write's CheckpointError is raised. Cancellation: only the wait."""
@@ -188,9 +186,24 @@ class SaveRequest:
             raise self._error
         return self._stats
 
-    def _finish(self, stats: SaveStats | None = None, error: BaseException | None = None) -> None:
-        if self._done.is_set():
-            return
-        self._stats, self._error = stats, error
-        self._taken.set()
-        self._done.set()
+
+# What the Checkpointer does to a request: functions, not methods, so a SaveRequest
+# shows its users only what they call.
+
+
+def take_request(request: SaveRequest, step: int) -> None:
+    """The training loop took ``request`` at ``step`` (its save is being staged)."""
+    request.step = step
+    request._taken.set()
+
+
+def finish_request(
+    request: SaveRequest, stats: SaveStats | None = None, error: BaseException | None = None
+) -> None:
+    """Answer ``request`` (once; later calls do nothing): ``stats`` of the commit, None
+    when no commit answers it; ``error``, a failed write's."""
+    if request._done.is_set():
+        return
+    request._stats, request._error = stats, error
+    request._taken.set()
+    request._done.set()

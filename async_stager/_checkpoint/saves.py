@@ -25,7 +25,7 @@ import anyio.abc
 from async_stager._checkpoint.disk import checkpoint_failure
 from async_stager._checkpoint.item import Phase, SaveItem, clear_frames
 from async_stager._checkpoint.options import CheckpointerOptions, SaveStats
-from async_stager._checkpoint.progress import report_progress
+from async_stager._checkpoint.progress import finish_request, report_progress
 from async_stager._checkpoint.write import GivenUp
 from async_stager._core.aio.waiting import threadsafe
 from async_stager.errors import ClosedError
@@ -271,7 +271,7 @@ class SaveQueue:
                 item.superseded = True
                 self.dropped.append(item.step)
             if item.request is not None:
-                item.request._finish(item.stats if item.committed else None, item.failure)
+                finish_request(item.request, item.stats if item.committed else None, item.failure)
             self.advance()
         if threading.get_ident() == self._loop_thread:
             self._flush_deliveries()  # an earlier save that ended uncommitted frees later commits

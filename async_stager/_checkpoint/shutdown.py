@@ -14,6 +14,7 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 
+from async_stager._checkpoint.checkpointer import leave_by
 from async_stager.errors import InvalidOptionError, InvalidOptionTypeError
 
 if TYPE_CHECKING:
@@ -168,7 +169,7 @@ class Shutdown:
             self.seconds = time.monotonic() - t0
             return EXIT_SAVED
         self.seconds = time.monotonic() - t0
-        ckpt._leave_by(anyio.current_time(), EXIT_MISSED)
+        leave_by(ckpt, anyio.current_time(), EXIT_MISSED)
         return EXIT_MISSED
 
 

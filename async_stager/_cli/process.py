@@ -89,18 +89,20 @@ def _make_stager(kind: str) -> Any:
 
         for t in (torch.Tensor, torch.nn.Parameter):
             ForkingPickler.register(t, reductions.reduce_tensor)
-        ForkingPickler.register(torch.UntypedStorage, _mp_reduce._delegate_storage)
+        ForkingPickler.register(torch.UntypedStorage, _mp_reduce.delegate_storage)
     return DefaultStager(CheckpointStagerConfig(use_pinned_memory=False, use_shared_memory=True))
 
 
 def _in_own_arenas(stager: Any) -> bool | None:
     """Whether every storage of the stager's last result lies in its own arenas (None:
     not our stager)."""
-    arenas = getattr(stager, "_shared_arenas", None)
+    from async_stager._core.aio.internals import internals_of
+
+    handle = internals_of(stager)
     staged = getattr(stager, "get_staged_state_dict", None)
-    if not callable(arenas) or not callable(staged):
+    if handle is None or not callable(staged):
         return None
-    ranges = [(a.base, a.base + a.nbytes) for a in arenas()]
+    ranges = [(a.base, a.base + a.nbytes) for a in handle.shared_arenas()]
     sd = staged() or {}
     for t in sd.values():
         s = t.untyped_storage()

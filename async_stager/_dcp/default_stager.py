@@ -46,7 +46,7 @@ from concurrent.futures import Future
 from types import TracebackType
 from typing import Any
 
-from async_stager._core.memory.arena import Arena
+from async_stager._core.aio.internals import Internals, register
 from async_stager._core.options import StagerOptions
 from async_stager._core.run.jobs import log_stage_done
 from async_stager._core.run.make import build_engine
@@ -216,6 +216,8 @@ class DefaultStager(CheckpointStager):
             if _needs_accelerator(e):
                 raise AcceleratorRequiredError(str(e)) from None
             raise
+        # ``export_shared`` and the command line find the shared arenas through it.
+        register(self, Internals(self._engine))
         #: The most buffer sets seen so far (a warning each time it passes the quiet two).
         self._sets_seen = 0
         options = self._engine.options
@@ -459,11 +461,6 @@ class DefaultStager(CheckpointStager):
         """The resolved engine options (what the config asked for, machine defaults
         filled in)."""
         return self._engine.options
-
-    def _shared_arenas(self) -> list[Arena]:
-        """Internal (for ``export_shared``): the open shared-memory arenas of every
-        buffer set. Not part of the public API."""
-        return self._engine.shared_arenas()
 
     def close(self) -> None:
         """Wait for the stages submitted (their errors are left to their Futures, and

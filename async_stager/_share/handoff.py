@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from async_stager._core.aio.internals import internals_of
 from async_stager._core.options import StagerOptions
 from async_stager._core.plan.views import lazy_bits, view_on
 from async_stager._share import reducers as _mp_reduce  # noqa: F401  - registers the torch.multiprocessing reducers
@@ -108,9 +109,9 @@ class SharedHandle:
 
 def _shared_arenas(stager: Any) -> list[Any]:
     """The stager's live shared arenas, sorted by base address."""
-    arenas_of = getattr(stager, "_shared_arenas", None)
+    handle = internals_of(stager)
     options = getattr(stager, "options", None)
-    if not callable(arenas_of) or not isinstance(options, StagerOptions):
+    if handle is None or not isinstance(options, StagerOptions):
         raise UnsupportedError(
             f"export_shared needs the Stager or DefaultStager that staged the result, got {type(stager).__name__}"
         )
@@ -120,7 +121,7 @@ def _shared_arenas(stager: Any) -> list[Any]:
             "or DefaultStager's use_shared_memory=True): its buffers are private memory that "
             "another process cannot map"
         )
-    arenas: list[Any] = list(arenas_of())
+    arenas: list[Any] = list(handle.shared_arenas())
     arenas.sort(key=lambda a: a.base)
     return arenas
 

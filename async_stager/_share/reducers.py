@@ -52,7 +52,7 @@ from torch.multiprocessing import reductions as torch_reductions
 from async_stager._core.memory.arena import Arena, arena_at
 from async_stager._core.plan.views import lazy_bits, view_on
 
-__all__ = ["ForkingCounters", "counters", "install"]
+__all__ = ["ForkingCounters", "counters", "delegate_storage", "install"]
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,9 @@ def _spawning() -> bool:
     return get_spawning_popen() is not None
 
 
-def _delegate_storage(storage: Any) -> Any:
+def delegate_storage(storage: Any) -> Any:
+    """torch's own reducer of a storage (a copy into shared memory unless it is shared
+    already), counted: what a storage outside the stagers' arenas is sent by."""
     if storage.device.type == "cpu" and storage.nbytes() > 0:
         copied = 0 if storage.is_shared() else storage.nbytes()
         _count(delegated=1, copied_bytes=copied)
@@ -188,7 +190,7 @@ def _delegate_storage(storage: Any) -> Any:
 def _reduce_storage(storage: torch.UntypedStorage) -> Any:
     found = _token_of(storage)
     if found is None:
-        return _delegate_storage(storage)
+        return delegate_storage(storage)
     token, offset = found
     _count(by_reference=1, reference_bytes=storage.nbytes())
     return (_rebuild_storage, (token, offset, storage.nbytes()))

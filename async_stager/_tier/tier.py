@@ -18,7 +18,7 @@ unknown, the next save BEGINs, and the agent forgets, before the stage writes.) 
 save comes while the previous one is still being staged or committed, or with no set
 free (every rank has not yet committed a newer step), ``policy`` applies: ``"skip"``
 returns False at once, ``"wait"`` waits (for the commit; for the ranks' exchanges).
-Either way the snapshot point is the call (``Stager.snapshot_point``).
+Either way the snapshot point is the call (``StagerInternals.snapshot_point``).
 
 Failures never stop training: an agent that is gone or too slow (AgentUnavailableError,
 AgentTimeoutError) turns the tier off with one warning (saves return False; the
@@ -50,7 +50,7 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 
-from async_stager._core.aio.stager import Stager
+from async_stager._core.aio.stager import Stager, stager_internals
 from async_stager._core.aio.threads import run_in_thread
 from async_stager._core.memory.lease import Lease
 from async_stager._core.run.records import Captures
@@ -289,7 +289,7 @@ class MemoryTier:
             stage = self.stager.lease(sd)  # submitted now: the snapshot point
             sd = {}
         else:
-            point = self.stager.snapshot_point(sd)  # staged later, from this point
+            point = stager_internals(self.stager).snapshot_point(sd)  # staged later, from this point
         started = [False]
         read = anyio.Event()  # set once this call read its sources, or never will
         self._unread.add(read)
@@ -404,7 +404,7 @@ class MemoryTier:
                 self._dirty = False
                 if not self.client.connected and not await self._probe(step):
                     raise _NotTaken
-                stage = self.stager.lease(sd, at=point)
+                stage = stager_internals(self.stager).lease_at(sd, point)
                 del sd
             elif not self.client.connected and not await self._probe(step):
                 raise _NotTaken  # (the stage, submitted at the call, is abandoned below)

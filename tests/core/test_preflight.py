@@ -295,6 +295,7 @@ def test_nofile_set_in_a_subprocess() -> None:
         """
 import asyncio, os, resource, torch
 from async_stager import HostLimitError, Stager
+from async_stager._core.aio.stager import stager_internals
 sd = {"w": torch.ones(1000), "v": torch.zeros(7)}
 
 async def main():
@@ -310,11 +311,11 @@ async def main():
             assert e.limit <= 3, e
             assert "ulimit -n" in e.fix and "4 descriptors" in str(e)
             print("refused")
-        assert s.host_bytes == 0 and s._shared_arenas() == []
+        assert s.host_bytes == 0 and stager_internals(s).shared_arenas() == []
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         await s.reserve(sd)
         staged = await s.stage(sd)
-        assert staged["w"].sum() == 1000 and len(s._shared_arenas()) == 1
+        assert staged["w"].sum() == 1000 and len(stager_internals(s).shared_arenas()) == 1
         print("usable")
 
 asyncio.run(main())

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from async_stager import Stager, StagingError
+from async_stager._core.aio.stager import stager_internals
 from async_stager.errors import Attr, InvalidStateDictError
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
@@ -29,7 +30,7 @@ class Holder:
 async def test_plain_values_are_refused_at_the_call(anyio_backend: Any) -> None:
     async with Stager() as stager:
         for value in PLAIN:
-            for call in (stager.stage, stager.lease, stager.snapshot_point):
+            for call in (stager.stage, stager.lease, stager_internals(stager).snapshot_point):
                 with pytest.raises(InvalidStateDictError) as ei:
                     call(value)  # raised here, before any coroutine exists
                 assert isinstance(ei.value, TypeError) and isinstance(ei.value, StagingError)

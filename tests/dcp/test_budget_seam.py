@@ -26,6 +26,7 @@ from helpers import bits
 import async_stager._core.copy.copiers as copiers_mod
 import async_stager.dcp as adcp
 from async_stager import CopyError, Stager, UnsupportedError
+from async_stager._core.aio.stager import stager_internals
 from async_stager._core.copy.accelerator import AcceleratorCopier
 from async_stager.testing import (
     FakeBackend,
@@ -413,7 +414,7 @@ async def test_simulated_device_budgeted_saves_reuse_streams_and_ring(tmp_path: 
                     no_dist=True,
                     host_budget_bytes=2 * PIECE,
                 )
-            assert stager.lanes.made == 1
+            assert stager_internals(stager).lanes.made == 1
             pinner = sim.pinner()
             assert isinstance(pinner, SimulatedPinner) and len(pinner.registered) == 1
         assert sim.streams_made == 1 and len(backend.made) == 1
@@ -448,7 +449,9 @@ async def test_concurrent_budgeted_saves_take_separate_lanes_and_trim_frees_them
                             ),
                         )
                 drawn.append(sim.streams_made)
-                assert stager.lanes.made == 2 and len(pinner.registered) == 1  # one idle ring kept
+                assert (
+                    stager_internals(stager).lanes.made == 2 and len(pinner.registered) == 1
+                )  # one idle ring kept
             assert drawn[0] == drawn[1] == drawn[2], drawn  # no stream drawn after the first round
             registrations = pinner.total_registrations
             await adcp.save(
@@ -460,7 +463,9 @@ async def test_concurrent_budgeted_saves_take_separate_lanes_and_trim_frees_them
             await adcp.save(
                 b, stager=stager, checkpoint_id=tmp_path / "c", no_dist=True, host_budget_bytes=2 * PIECE
             )
-            assert sim.streams_made == drawn[0] and stager.lanes.made == 2  # trim kept the streams
+            assert (
+                sim.streams_made == drawn[0] and stager_internals(stager).lanes.made == 2
+            )  # trim kept the streams
         for name, sd in (("a2", a), ("c", b)):
             got = load(tmp_path / name, sd)
             for k, v in sd.items():

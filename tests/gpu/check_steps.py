@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from async_stager import Checkpointer, Stager, UnsupportedError
+from async_stager._core.aio.stager import stager_internals
 from async_stager.testing import SimulatedBackend, SimulatedDevice
 
 SCALE = float(os.environ.get("GPU_CHECK_SCALE", "1"))
@@ -493,7 +494,7 @@ async def budget(dev: Device) -> None:
                         for j in range(2)
                     )
                 )
-                lanes.append(stager.lanes.made)
+                lanes.append(stager_internals(stager).lanes.made)
         out: dict[str, Any] = {
             k: torch.zeros(v.shape, dtype=v.dtype) for k, v in sd.items() if isinstance(v, torch.Tensor)
         }

@@ -27,6 +27,7 @@ from helpers import bits
 
 from async_stager import CheckpointStagerConfig, DefaultStager, Stager
 from async_stager._cli import process as bench_process
+from async_stager._core.aio.internals import internals_of
 from async_stager._share import reducers as _mp_reduce
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -59,8 +60,14 @@ def _sd() -> dict[str, Any]:
     }
 
 
+def _arenas(stager: Any) -> list[Any]:
+    handle = internals_of(stager)
+    assert handle is not None
+    return list(handle.shared_arenas())
+
+
 def _ranges(stager: Any) -> list[tuple[int, int]]:
-    return [(a.base, a.base + a.nbytes) for a in stager._shared_arenas()]
+    return [(a.base, a.base + a.nbytes) for a in _arenas(stager)]
 
 
 def _inside(staged: dict[str, Any], ranges: list[tuple[int, int]]) -> bool:
@@ -243,7 +250,7 @@ def test_many_tensors_one_descriptor_per_arena_per_message() -> None:
     sd = {f"t{i}": torch.full((16,), float(i)) for i in range(500)}
     with _stager() as stager:
         staged = _stage(stager, sd)
-        arenas = len(stager._shared_arenas())
+        arenas = len(_arenas(stager))
         for _ in range(3):
             _mp_reduce.counters(reset=True)
             got = pickle.loads(ForkingPickler.dumps(staged))

@@ -19,6 +19,7 @@ from async_stager._checkpoint.routes.disk import DiskContext
 from async_stager._checkpoint.routes.node import AdmissionRoute
 from async_stager._checkpoint.routes.staged import StagedRoute
 from async_stager._checkpoint.routes.streamed import StreamedRoute
+from async_stager._core.aio.stager import stager_internals
 
 if TYPE_CHECKING:
     from async_stager._checkpoint.formats import CheckpointFormat
@@ -58,7 +59,7 @@ class Routes:
         on the caller's current streams, whenever the policy lets it stage (a deferred
         save stages from it later)."""
         ctx = self.ctx
-        point = ctx.stager.snapshot_point(sd)
+        point = stager_internals(ctx.stager).snapshot_point(sd)
         if ctx.options.host_budget_bytes is not None:
             admission = "streamed" if ctx.ledger is not None else None
             return StreamedRoute(sd, point, ctx, admission=admission)

@@ -40,7 +40,7 @@ class DiskContext:
 class DiskRoute(Route):
     """A save to the folder: its resolved state until its stage or pipeline takes it
     (``sd``), and its snapshot point, taken at the ``save`` call on the caller's streams
-    (``Stager.snapshot_point``): a deferred save stages from it, whenever it stages."""
+    (``StagerInternals.snapshot_point``): a deferred save stages from it, whenever it stages."""
 
     def __init__(self, sd: dict[str, Any], point: Any, ctx: DiskContext) -> None:
         super().__init__()

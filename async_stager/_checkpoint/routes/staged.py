@@ -23,6 +23,7 @@ from async_stager._checkpoint.node_budget import yield_idle
 from async_stager._checkpoint.routes.disk import DiskContext, DiskRoute
 from async_stager._checkpoint.statefuls import staged_bytes
 from async_stager._checkpoint.write import GivenUp, Table, hash_staged
+from async_stager._core.aio.stager import stager_internals
 from async_stager._core.aio.waiting import threadsafe, wait_future
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ class StagedRoute(DiskRoute):
         # (BatchNorm's running statistics) made restore reject a checkpoint written
         # correctly. ``stager.lease(sd, checksums=True)`` keeps the device hash for
         # callers who want it.
-        self.stage = self.ctx.stager.lease(self.sd, checksums=False, at=self.point)
+        self.stage = stager_internals(self.ctx.stager).lease_at(self.sd, self.point, checksums=False)
         self.sd = None
         item.phase = Phase.STAGING
         item.queued = time.monotonic() - item.called

@@ -25,12 +25,13 @@ import os
 import sys
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from types import FrameType, TracebackType
 from typing import Any, Generic, Literal, TypeVar
 
 import anyio.lowlevel
 
+from async_stager._core.aio.internals import StagerInternals, register
 from async_stager._core.aio.waiting import (
     Backoff,
     poll_completion,
@@ -40,19 +41,18 @@ from async_stager._core.aio.waiting import (
 )
 from async_stager._core.checksum.digest import hasher
 from async_stager._core.copy.device import Backend
-from async_stager._core.memory.arena import Arena, Pinner
-from async_stager._core.memory.lease import Lease
+from async_stager._core.memory.arena import Pinner
+from async_stager._core.memory.lease import Lease, bind
 from async_stager._core.memory.ledger import NodeLedger
 from async_stager._core.options import AUTO, StagerOptions
 from async_stager._core.run.jobs import StageJob, drop, job_done, log_stage_end, logged_run
-from async_stager._core.run.lanes import Lanes
 from async_stager._core.run.make import build_engine
 from async_stager._core.run.records import Captures, StageRecord
 from async_stager._core.run.worker import Worker, WorkerForked, WorkerStopped
 from async_stager._core.stats import StageStats
 from async_stager.errors import ClosedError
 
-__all__ = ["Stager"]
+__all__ = ["Stager", "stager_internals"]
 
 
 def _refuse_sync_dcp(caller: FrameType) -> None:
@@ -171,7 +171,8 @@ class Stager:
         self._closed = False
         self._close_future: Any = None
         self._abandoned: set[StageJob] = set()
-        self._fence_hooks: list[Callable[[], Callable[[], Awaitable[None]]]] = []
+        self._internals = StagerInternals(self._engine, weakref.WeakMethod(self._start))
+        register(self, self._internals)
 
     # -- staging ----------------------------------------------------------------------
 
@@ -224,9 +225,7 @@ class Stager:
         result, staged.result = staged.result, None
         return result
 
-    def lease(
-        self, sd: T, *, checksums: bool = False, at: Captures | None = None
-    ) -> Coroutine[Any, Any, Lease[T]]:
+    def lease(self, sd: T, *, checksums: bool = False) -> Coroutine[Any, Any, Lease[T]]:
         """Stage ``sd`` and hold its buffers: await for a ``Lease`` whose
         ``state_dict`` is the staged copy, protected until ``release()``.
 
@@ -248,29 +247,16 @@ class Stager:
         keeps its values and holds the set, as a ``stage()`` result does (see
         ``Lease``).
 
-        ``at``: internal (for a Checkpointer's deferred save): the snapshot point taken
-        earlier by ``snapshot_point(sd)``, instead of this call.
-
         Cancellation: as for ``stage()``; a cancelled call leaves no lease behind.
         """
-        return self._start(sd, lease=True, checksums=checksums, at=at)
-
-    def snapshot_point(self, sd: Any) -> Captures:
-        """Internal (for a Checkpointer save that its policy defers): the snapshot point
-        of a stage of ``sd`` taken now (an event on the caller's current stream of each
-        device, and the generators' states, as ``stage()`` takes at its call), for a
-        later ``lease(sd, at=...)`` or budgeted save. Raises as ``stage()`` does at its
-        call (ClosedError, UnsupportedError while a CUDA graph captures)."""
-        if self._closed:
-            raise ClosedError("the stager is closed")
-        return self._engine.capture(sd)
+        return self._start(sd, lease=True, checksums=checksums)
 
     async def _leased(self, job: StageJob) -> Any:
         staged = await self._complete(job)
         lease = staged.lease
         assert lease is not None
         result, staged.result = staged.result, None
-        lease._bind(result, staged.checksums)
+        bind(lease, result, staged.checksums)
         return lease
 
     def snapshot(self, sd: T) -> _Snapshot[T]:
@@ -369,7 +355,7 @@ class Stager:
         fut = job.future if job is not None else None
         del job
         apply = None if self._closed else self._engine.fence()
-        hooked = [hook() for hook in tuple(self._fence_hooks)]  # their points read now
+        hooked = [hook() for hook in tuple(self._internals.fence_hooks)]  # their points read now
 
         async def fenced() -> None:
             nonlocal fut
@@ -387,28 +373,6 @@ class Stager:
                 apply()
 
         return fenced()
-
-    def add_fence_hook(self, hook: Callable[[], Callable[[], Awaitable[None]]]) -> Callable[[], None]:
-        """Internal (for a budgeted ``dcp.save``): make ``fence()`` also wait for work
-        outside the stager's own stages. ``hook`` is called at each ``fence()`` call
-        (caller's thread: it reads its ordering points then) and returns the wait that
-        the fence awaits. Returns the function that removes the hook (idempotent)."""
-        self._fence_hooks.append(hook)
-
-        def remove() -> None:
-            if hook in self._fence_hooks:
-                self._fence_hooks.remove(hook)
-
-        return remove
-
-    @property
-    def lanes(self) -> Lanes:
-        """Internal (for a budgeted ``dcp.save``): the stager's device seam for work
-        outside its own stages: ``lanes.backend`` (answers the device questions at a
-        call, makes copiers), ``lanes.pinner`` (pins as the stager's arenas do, None
-        when it does not pin), and copiers and a ring kept from one save to the next
-        (``take``/``give_back``; see ``_core.run.lanes``)."""
-        return self._engine.lanes
 
     # -- internals --------------------------------------------------------------------
 
@@ -516,11 +480,6 @@ class Stager:
 
     # -- state ------------------------------------------------------------------------
 
-    def _shared_arenas(self) -> list[Arena]:
-        """Internal (for ``export_shared``): the open shared-memory arenas of every
-        buffer set. Not part of the public API."""
-        return self._engine.shared_arenas()
-
     @property
     def stats(self) -> StageStats | None:
         """The last completed stage's statistics (None before the first)."""
@@ -530,13 +489,6 @@ class Stager:
     def host_bytes(self) -> int:
         """Host memory (bytes) this stager holds in its arenas."""
         return self._engine.host_bytes
-
-    @property
-    def reusable_bytes(self) -> int:
-        """Internal (for the node budget's admission): host bytes of the biggest buffer
-        set that is neither leased nor being written, which the next stage may reuse
-        without reserving more. A hint: a concurrent stage may take it."""
-        return self._engine.sets.largest_free_bytes()
 
     @property
     def buffer_sets(self) -> int:
@@ -621,3 +573,8 @@ class _Snapshot(Generic[T]):
         lease, self._lease = self._lease, None
         if lease is not None:
             lease.release()
+
+
+def stager_internals(stager: Stager) -> StagerInternals:
+    """``stager``'s internal handle (``aio.internals.StagerInternals``)."""
+    return stager._internals

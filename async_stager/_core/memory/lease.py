@@ -33,7 +33,7 @@ from typing import Any, Generic, TypeVar
 from async_stager._core.checksum.digest import Checksums
 from async_stager.errors import StagingError
 
-__all__ = ["Lease", "empty_released"]
+__all__ = ["Lease", "bind", "empty_released"]
 
 T = TypeVar("T")
 
@@ -142,13 +142,6 @@ class Lease(Generic[T]):
             raise StagingError("the lease was released: its state dict may be overwritten")
         return result
 
-    def _bind(self, state_dict: Any, checksums: Checksums | None = None) -> None:
-        """Internal: attach the staged copy this lease protects (and the digests its
-        stage computed). Called once by the stager, when the stage completes, before
-        the lease is handed to the caller."""
-        self._state_dict = state_dict
-        self._checksums = checksums
-
     @property
     def checksums(self) -> Checksums | None:
         """The digests computed while staging (``stager.lease(sd, checksums=True)``),
@@ -195,3 +188,11 @@ class Lease(Generic[T]):
 
     def __repr__(self) -> str:
         return f"<Lease {'released' if self.released else 'held'}>"
+
+
+def bind(lease: Lease[Any], state_dict: Any, checksums: Checksums | None = None) -> None:
+    """Attach the staged copy ``lease`` protects (and the digests its stage computed).
+    Called once by the stager, when the stage completes, before the lease is handed to
+    the caller: not a method, so a Lease shows its users only what they call."""
+    lease._state_dict = state_dict
+    lease._checksums = checksums

@@ -5,8 +5,8 @@ blocking in any thread, or awaited as ``dcp.save``'s coroutine), with cancellati
 The pipeline itself is ``pipeline`` (ring, copier thread), ``copies`` (its copies
 through the device seam), ``pickling`` (bytes items into the ring), ``streaming``
 (DCP's planner, writer and file system) and ``survey`` (what the call can check). The
-device seam is the stager's, through its internal interface (``Stager.lanes``,
-``_core.run.lanes``): its ``Backend`` (a ``SimulatedBackend`` or ``FakeBackend`` in CPU
+device seam is the stager's, through its internal handle (``stager_internals``:
+its ``lanes``, ``_core.run.lanes``): its ``Backend`` (a ``SimulatedBackend`` or ``FakeBackend`` in CPU
 tests) answers the device questions at the call, a lane's copiers (their streams kept
 from one save to the next) copy, the lane's ring (kept too, unless a node budget
 reserved it) holds the pieces, pinned with the stager's pinner; the stager's fence
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import torch
 
+from async_stager._core.aio.stager import stager_internals
 from async_stager._core.aio.threads import start_thread
 from async_stager._core.aio.waiting import wait_future, wait_future_uninterrupted
 from async_stager._core.copy.device import caller_cuda_device, graph_capture_error
@@ -61,7 +62,7 @@ class BudgetSettings:
     item, a share waited for at most the stager's ``buffer_wait_timeout`` seconds;
     ``owns_ledger``: the save closes it when it ends (also when it never runs, or when
     the call raises). ``captures``: a snapshot point taken earlier on the caller's
-    streams (the stager's ``snapshot_point``, for a save its caller's policy deferred)
+    streams (``StagerInternals.snapshot_point``, for a save its caller's policy deferred)
     instead of one taken at the call; its generator states too."""
 
     budget: int
@@ -117,7 +118,8 @@ def _prepare(state_dict: dict[str, Any], stager: Stager, settings: BudgetSetting
         raise ClosedError("the stager is closed")
     seen = survey(state_dict, budget)
     # The stager's device seam (``Stager(backend=...)``): what its stages copy with.
-    lanes = stager.lanes
+    handle = stager_internals(stager)
+    lanes = handle.lanes
     backend = lanes.backend
     devices = list(dict.fromkeys(backend.known_devices()))
     # Checked before anything is made or recorded on a device (as stage() does): an
@@ -156,7 +158,7 @@ def _prepare(state_dict: dict[str, Any], stager: Stager, settings: BudgetSetting
     except BaseException:
         lanes.give_back(lane, settled=True)
         raise
-    remove = stager.add_fence_hook(pipeline.fence)
+    remove = handle.add_fence_hook(pipeline.fence)
     save = functools.partial(
         save_blocking,
         state_dict,
