@@ -438,7 +438,7 @@ def _odd_bits() -> dict[str, torch.Tensor]:
 
 def test_fake_copier_models_the_float_round_trip() -> None:
     # The hazard the fake device reproduces: a value copy canonicalizes NaN payloads.
-    from async_stager.testing import _foreach_copy_through_float
+    from async_stager._core.copy.fakes import _foreach_copy_through_float
 
     src = _odd_bits()["torch.bfloat16"]
     dst = torch.empty_like(src)
