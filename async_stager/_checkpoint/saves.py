@@ -352,7 +352,6 @@ class SaveQueue:
     # -- a write's end -------------------------------------------------------------------
 
     async def _write_task(self, item: SaveItem) -> None:
-        stats: SaveStats | None = None
         try:
             outcome = await self._write_outcome(item)
             if isinstance(outcome, BaseException):
@@ -362,15 +361,18 @@ class SaveQueue:
                 self._record_failure(item, outcome)
             else:
                 stats = item.stats = outcome
+                if stats is not None:
+                    self.rate = stats.bytes_per_second or self.rate
+                    # Queued before ``end`` below: ``end`` delivers the later commits that
+                    # waited for this save, and this one must go out before them (a later
+                    # save's write may end first: saved() saw step 125 before 124).
+                    self._undelivered[item.seq] = stats
             del outcome
         finally:
             item.finished.set()  # (the thread's end) later commits need not wait for the loop
             if not item.committed and not self.abandoned:
                 await item.route.discard(item)
             self.end(item)
-        if stats is not None:
-            self.rate = stats.bytes_per_second or self.rate
-            self._undelivered[item.seq] = stats
         self._flush_deliveries()
 
     def _flush_deliveries(self) -> None:
