@@ -3,7 +3,11 @@
 Markers (declared once, in pyproject.toml): ``cuda`` tests skip without a CUDA device;
 ``stress`` tests skip unless ``ASYNC_STAGER_STRESS=1`` is set (the one gate, here), so
 the default run and CI leave them out. The stress run:
-``ASYNC_STAGER_STRESS=1 python -m pytest -m stress``.
+``ASYNC_STAGER_STRESS=1 python -m pytest -m stress``. ``slow`` tests (the heaviest
+process tests: multi-rank jobs, crash chains, the examples under torchrun, the GPU
+check's dry run) skip unless ``ASYNC_STAGER_SLOW=1`` is set (the gate, here): the
+README's command leaves them out, and CI runs them in a second call,
+``ASYNC_STAGER_SLOW=1 python -m pytest -q -n auto --dist loadgroup -m slow`` (.ci/run).
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ sys.set_coroutine_origin_tracking_depth(12)
 HAS_CUDA = torch.cuda.is_available()
 #: Stress runs are on when ASYNC_STAGER_STRESS is set to anything but "" or "0".
 STRESS = os.environ.get("ASYNC_STAGER_STRESS", "") not in ("", "0")
+#: Slow process tests run when ASYNC_STAGER_SLOW is set to anything but "" or "0", and in
+#: stress runs (a stress test in a slow module carries both markers).
+SLOW = STRESS or os.environ.get("ASYNC_STAGER_SLOW", "") not in ("", "0")
 
 try:
     import uvloop  # noqa: F401
@@ -113,6 +120,9 @@ def _module(item: pytest.Item) -> str:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
     skip_stress = pytest.mark.skip(reason="stress run: set ASYNC_STAGER_STRESS=1 (and -m stress)")
+    skip_slow = pytest.mark.skip(
+        reason="slow process test (CI's second call): set ASYNC_STAGER_SLOW=1 (and -m slow)"
+    )
     for item in items:
         module = _module(item)
         if module in SHARED_FIXTURE_MODULES:
@@ -121,6 +131,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_cuda)
         if item.get_closest_marker("stress") is not None and not STRESS:
             item.add_marker(skip_stress)
+        if item.get_closest_marker("slow") is not None and not SLOW:
+            item.add_marker(skip_slow)
     # Long first (a stable sort: each module keeps its order). Every worker collects
     # the same order, as pytest-xdist requires.
     items.sort(key=lambda item: _module(item) not in PROCESS_MODULES)

@@ -79,6 +79,7 @@ def _chain(tmp_path: Path, kills: int, seed: int) -> None:
             assert restored is not None and restored >= last - 1, (restored, last)
 
 
+@pytest.mark.slow  # an agent and four trainers killed: CI's second call
 @pytest.mark.timeout(240)
 def test_random_sigkills_restore_bit_exact(tmp_path: Path) -> None:
     _chain(tmp_path, 3, seed=38)

@@ -119,6 +119,7 @@ def chain(tmp_path: Path, points: list[tuple[str, int, int]]) -> None:
     assert restored and restored[-1] >= 5
 
 
+@pytest.mark.slow  # five 2-rank jobs: CI's second call
 @pytest.mark.timeout(600)  # a hang guard over five jobs of up to 120 s each
 def test_one_rank_killed_in_each_phase_short(tmp_path: Path) -> None:
     chain(tmp_path, SHORT)

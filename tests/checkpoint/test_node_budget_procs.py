@@ -32,7 +32,8 @@ import pytest
 
 from async_stager._core.memory.ledger import NodeLedger
 
-pytestmark = pytest.mark.timeout(600)  # a hang guard, not a speed check (see CONTRIBUTING.md, "Tests")
+# Each test is a job of 4 gloo ranks (and a restore at 2): slow, CI's second call.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # a hang guard, not a speed check
 
 MiB = 1 << 20
 CHILD = str(Path(__file__).with_name("node_budget_child.py"))

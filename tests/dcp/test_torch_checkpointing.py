@@ -166,6 +166,7 @@ def _rank_main(rank: int, world: int, init: str, root: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # 2 spawned gloo ranks: CI's second call
 def test_two_ranks_over_gloo(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 

@@ -88,6 +88,7 @@ def test_budgeted_checkpoint_example(tmp_path: Path) -> None:
     assert peak <= 1.0, out
 
 
+@pytest.mark.slow  # torchrun, 2 ranks: CI's second call
 def test_node_budget_example(tmp_path: Path) -> None:
     """Under torchrun, 2 ranks sharing one node budget smaller than their states: every
     save says its path, and every rank restores bit-exact."""
@@ -210,6 +211,7 @@ def test_orchestrator_final_checkpoint_on_sigterm_then_resume(tmp_path: Path) ->
     assert (tmp_path / "latest").read_text().strip() == f"step-{again:08d}"
 
 
+@pytest.mark.slow  # an agent and two torchrun attempts of 2 ranks: CI's second call
 @pytest.mark.timeout(600)  # two torchrun attempts of 2 ranks: 85 s beside a loaded suite
 def test_memory_tier_example(tmp_path: Path) -> None:
     """The node agent, then torchrun with 2 ranks: rank 1 SIGKILLs itself at step 7,

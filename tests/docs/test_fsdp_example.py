@@ -62,6 +62,7 @@ def resumed_step(out: str) -> int | None:
     return None if m.group(1) == "None" else int(m.group(1))
 
 
+@pytest.mark.slow  # two torchruns: CI's second call
 @pytest.mark.timeout(600)  # hang guards: two torchruns, each up to 240 s
 def test_fsdp_kill_then_resume_at_one_rank(tmp_path: Path) -> None:
     first = torchrun(2, tmp_path, "--steps", "6", "--kill-at", "6", killed=True)

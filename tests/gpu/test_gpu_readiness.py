@@ -28,6 +28,7 @@ SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 pytestmark = pytest.mark.timeout(900)
 
 
+@pytest.mark.slow  # a dozen Python processes (each step its own): CI's second call
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash")
 def test_gpu_check_dry_run(tmp_path: Path) -> None:
     env = {

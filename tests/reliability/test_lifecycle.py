@@ -132,8 +132,9 @@ else:
 
 
 @pytest.mark.timeout(480)  # ten children: 32 s quiet, 106 s at a load of 10-18
-def test_exit_while_copying_exits_cleanly_every_time() -> None:
-    runs = 10
+# Four children in the default run (the defect aborted 4-7 of 10); ten in CI's second call.
+@pytest.mark.parametrize("runs", [4, pytest.param(10, marks=pytest.mark.slow)])
+def test_exit_while_copying_exits_cleanly_every_time(runs: int) -> None:
     r = run_script(EXIT_SCRIPT.replace("RUNS", str(runs)), timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     codes = r.stdout.split()[-runs:]

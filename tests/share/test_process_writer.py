@@ -342,6 +342,7 @@ def test_dcp_process_writer_one_rank() -> None:
     _check_group(1)
 
 
+@pytest.mark.slow  # 2 ranks, each beside its writer process: CI's second call
 @pytest.mark.timeout(300)
 def test_dcp_process_writer_two_ranks() -> None:
     _check_group(2)

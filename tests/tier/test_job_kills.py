@@ -152,6 +152,7 @@ def chain(directory: Path, seed: int, rounds: list[tuple[str, str]]) -> list[str
     return report
 
 
+@pytest.mark.slow  # four 2-rank jobs beside an agent: CI's second call
 @pytest.mark.timeout(300)
 def test_kills_of_one_rank_every_rank_and_mid_commit(tmp_path: Path) -> None:
     chain(tmp_path, 41, [("one", "lockstep"), ("every", "drift"), ("mid-commit", "drift")])
