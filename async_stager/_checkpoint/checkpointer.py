@@ -17,7 +17,6 @@ import os
 import threading
 import time
 import warnings
-import weakref
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from types import TracebackType
@@ -35,7 +34,6 @@ from async_stager._checkpoint import (
 )
 from async_stager._checkpoint.exiting import close_by, exit_fast_if_abandoned
 from async_stager._checkpoint.formats import format_for
-from async_stager._checkpoint.item import SaveItem
 from async_stager._checkpoint.node_budget import CreditLedger
 from async_stager._checkpoint.options import (
     CheckpointerOptions,
@@ -43,7 +41,9 @@ from async_stager._checkpoint.options import (
     Policy,
     SaveStats,
     buffer_sets_needed,
+    check_loop,
     check_stager,
+    check_step,
     local_directory,
 )
 from async_stager._checkpoint.progress import (
@@ -51,20 +51,18 @@ from async_stager._checkpoint.progress import (
     SaveRequest,
     finish_request,
     interrupted_line,
-    progress_of,
     status_line,
     take_request,
 )
 from async_stager._checkpoint.ranks import Ranks
-from async_stager._checkpoint.routes import DiskContext, Routes
+from async_stager._checkpoint.routes import DiskContext, Schedule
 from async_stager._checkpoint.saved import SavedStream, Subscribers
 from async_stager._checkpoint.saves import SaveQueue
-from async_stager._checkpoint.statefuls import resolve
 from async_stager._checkpoint.write import Writer
 from async_stager._core.aio.stager import Stager
 from async_stager._core.aio.threads import run_in_thread
 from async_stager._core.checksum.digest import hash_threads
-from async_stager.errors import CheckpointError, ClosedError, InvalidOptionError, InvalidOptionTypeError
+from async_stager.errors import CheckpointError, ClosedError
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -75,13 +73,6 @@ if TYPE_CHECKING:
 __all__ = ["Checkpointer", "CheckpointerOptions", "SaveStats"]
 
 _log = logging.getLogger("async_stager.checkpoint")
-
-
-async def _returns(value: bool) -> bool:
-    # A skipped save still yields once: a loop whose only await is save() must give
-    # the background write its turns.
-    await anyio.lowlevel.checkpoint()
-    return value
 
 
 class Checkpointer:
@@ -200,7 +191,7 @@ class Checkpointer:
         sets = buffer_sets_needed(self.options, self._format.several_ranks, self._ranks.distributed, stager)
         self._sets = sets
         # The memory tier (agent=...): its own Stager and the schedule (``tiered``).
-        self._tier, self._schedule = _tiered.make_tier(
+        self._tier, every = _tiered.make_tier(
             agent,
             memory_every=memory_every,
             persist_every=persist_every,
@@ -220,8 +211,8 @@ class Checkpointer:
         self._read_only = ""
         #: The coordinator's open made the folder (it did not exist).
         self._created = False
-        self._saves = SaveQueue(self.options, sets, self._deliver)
-        self._routes = Routes(self._format)
+        self._saves = SaveQueue(self.options, sets, self._deliver)  # the folder's
+        self._schedule = Schedule.make(self._saves, self._format, self._tier, every)
         self._request: SaveRequest | None = None
         self._streams = Subscribers()  # saved()'s iterators, held weakly
         self._leave_at: float | None = None
@@ -233,12 +224,9 @@ class Checkpointer:
 
     @property
     def dropped(self) -> list[int]:
-        """Steps not written: skipped (``"skip"``) or superseded (``"coalesce"``); with
-        an agent, also memory-only steps (not ``persist_every`` ones) not taken:
-        skipped (``"skip"``) or the agent away."""
-        if self._tier is not None:
-            return self._saves.dropped + self._tier.dropped
-        return self._saves.dropped
+        """Steps not written: skipped (``"skip"``), superseded (``"coalesce"``); with an
+        agent, memory-only steps not taken (``"skip"``, the agent away)."""
+        return self._schedule.dropped
 
     @property
     def memory(self) -> MemoryStats | None:
@@ -279,10 +267,10 @@ class Checkpointer:
         await self._tg.__aenter__()
         self._loop_thread = threading.get_ident()
         writer = Writer(self.options, self._format, ranks, token)
-        self._routes.open(DiskContext(self.options, ranks, writer, self._stager, self._ledger))
-        self._saves.open(self._tg)
+        self._schedule.disk.open(DiskContext(self.options, ranks, writer, self._stager, self._ledger))
         if self._tier is not None:
             self._tier.open(self._tg)
+        self._schedule.open(self._tg)
         return self
 
     async def _meet(self, root: Path, ranks: Ranks) -> str:
@@ -318,8 +306,7 @@ class Checkpointer:
             return None
         tg = self._tg
         self._closing = True  # no new saves; the queued ones still start
-        if self._tier is not None:
-            self._tier.closing()  # a memory save never awaited holds nothing
+        self._schedule.closing()  # (a memory save never awaited holds nothing)
         request, self._request = self._request, None
         if request is not None:
             finish_request(request, None)  # never taken: no save answers it
@@ -332,12 +319,12 @@ class Checkpointer:
             with anyio.CancelScope(shield=True) as scope:
                 if self._leave_at is not None:
                     scope.deadline = self._leave_at
-                await self._saves.drain()
+                await self._schedule.drain()
             if scope.cancelled_caught:
                 self._abandon()
         finally:
             self._streams.finish()
-            self._saves.stop_waker()
+            self._schedule.close()
             # Shielded: a block left by a cancellation (on trio every await in it raises
             # again) must still close; it left the stager, the writer lock and the
             # Checkpointer itself open.
@@ -347,7 +334,6 @@ class Checkpointer:
             if self._tier is not None:
                 with anyio.CancelScope(shield=True):
                     await self._tier.aclose()  # the agent keeps what it holds
-            self._saves.close()
             abandoned = self._saves.abandoned
             with anyio.CancelScope(shield=True):
                 # An abandoned write's thread may still read the staged buffers: they
@@ -383,20 +369,8 @@ class Checkpointer:
                     self._session = None
         if interrupted and exc is not None:
             _log.warning("%s", interrupted_line(exc, interrupted, self.last))
-        if exc is None and len(self._saves.failures) > 1:
-            # Nothing comes after a close to raise the others: one error for all of
-            # them (each is also logged when it happened), the oldest as its cause.
-            failures = [f for _, f in self._saves.failures]
-            self._saves.failures.clear()
-            steps = [getattr(f, "step", None) for f in failures]
-            err = CheckpointError(
-                f"{len(failures)} checkpoint writes failed before the close (steps {steps}): "
-                + "; ".join(str(f).splitlines()[0] for f in failures)
-            )
-            err.failures = failures  # type: ignore[attr-defined]
-            raise err from failures[0]
         if exc is None:
-            self._saves.raise_failure()
+            self._schedule.raise_failure(closing=True)
         return None
 
     def _abandon(self) -> None:
@@ -406,7 +380,7 @@ class Checkpointer:
         what = ", ".join(f"step {p.step} ({p.phase})" for p in self.in_flight()) or "nothing"
         if self._saves.items:
             exit_fast_if_abandoned(self._exit_code)
-        self._saves.abandon()
+        self._schedule.abandon()
         newest = f"step {self.last.step}" if self.last is not None else "the newest earlier commit"
         _log.warning(
             "left the Checkpointer at the shutdown deadline: abandoned %s (nothing more is committed; "
@@ -424,18 +398,8 @@ class Checkpointer:
     def _check_open(self, call: str) -> anyio.abc.TaskGroup:
         if self._tg is None or self._closing:
             raise ClosedError("the Checkpointer is not open: use it as `async with Checkpointer(...)`")
-        self._check_loop(call)
+        check_loop(self._loop_thread, call)
         return self._tg
-
-    def _check_loop(self, call: str) -> None:
-        if self._loop_thread != -1 and threading.get_ident() != self._loop_thread:
-            raise CheckpointError(
-                f"{call} must run on the event loop that opened the Checkpointer, not in thread "
-                f"{threading.current_thread().name!r}: from another thread, hand it to the loop: "
-                "token = anyio.lowlevel.current_token() (on the loop), then in the thread "
-                "anyio.from_thread.run(functools.partial(ckpt.save, state, step=n), token=token) "
-                "(no token= in a thread started by anyio.to_thread.run_sync)"
-            )
 
     # -- saving -----------------------------------------------------------------------
 
@@ -460,60 +424,22 @@ class Checkpointer:
         abandoned, a budgeted save's pipeline cancelled); once it returned, the write
         goes on and commits."""
         self._check_open("save()")
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise InvalidOptionTypeError(
-                f"save(step=...) must be an int >= 0, got {step!r} ({type(step).__name__})"
-            )
-        if step < 0:
-            raise InvalidOptionError(f"save(step=...) must be an int >= 0, got {step}")
+        check_step(step)
         if self._read_only:
             raise CheckpointError(
                 f"cannot save step {step}: this Checkpointer is open for restore only: {self._read_only}",
                 step=step,
             )
-        saves = self._saves
-        saves.raise_failure()
-        opts = self.options
-        t0 = time.monotonic()
-        to_memory = False
-        if self._tier is not None:  # the memory tier: this step to memory, to disk, both
-            to_memory, to_disk = self._schedule.route(step)
-            if not to_disk:
-                return self._tier.save(resolve(state), step, only=True) if to_memory else _returns(False)
-        # In flight: not ended by its write's thread (a write that committed in its
-        # thread is done, even before the loop has seen its end).
-        if opts.policy == "skip" and saves.in_flight() >= opts.max_in_flight:
-            saves.dropped.append(step)
-            if to_memory and self._tier is not None:
-                return _tiered.both(self._tier.save(resolve(state), step), _returns(False))
-            return _returns(False)
-        sd = resolve(state)
-        largest = self._routes.check(sd)  # what no route can save is refused at once
-        # Both tiers: the memory snapshot's stage is submitted first (its snapshot
-        # point), the disk save's right after, from the same resolved state.
-        memory = self._tier.save(sd, step) if to_memory and self._tier is not None else None
-        # Its route takes its snapshot point now, on the caller's current streams,
-        # whenever the policy lets the save stage (a deferred one stages from it later).
-        item = saves.submit(self._routes.disk(sd, largest), step, t0)
-        coro = saves.await_save(item)
-        # A coroutine never awaited must not hold a buffer set or a place in the
-        # commit order: it is abandoned when it dies, unless its write has started.
-        weakref.finalize(coro, self._forget, weakref.ref(item))
-        return coro if memory is None else _tiered.both(memory, coro)
-
-    def _forget(self, ref: weakref.ref[SaveItem]) -> None:
-        item = ref()
-        if item is not None:
-            self._saves.forget(item)
+        self._schedule.raise_failure()
+        return self._schedule.save(state, step, time.monotonic())
 
     def fence(self) -> Coroutine[Any, Any, None]:
         """Wait until every save called so far has read its sources: after this, they
         may change. The ordering points are read at this call (``Stager.fence``).
         Cancellation: only the wait."""
-        self._check_loop("fence()")
-        stager_fence = self.stager.fence()
-        pending = [i.read for i in self._saves.items if not i.read.is_set()]
-        tier_fence = self._tier.fence() if self._tier is not None else None
+        check_loop(self._loop_thread, "fence()")
+        self.stager  # noqa: B018 - ClosedError when not open
+        fences, pending = self._schedule.fence()
 
         async def fenced() -> None:
             # Always one turn of the loop, even with nothing to wait for (the writes
@@ -521,14 +447,14 @@ class Checkpointer:
             # write, which hand the staged copy back, get theirs here).
             await anyio.lowlevel.cancel_shielded_checkpoint()
             try:
-                await stager_fence
+                await fences[0]  # the folder's stager
                 for read in pending:
                     await read.wait()
-                if tier_fence is not None:
-                    await tier_fence  # the memory snapshots' stages
+                for fence in fences[1:]:
+                    await fence  # the memory snapshots' stages
             finally:
-                if tier_fence is not None:
-                    tier_fence.close()  # (not awaited if cancelled before: no warning)
+                for fence in fences:
+                    fence.close()  # (not awaited if cancelled before: no warning)
 
         return fenced()
 
@@ -537,9 +463,7 @@ class Checkpointer:
         too; raises the first failure not yet raised. Cancellation: only the wait;
         the writes go on."""
         self._check_open("wait()")
-        await self._saves.drain()
-        if self._tier is not None:
-            await self._tier.wait()
+        await self._schedule.drain(settle=True)
         session = self._session
         if session is not None and not self._saves.abandoned:
             live = frozenset(i.seq for i in self._saves.items)
@@ -547,7 +471,7 @@ class Checkpointer:
                 lambda: _session.remove_own_leftovers(session.root, session.token, live),
                 name="async-stager-leftovers",
             )
-        self._saves.raise_failure()
+        self._schedule.raise_failure()
 
     # -- what a service sees and asks for ------------------------------------------
 
@@ -555,11 +479,7 @@ class Checkpointer:
         """The saves not yet ended (committed, failed or dropped): the disk saves, oldest
         call first, then the memory snapshot in flight (``agent=``): step, phase,
         seconds since the call. A snapshot; cheap (no I/O)."""
-        now = time.monotonic()
-        # A write that ended in its thread has ended, even before the loop saw it.
-        return [
-            progress_of(i, now, self._saves.rate) for i in self._saves.items if not i.finished.is_set()
-        ] + _tiered.progress(self._tier)
+        return self._schedule.in_flight()
 
     def status_line(self) -> str:
         """``in_flight()`` as one line for a person (a log, a status page, a terminal):
@@ -599,9 +519,8 @@ class Checkpointer:
         except BaseException as exc:
             finish_request(request, None, exc if isinstance(exc, Exception) else None)
             raise
-        made = [i for i in self._saves.items if i.seq == seq]  # the save this call made, if any
-        if made:
-            made[0].request = request
+        for made in (i for i in self._saves.items if i.seq == seq):  # the save this call made, if any
+            made.request = request
         try:
             accepted = await coro
         except BaseException as exc:

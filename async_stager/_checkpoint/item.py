@@ -95,11 +95,13 @@ class SaveItem:
     #: What its commit waits for beyond the earlier saves (a reader of the step it
     #: replaces), for a person; "" when nothing. Set by the write's thread.
     waiting_for: str = ""
-    #: The outcome: committed; dropped by ``"coalesce"`` (a newer save replaced it before
-    #: its write); a refusal or stage failure for its caller (``error``); its write's
-    #: failure (``failure``); the commit's stats; the SaveRequest it answers.
+    #: The outcome: committed; dropped (by ``"coalesce"``: a newer save replaced it before
+    #: its write; its step is listed in ``dropped``); not taken by its route (its
+    #: ``save()`` returns False); a refusal or stage failure for its caller (``error``);
+    #: its write's failure (``failure``); the commit's stats; the SaveRequest it answers.
     committed: bool = False
     superseded: bool = False
+    skipped: bool = False
     error: BaseException | None = None
     failure: BaseException | None = None
     stats: SaveStats | None = None
@@ -154,6 +156,10 @@ class Lane(Protocol):
     def staged(self, item: SaveItem) -> None:
         """``item`` is staged (``QUEUED``): the policy may apply (``"coalesce"``)."""
 
+    def skip(self, item: SaveItem, *, dropped: bool) -> None:
+        """``item``'s route did not take it (its ``save()`` returns False); ``dropped``:
+        its step is listed in ``dropped`` (no other route saves it)."""
+
 
 class Route(abc.ABC):
     """How one save travels from ``save()`` to its commit: the state it owns and the
@@ -207,18 +213,24 @@ class Route(abc.ABC):
 
     @abc.abstractmethod
     def start_write(self, item: SaveItem, then: Callable[[], None]) -> None:
-        """Start its write in a thread of its own, now (under the queue's lock, on the
-        loop or in the thread of a write that just ended): sets ``future``. ``then`` is
-        called in that thread once it ended."""
+        """Start its write now (under the queue's lock, on the loop or in the thread of
+        a write that just ended): a thread of its own sets ``future`` and calls
+        ``then`` in that thread once it ended; a write on the loop runs in
+        ``wait_write``."""
+
+    def shown(self, item: SaveItem) -> Phase:
+        """The phase a progress view shows for it."""
+        return self.writing if item.phase is Phase.WRITING else item.phase
 
     def start_tasks(self, item: SaveItem, lane: Lane, tg: anyio.abc.TaskGroup) -> None:
         """The loop-side tasks of its started write, besides the queue's own (its end,
         its progress records)."""
 
     @abc.abstractmethod
-    async def wait_write(self, item: SaveItem, lane: Lane) -> SaveStats:
-        """Wait for its write's thread (inside ``scope``): its stats, or its error
-        raised (``GivenUp`` when its caller gave it up in time)."""
+    async def wait_write(self, item: SaveItem, lane: Lane) -> SaveStats | None:
+        """Wait for its write (inside ``scope``): its stats (None: nothing for
+        ``on_saved``), or its error raised (``GivenUp`` when its caller gave it up in
+        time)."""
 
     async def write(self, item: SaveItem, lane: Lane) -> SaveStats | None:
         """Its write, inside its shielded ``scope``; None if the scope was cancelled

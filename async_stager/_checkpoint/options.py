@@ -18,7 +18,16 @@ if TYPE_CHECKING:
     from async_stager._core.aio.stager import Stager
     from async_stager._dcp.budget import BudgetStats
 
-__all__ = ["CheckpointerOptions", "Format", "Policy", "SaveStats", "buffer_sets_needed", "check_stager"]
+__all__ = [
+    "CheckpointerOptions",
+    "Format",
+    "Policy",
+    "SaveStats",
+    "buffer_sets_needed",
+    "check_loop",
+    "check_stager",
+    "check_step",
+]
 
 Policy = Literal["wait", "skip", "coalesce"]
 Format = Literal["dcp", "torch"]
@@ -210,3 +219,31 @@ def buffer_sets_needed(
             f"(Stager(max_buffer_sets={sets}))"
         )
     return sets
+
+
+def check_step(step: Any) -> None:
+    """``save(step=...)`` is an int >= 0 (InvalidOptionTypeError, InvalidOptionError)."""
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise InvalidOptionTypeError(
+            f"save(step=...) must be an int >= 0, got {step!r} ({type(step).__name__})"
+        )
+    if step < 0:
+        raise InvalidOptionError(f"save(step=...) must be an int >= 0, got {step}")
+
+
+def check_loop(opened_on: int, call: str) -> None:
+    """``call`` runs in the thread of the event loop that opened the Checkpointer
+    (``opened_on``, -1: not open yet): else a CheckpointError that says how to hand it
+    to the loop."""
+    import threading
+
+    if opened_on != -1 and threading.get_ident() != opened_on:
+        from async_stager.errors import CheckpointError
+
+        raise CheckpointError(
+            f"{call} must run on the event loop that opened the Checkpointer, not in thread "
+            f"{threading.current_thread().name!r}: from another thread, hand it to the loop: "
+            "token = anyio.lowlevel.current_token() (on the loop), then in the thread "
+            "anyio.from_thread.run(functools.partial(ckpt.save, state, step=n), token=token) "
+            "(no token= in a thread started by anyio.to_thread.run_sync)"
+        )

@@ -90,7 +90,7 @@ def progress_of(item: SaveItem, now: float | None = None, rate: float | None = N
     """``item`` as a SaveProgress; ``rate``: the previous commit's bytes per second."""
     now = time.monotonic() if now is None else now
     staged = item.staged if item.phase in (Phase.QUEUED, Phase.WRITING) else None
-    phase = item.route.writing if item.phase is Phase.WRITING else item.phase
+    phase = item.route.shown(item)
     nbytes = item.route.bytes
     eta = None
     if rate and nbytes is not None and phase is Phase.WRITING:

@@ -28,7 +28,7 @@ from async_stager._checkpoint.options import CheckpointerOptions, SaveStats
 from async_stager._checkpoint.progress import finish_request, report_progress
 from async_stager._checkpoint.write import GivenUp
 from async_stager._core.aio.waiting import threadsafe
-from async_stager.errors import ClosedError
+from async_stager.errors import CheckpointError, ClosedError
 
 if TYPE_CHECKING:
     from async_stager._checkpoint.item import Route
@@ -123,6 +123,22 @@ class SaveQueue:
         if self.failures:
             raise self.failures.pop(0)[1]
 
+    def raise_at_close(self) -> None:
+        """At the close: nothing comes after it to raise the failures not yet raised,
+        so more than one are one CheckpointError (each was logged when it happened),
+        the oldest as its cause."""
+        if len(self.failures) > 1:
+            failures = [f for _, f in self.failures]
+            self.failures.clear()
+            steps = [getattr(f, "step", None) for f in failures]
+            err = CheckpointError(
+                f"{len(failures)} checkpoint writes failed before the close (steps {steps}): "
+                + "; ".join(str(f).splitlines()[0] for f in failures)
+            )
+            err.failures = failures  # type: ignore[attr-defined]
+            raise err from failures[0]
+        self.raise_failure()
+
     async def drain(self) -> None:
         for item in list(self.items):
             await item.done.wait()
@@ -163,6 +179,13 @@ class SaveQueue:
     def in_flight(self) -> int:
         """Saves not yet ended: their write's thread has not finished (or not started)."""
         return sum(1 for i in self.items if not i.finished.is_set())
+
+    @property
+    def full(self) -> bool:
+        """As many saves in flight as write slots (``"skip"`` skips a save now). In
+        flight: not ended by its write's thread (a write that committed in its thread
+        is done, even before the loop has seen its end)."""
+        return self.in_flight() >= self.options.max_in_flight
 
     def advance(self) -> None:
         """Move the saves forward, oldest first: lend free buffer sets to the saves that
@@ -254,6 +277,11 @@ class SaveQueue:
         self.coalesce()
         self.notify()
 
+    def skip(self, item: SaveItem, *, dropped: bool) -> None:
+        """``item``'s route did not take it: its ``save()`` returns False."""
+        item.skipped = True
+        self.end(item, dropped=dropped)
+
     def end(self, item: SaveItem, *, dropped: bool = False) -> None:
         """An item leaves: committed, failed, dropped or abandoned (idempotent)."""
         with self._lock:
@@ -321,8 +349,8 @@ class SaveQueue:
 
     async def await_save(self, item: SaveItem) -> bool:
         """The caller's side of a save: wait until its route says it may return (staged;
-        ``"coalesce"``: queued is enough). Cancellation: before that, the save is given
-        up."""
+        ``"coalesce"``: queued is enough); False if its route did not take it.
+        Cancellation: before that, the save is given up."""
         item.awaited = True
         coalesce = self.options.policy == "coalesce"
         try:
@@ -332,7 +360,7 @@ class SaveQueue:
                 if item.route.returns(item, coalesce=coalesce):
                     break
                 if item.phase is Phase.DONE:
-                    if item.committed or item.wrote or item.superseded:
+                    if item.committed or item.wrote or item.superseded or item.skipped:
                         break
                     raise ClosedError("the Checkpointer closed before this save was staged")
                 await self.changes()
@@ -347,7 +375,8 @@ class SaveQueue:
         item.returned = True
         item.settled.set()
         self.coalesce()
-        return True
+        self.advance()  # (a route may start its write only once its caller settled)
+        return not item.skipped
 
     # -- a write's end -------------------------------------------------------------------
 

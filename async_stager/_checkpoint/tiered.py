@@ -1,10 +1,11 @@
 """The Checkpointer's memory tier (``agent=``): which saves go where, restore from memory.
 
 With ``Checkpointer(dir, agent=JOB, memory_every=M, persist_every=P)`` a save of a
-step that is a multiple of ``M`` is a memory snapshot handed to the node agent
-(``_tier.MemoryTier``: it costs the caller the stage only), a multiple of ``P`` is
-also written to the folder as without an agent, and any other step is not saved.
-Without an agent every save goes to the folder, as always.
+step that is a multiple of ``M`` is a memory snapshot handed to the node agent (the
+memory route, ``routes/memory``, through ``_tier.MemoryTier``: it costs the caller the
+stage only), a multiple of ``P`` is also written to the folder as without an agent,
+and any other step is not saved (``TierSchedule``; ``routes.Schedule`` plans the ways
+of a step from it). Without an agent every save goes to the folder, as always.
 
 Where the ranks meet: with several ranks the tier gets a gloo group of its own (made
 at construction, a collective like the Checkpointer's own group) for its exchanges of
@@ -24,13 +25,11 @@ from __future__ import annotations
 import functools
 import logging
 import uuid
-from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from async_stager._checkpoint import commit as _commit
-from async_stager._checkpoint.progress import SaveProgress
 from async_stager._checkpoint.ranks import Ranks
 from async_stager._checkpoint.statefuls import apply_loaded, check_matches, resolve
 from async_stager._core.aio.threads import run_in_thread
@@ -41,7 +40,7 @@ if TYPE_CHECKING:
     from async_stager._tier.client import AgentClient
     from async_stager._tier.tier import MemoryTier
 
-__all__ = ["TierSchedule", "both", "make_tier", "progress", "restore"]
+__all__ = ["TierSchedule", "make_tier", "restore"]
 
 _log = logging.getLogger("async_stager.checkpoint")
 
@@ -128,26 +127,6 @@ def _own_group(ranks: Ranks) -> Ranks:
     # A group of part of the job is made by its members alone.
     group = dist.new_group(ranks=members, backend="gloo", use_local_synchronization=not whole)
     return Ranks(rank=ranks.rank, world=ranks.world, group=group, distributed=True)
-
-
-async def both(memory: Coroutine[Any, Any, bool], disk: Coroutine[Any, Any, bool]) -> bool:
-    """A step saved to memory and to the folder: the memory snapshot's stage, then the
-    disk save's (each submitted at the call). Returns the disk save's answer.
-    Cancellation: as for each; a failed memory stage abandons the disk save too."""
-    try:
-        await memory
-    except BaseException:
-        disk.close()
-        raise
-    return await disk
-
-
-def progress(tier: MemoryTier | None) -> list[SaveProgress]:
-    """The memory snapshot in flight as SaveProgress (phase ``memory-staging`` or
-    ``memory-committing``)."""
-    if tier is None:
-        return []
-    return [SaveProgress(p.step, p.phase, p.seconds, p.staged_seconds) for p in tier.in_flight()]
 
 
 async def restore(

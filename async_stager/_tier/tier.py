@@ -1,11 +1,11 @@
 """A trainer's memory tier: snapshots handed to the node agent, restored from it.
 
-``MemoryTier.save(sd, step)`` costs the caller the stage only: the stage into this
-tier's own Stager, whose arenas are memfds (``share_memory=True``; pinned as well where
-a CUDA device copies into them): the memory the copies land in is the memory handed
-over, by descriptor, with no second copy. In the background: BEGIN (the agent lists
-the step as being written), the staged regions hashed (a thread), COMMIT; the agent
-re-hashes them and holds them.
+A snapshot costs its caller the stage only: the stage into this tier's own Stager,
+whose arenas are memfds (``share_memory=True``; pinned as well where a CUDA device
+copies into them): the memory the copies land in is the memory handed over, by
+descriptor, with no second copy. In the background: BEGIN (the agent lists the step
+as being written), the staged regions hashed (a thread), COMMIT; the agent re-hashes
+them and holds them.
 
 Buffers: the tier's Stager has ``keep + 1`` buffer sets. The tier holds the leases of
 the complete snapshots it keeps (no stage writes into them) and stages into a free
@@ -14,11 +14,12 @@ every rank holds a newer one complete (and the newest ``keep`` stay); the agent 
 it first (``RETAIN``, or the ``protect`` of a ``COMMIT``), and the tier releases its
 buffers once that is answered. So the agent never holds as complete a snapshot whose
 buffers a stage may be writing. (After a failure, where what the agent holds is
-unknown, the next save BEGINs, and the agent forgets, before the stage writes.) When a
-save comes while the previous one is still being staged or committed, or with no set
-free (every rank has not yet committed a newer step), ``policy`` applies: ``"skip"``
-returns False at once, ``"wait"`` waits (for the commit; for the ranks' exchanges).
-Either way the snapshot point is the call (``StagerInternals.snapshot_point``).
+unknown, the next save BEGINs, and the agent forgets, before the stage writes.)
+
+A Checkpointer's snapshots travel its memory route (``_checkpoint/routes/memory``),
+whose save queue applies the policy, through ``ticket`` (at the call), ``prepare``
+(before the stage writes) and ``commit`` (the hand-over); ``save`` is the tier alone
+(a tool, a test), one snapshot at a time, with ``policy``.
 
 Failures never stop training: an agent that is gone or too slow (AgentUnavailableError,
 AgentTimeoutError) turns the tier off with one warning (saves return False; the
@@ -30,8 +31,9 @@ rank died) turn the tier off for good, with one warning.
 
 Restore: ``complete_snapshots`` (what the agent holds for this rank, of this world
 size: step and timeline) and ``load(step, timeline)``: the snapshot's descriptors,
-verified against its digests here (every byte read once), attached without a copy. The caller decides the step with the
-other ranks (never a step mixed from memory and disk: ``_checkpoint`` does that).
+verified against its digests here (every byte read once), attached without a copy.
+The caller decides the step with the other ranks (never a step mixed from memory and
+disk: ``_checkpoint`` does that).
 """
 
 from __future__ import annotations
@@ -143,15 +145,10 @@ class MemoryTier:
         self._busy: anyio.Event | None = None
         #: After a failure or refusal: BEGIN before the next stage writes.
         self._dirty = False
+        #: ``save`` alone: the snapshot in flight (step, phase, called, staged seconds).
         self._progress: tuple[int, str, float, float | None] | None = None
-        #: Steps not taken: skipped by the policy or while the agent was away.
-        self.dropped: list[int] = []
-        #: Calls whose stage has not read its sources yet (``fence``).
-        self._unread: set[anyio.Event] = set()
         #: A snapshot was let go without the ranks' agreement (warned once).
         self._forced = False
-        #: Saves whose coroutine has not started: (busy, started, read, ticket).
-        self._unstarted: dict[int, tuple[Any, list[bool], anyio.Event, Ticket | None]] = {}
         self._tg: anyio.abc.TaskGroup | None = None
         self._down_until = 0.0
         self._stats = MemoryStats()
@@ -208,13 +205,11 @@ class MemoryTier:
                 self._stager = None
 
     async def wait(self) -> None:
-        """Until no snapshot is being staged or committed, and the ranks' exchanges of
-        the snapshots that ended have run (with several ranks: their commits too).
-        Cancellation: only the wait."""
+        """Until no snapshot of ``save`` is in flight and the ranks' exchanges of those
+        that ended ran (``settle``). Cancellation: only the wait."""
         while self._busy is not None:
             await self._busy.wait()
-        if self._agreement is not None:
-            await self._agreement.settle()
+        await self.settle()
 
     def _release_held(self) -> None:
         held, self._held = self._held, []
@@ -230,7 +225,7 @@ class MemoryTier:
 
     @property
     def busy(self) -> bool:
-        """A snapshot is being staged or committed (a save now meets the policy)."""
+        """A snapshot of ``save`` is being staged or committed."""
         return self._busy is not None
 
     def _fail(self, exc: AgentError, step: int) -> None:
@@ -264,175 +259,118 @@ class MemoryTier:
             )
             _log.warning("memory tier: the ranks' exchange failed (%r): disk only from now on", exc)
 
-    def save(self, sd: dict[str, Any], step: int, *, only: bool = False) -> Coroutine[Any, Any, bool]:
-        """Snapshot ``sd`` (a resolved state dict) as ``step``; await the returned
-        coroutine: True once staged, False when not taken (``"skip"`` while the
-        previous snapshot is in flight or no buffer set is free, no agent there, or the
-        tier is off). The snapshot point is this call, also for a ``"wait"`` save that
-        stages once a buffer set frees (its streams and generators are read now). The
-        commit goes on in the background. ``only``: no other route saves this step (a
-        step not taken is then listed in ``dropped``).
+    # -- what a snapshot does (the Checkpointer's memory route; ``save`` alone) --------
 
-        Cancellation (or a coroutine never awaited): nothing is handed to the agent;
-        a snapshot never committed is never complete there."""
+    @property
+    def room(self) -> bool:
+        """A buffer set is free for the next stage (no more than ``keep`` held)."""
+        return len(self._held) <= self.keep
+
+    def ticket(self) -> Ticket | None:
+        """A memory save's place in the ranks' exchanges, taken at every call (None: one
+        process); set its ``ready`` once the save ended, whatever became of it."""
         assert self._tg is not None, "MemoryTier.open(task_group) first"
-        ticket = self._agreement.ticket(self._tg) if self._agreement is not None else None
-        room = len(self._held) <= self.keep
-        if not self.available or (self.policy == "skip" and (self._busy is not None or not room)):
-            return self._skip(step, ticket, only)
-        called = time.monotonic()
-        stage: Coroutine[Any, Any, Lease[Any]] | None = None
-        point: Captures | None = None
-        busy = None
-        if self._busy is None and not self._dirty and room:
-            busy = self._busy = anyio.Event()
-            stage = self.stager.lease(sd)  # submitted now: the snapshot point
-            sd = {}
-        else:
-            point = stager_internals(self.stager).snapshot_point(sd)  # staged later, from this point
-        started = [False]
-        read = anyio.Event()  # set once this call read its sources, or never will
-        self._unread.add(read)
-        coro = self._finish(stage, sd, point, step, called, started, read, ticket, only)
-        # Never awaited: the slot must not stay busy for ever, nor a fence (or the
-        # ranks' exchange) wait for it: when it is collected, or at ``closing``.
-        record = (busy, started, read, ticket)
-        self._unstarted[id(record)] = record
-        weakref.finalize(coro, self._abandon, *record)
-        weakref.finalize(coro, self._unstarted.pop, id(record), None)
+        return self._agreement.ticket(self._tg) if self._agreement is not None else None
+
+    def not_taken(self) -> None:
+        """A snapshot not taken (skipped, the tier off, no agent, no room): counted."""
+        self._update(skipped=self._stats.skipped + 1)
+
+    async def prepare(self, step: int, ticket: Ticket | None) -> bool:
+        """Before a stage writes into a buffer set: a set free (the ranks' exchanges of
+        the saves before ``ticket`` may free one), the agent told what this rank holds
+        after a failure (BEGIN), the agent connected. False: not taken (logged)."""
+        if not await self._room(ticket):
+            return False
+        if self._dirty and not await self._begin(step):
+            return False
+        self._dirty = False
+        return self.client.connected or await self._probe(step)
+
+    async def commit(self, lease: Lease[Any], step: int, staged: float) -> bool:
+        """Hand a staged snapshot to the agent: BEGIN, its regions hashed (a thread),
+        COMMIT; the tier then holds ``lease`` (or released it). True if the agent holds
+        the snapshot. Cancellation: shielded (a commit half sent is not left)."""
+        t0 = time.monotonic()
+        held = False
+        with anyio.CancelScope(shield=True):
+            if await self._begin(step):
+                held = await self._hand_over(lease, step, staged, t0)
+            else:
+                lease.release()
+        return held
+
+    def fence(self) -> Coroutine[Any, Any, None] | None:
+        """Its Stager's ordering points, read now (``Stager.fence``); None before any."""
+        return self._stager.fence() if self._stager is not None else None
+
+    async def settle(self) -> None:
+        """Until the ranks' exchanges of the ended snapshots ran. Cancellation: the wait."""
+        if self._agreement is not None:
+            await self._agreement.settle()
+
+    def save(self, sd: dict[str, Any], step: int) -> Coroutine[Any, Any, bool]:
+        """Snapshot ``sd`` (a resolved state dict) as ``step`` with this tier alone:
+        one snapshot at a time; ``policy`` when the previous one is in flight or no
+        buffer set is free (``"skip"``: False at once; ``"wait"``: it waits, for the
+        commit, for the ranks' exchanges). Await the returned coroutine: True once
+        staged, False when not taken. The snapshot point is this call; the commit goes
+        on in the background. Cancellation: nothing is handed to the agent."""
+        ticket = self.ticket()
+        if not self.available or (self.policy == "skip" and (self._busy is not None or not self.room)):
+            return self._skip(ticket)
+        point = stager_internals(self.stager).snapshot_point(sd)
+        coro = self._alone(point, sd, step, time.monotonic(), ticket)
+        if ticket is not None:  # never awaited: the ranks' exchanges must not wait for it
+            weakref.finalize(coro, ticket.ready.set)
         return coro
 
-    def closing(self) -> None:
-        """The Checkpointer closes: a save whose coroutine was never awaited (and is
-        still referenced) is abandoned now, so that no slot stays busy and no exchange
-        waits for it."""
-        for record in list(self._unstarted.values()):
-            self._abandon(*record)
-        self._unstarted.clear()
-
-    def _abandon(
-        self, busy: anyio.Event | None, started: list[bool], read: anyio.Event, ticket: Ticket | None
-    ) -> None:
-        if started[0]:
-            return
-        started[0] = True
-        self._unread.discard(read)
-        read.set()
+    async def _skip(self, ticket: Ticket | None) -> bool:
         if ticket is not None:
             ticket.ready.set()
-        if busy is not None and self._busy is busy:
-            self._busy = None
-            busy.set()
-
-    def fence(self) -> Coroutine[Any, Any, None]:
-        """Wait until every snapshot called so far has read its sources (its stage,
-        also one still waiting for a busy slot): after this they may change. The
-        stager's ordering points are read at this call. Cancellation: only the wait."""
-        stager_fence = self._stager.fence() if self._stager is not None else None
-        pending = [e for e in self._unread if not e.is_set()]
-
-        async def fenced() -> None:
-            if stager_fence is not None:
-                await stager_fence
-            for e in pending:
-                await e.wait()
-
-        return fenced()
-
-    async def _skip(self, step: int, ticket: Ticket | None, only: bool) -> bool:
-        if ticket is not None:
-            ticket.ready.set()
-        self._not_taken(step, only)
+        self.not_taken()
         await anyio.lowlevel.checkpoint()
         return False
 
-    def _not_taken(self, step: int, only: bool) -> None:
-        self._update(skipped=self._stats.skipped + 1)
-        if only:
-            self.dropped.append(step)
-
-    async def _finish(
-        self,
-        stage: Coroutine[Any, Any, Lease[Any]] | None,
-        sd: dict[str, Any],
-        point: Captures | None,
-        step: int,
-        called: float,
-        started: list[bool],
-        read: anyio.Event,
-        ticket: Ticket | None,
-        only: bool,
+    async def _alone(
+        self, point: Captures, sd: dict[str, Any], step: int, called: float, ticket: Ticket | None
     ) -> bool:
-        if started[0]:  # abandoned at ``closing``
-            if stage is not None:
-                stage.close()
-            return False
-        started[0] = True
-        handed = [False]  # the commit task took the ticket over
+        handed = False
+        busy: anyio.Event | None = None
         try:
-            taken = await self._stage_and_commit(stage, sd, point, step, called, ticket, handed)
-            if not taken:
-                self._not_taken(step, only)
-            return taken
-        finally:
-            self._unread.discard(read)
-            read.set()
-            if ticket is not None and not handed[0]:
-                ticket.ready.set()
-
-    async def _stage_and_commit(
-        self,
-        stage: Coroutine[Any, Any, Lease[Any]] | None,
-        sd: dict[str, Any],
-        point: Captures | None,
-        step: int,
-        called: float,
-        ticket: Ticket | None,
-        handed: list[bool],
-    ) -> bool:
-        # This call's slot: set at the call when staged there, else once it is free.
-        busy = self._busy if stage is not None else None
-        try:
-            if stage is None:
-                while self._busy is not None:
-                    await self._busy.wait()
-                busy = self._busy = anyio.Event()
-                if not await self._room(ticket):
-                    raise _NotTaken
-                if self._dirty and not await self._begin(step):
-                    raise _NotTaken
-                self._dirty = False
-                if not self.client.connected and not await self._probe(step):
-                    raise _NotTaken
-                stage = stager_internals(self.stager).lease_at(sd, point)
-                del sd
-            elif not self.client.connected and not await self._probe(step):
-                raise _NotTaken  # (the stage, submitted at the call, is abandoned below)
+            while self._busy is not None:
+                await self._busy.wait()
+            busy = self._busy = anyio.Event()
+            if not await self.prepare(step, ticket):
+                self.not_taken()
+                return False
             self._progress = (step, "memory-staging", called, None)
-            lease = await stage
-        except _NotTaken:
-            if stage is not None:
-                stage.close()
-            self._end(busy)
-            return False
-        except BaseException:
-            if stage is not None:
-                stage.close()
-            self._end(busy)
-            raise
-        staged = time.monotonic() - called
-        self._progress = (step, "memory-committing", called, staged)
-        assert self._tg is not None, "MemoryTier.open(task_group) first"
-        self._tg.start_soon(self._commit, lease, step, staged, busy, ticket)
-        handed[0] = True
-        return True
+            lease = await stager_internals(self.stager).lease_at(sd, point)
+            staged = time.monotonic() - called
+            self._progress = (step, "memory-committing", called, staged)
+            assert self._tg is not None, "MemoryTier.open(task_group) first"
+            self._tg.start_soon(self._commit_alone, lease, step, staged, busy, ticket)
+            handed = True
+            return True
+        finally:
+            if not handed:
+                self._end(busy, ticket)
 
-    def _end(self, busy: anyio.Event | None) -> None:
+    async def _commit_alone(
+        self, lease: Lease[Any], step: int, staged: float, busy: anyio.Event, ticket: Ticket | None
+    ) -> None:
+        try:
+            await self.commit(lease, step, staged)
+        finally:
+            self._end(busy, ticket)
+
+    def _end(self, busy: anyio.Event | None, ticket: Ticket | None) -> None:
         self._progress = None
         if self._busy is busy:
             self._busy = None
-        if busy is not None:
-            busy.set()
+        for event in (busy, ticket.ready if ticket is not None else None):
+            if event is not None:
+                event.set()
 
     async def _probe(self, step: int) -> bool:
         """Connect to the agent (not connected: the first save, or after a failure);
@@ -552,22 +490,7 @@ class MemoryTier:
                 lease.release()
             return True
 
-    async def _commit(
-        self, lease: Lease[Any], step: int, staged: float, busy: anyio.Event | None, ticket: Ticket | None
-    ) -> None:
-        t0 = time.monotonic()
-        try:
-            with anyio.CancelScope(shield=True):
-                if await self._begin(step):
-                    await self._hand_over(lease, step, staged, t0)
-                else:
-                    lease.release()
-        finally:
-            self._end(busy)
-            if ticket is not None:
-                ticket.ready.set()
-
-    async def _hand_over(self, lease: Lease[Any], step: int, staged: float, t0: float) -> None:
+    async def _hand_over(self, lease: Lease[Any], step: int, staged: float, t0: float) -> bool:
         handle = export_shared(lease.state_dict, self.stager)
         fds = [a.fd for a in handle.arenas]
         sizes = [a.nbytes for a in handle.arenas]
@@ -606,14 +529,14 @@ class MemoryTier:
                 lease.release()
                 self._held = sorted(self._held + dropping, key=lambda h: h[0])
                 self._fail(exc, step)
-                return
+                return False
             except AgentError as exc:
                 lease.release()
                 self._held = sorted(self._held + dropping, key=lambda h: h[0])
                 self._dirty = True  # the agent's view of our snapshots is unknown: BEGIN first
                 self._update(refused=self._stats.refused + 1)
                 _log.warning("memory tier: the agent did not accept step %d: %s", step, exc)
-                return
+                return False
             except BaseException:
                 lease.release()
                 self._held = sorted(self._held + dropping, key=lambda h: h[0])
@@ -631,6 +554,7 @@ class MemoryTier:
             commit_seconds=time.monotonic() - t0,
             bytes=handle.nbytes,
         )
+        return True
 
     # -- restoring ---------------------------------------------------------------------
 
@@ -673,7 +597,3 @@ class MemoryTier:
             return attach_shared(fetched.handle)
         finally:
             fetched.close()  # the mapping keeps the memory
-
-
-class _NotTaken(Exception):
-    """The agent did not take the snapshot's BEGIN (handled: the save returns False)."""

@@ -121,4 +121,4 @@ def test_every_route_module_holds_its_route() -> None:
         for value in vars(module).values():
             if isinstance(value, type) and issubclass(value, Route) and value.__module__ == module.__name__:
                 found[value.__name__] = path.stem
-    assert {"StagedRoute", "StreamedRoute", "AdmissionRoute"} <= set(found), found
+    assert {"StagedRoute", "StreamedRoute", "AdmissionRoute", "MemoryRoute"} <= set(found), found
