@@ -16,7 +16,7 @@ Hazard: an event loop's timers have a resolution of a millisecond (asyncio's and
 epoll waits round a timeout up to whole milliseconds; uvloop rounds a delay to the
 nearest one, so a sub-millisecond sleep is no sleep at all and the loop spins), so a
 back-off of 0.2-4 ms slept on the loop saw a completed copy 1-4 ms late. After a bare
-yield, the back-off is slept in a thread (``anyio.to_thread``), whose sleeps keep
+yield, the back-off is slept in a thread of the wait's own, whose sleeps keep
 their fractions of a millisecond and whose result wakes the loop at once.
 """
 
@@ -242,7 +242,7 @@ async def poll_completion(
 
     ``expected_seconds`` is the predicted time from now to completion (bytes in flight
     over measured bandwidth); the back-off follows it. After a bare yield to the loop,
-    two pollers race: a thread (``anyio.to_thread``) polls with ``backoff``'s delays to
+    two pollers race: a thread of the wait's own polls with ``backoff``'s delays to
     the fraction of a millisecond and wakes the loop as soon as it sees the event
     complete (what an idle loop needs: its own timers would round those delays up to
     whole milliseconds); the loop polls too, every ``LOOP_POLL_DELAY`` or more (what a
@@ -273,6 +273,7 @@ async def poll_completion(
     stop = threading.Event()
     # The thread's findings (written there, read on the loop once it has returned).
     seen: dict[str, Any] = {"polls": 0, "done": False, "error": None}
+    ended: Future[None] = Future()
 
     def poll_in_thread() -> None:
         delay = 0.0
@@ -291,11 +292,17 @@ async def poll_completion(
                     return
         except Exception as e:  # noqa: BLE001 - the device's error: raised on the loop
             seen["error"] = e
+        finally:
+            ended.set_result(None)  # wakes the loop
 
     async def thread_poller(scope: anyio.CancelScope) -> None:
-        await anyio.to_thread.run_sync(poll_in_thread, abandon_on_cancel=True)
+        await wait_future(ended)
         scope.cancel()  # the loop's own polling stops: the thread's findings decide
 
+    # A thread of its own for this wait, not anyio's pool: it ends with the wait (joined
+    # below, at once: ``stop`` is set first), so no idle worker thread outlives a stage.
+    thread = threading.Thread(target=poll_in_thread, name="async-stager-poll", daemon=True)
+    thread.start()
     done = False
     try:
         async with anyio.create_task_group() as tg:
@@ -314,6 +321,9 @@ async def poll_completion(
                     break
     finally:
         stop.set()
+        # Hazard: a join on the loop; the thread is at most one ``query()`` away from
+        # seeing ``stop`` (it waits on it between polls).
+        thread.join()
     polls += int(seen["polls"])
     error = seen["error"]
     if error is not None:
