@@ -2029,11 +2029,12 @@ async def test_a_kept_failure_record_does_not_stall_saves(
                     ctl = GATES[seq] = GateCtl(seq, fail=True)
                     ctl.release.set()
                     gates.append(ctl)
-                    with anyio.fail_after(5):
+                    # Hang guards (the failure was a 60 s wait); a loaded machine took over 5 s.
+                    with anyio.fail_after(40):
                         await ckpt.save({"w": torch.full((1024,), float(i)), "g": Gate(seq)}, step=i)
                     with pytest.raises(CheckpointError):
                         await ckpt.wait()
-                with anyio.fail_after(5):
+                with anyio.fail_after(40):
                     await ckpt.save({"w": torch.ones(1024), "g": torch.Size((GATE_TAG, 0))}, step=9)
                     await ckpt.wait()
                 assert ckpt.steps() == [9]
