@@ -181,6 +181,7 @@ def _rank_main(rank: int, world: int, port: int, directory: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # 2 spawned gloo ranks: CI's second call
 @pytest.mark.timeout(600)  # a hang guard, not a speed check (see CONTRIBUTING.md, "Tests")
 def test_two_ranks_budgeted_checkpointer_with_dtensors(tmp_path: Path) -> None:
     directory = str(tmp_path / "ckpt")

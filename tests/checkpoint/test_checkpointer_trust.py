@@ -615,6 +615,7 @@ def _mismatch_rank(rank: int, world: int, port: int, folder: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # 2 spawned gloo ranks: CI's second call
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_ranks_saving_different_steps_fail_loudly(tmp_path: Path, anyio_backend: str) -> None:

@@ -172,6 +172,7 @@ def _rank_main(rank: int, world: int, port: int, ckpt: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # 2 spawned gloo ranks: CI's second call
 def test_two_ranks_gloo_dtensor_budgeted_save_loads_bit_exact(tmp_path: Path) -> None:
     ckpt = str(tmp_path / "ckpt")
     mp.spawn(_rank_main, args=(2, _free_port(), ckpt), nprocs=2, join=True)
