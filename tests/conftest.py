@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import os
+import resource
 import sys
 import threading
 from collections.abc import Iterator
@@ -144,7 +145,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 #: run: its timeout is too tight to be a hang guard on a loaded machine (raise it; see
 #: CONTRIBUTING.md). Listed only, never failed: the run's load decides the durations.
 MARGIN = 0.2
-_used: dict[str, tuple[float, float]] = {}
+TIME_USED: dict[str, tuple[float, float]] = {}
 
 
 def _timeout(item: pytest.Item) -> float:
@@ -156,25 +157,67 @@ def _timeout(item: pytest.Item) -> float:
     return float(item.config.getini("timeout") or 0)
 
 
+# -- CPU time: what the suite costs, whatever the machine's load ----------------------
+
+#: ASYNC_STAGER_CPU_REPORT=N lists the N modules that cost the most CPU time at the end
+#: of the run; the total is always printed. CPU seconds, unlike wall time, do not grow
+#: with the load: they are how to tell whether a change keeps the README's command
+#: within its time (CONTRIBUTING.md, "Tests").
+CPU_REPORT = int(os.environ.get("ASYNC_STAGER_CPU_REPORT", "0") or 0)
+_cpu_mark = [0.0]
+CPU_SECONDS: dict[str, float] = {}
+
+
+def _cpu_now() -> float:
+    """CPU seconds of this process (every thread) and of its child processes that ended
+    (and theirs, when each waited for its own: ranks under torchrun, a spawned writer)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _cpu_mark[0] = _cpu_now()
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     report = yield
-    if call.when == "setup":  # travels with the reports to pytest-xdist's controller
+    # Both travel with the reports to pytest-xdist's controller.
+    if call.when == "setup":
         report.user_properties.append(("timeout_s", _timeout(item)))
+    now = _cpu_now()
+    report.user_properties.append(("cpu_s", now - _cpu_mark[0]))
+    _cpu_mark[0] = now
     return report
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    timeout = dict(report.user_properties).get("timeout_s")
-    used, limit = _used.get(report.nodeid, (0.0, 0.0))
+    properties = dict(report.user_properties)
+    timeout = properties.get("timeout_s")
+    used, limit = TIME_USED.get(report.nodeid, (0.0, 0.0))
     if isinstance(timeout, (int, float)) and timeout > 0:
         limit = float(timeout)
-    _used[report.nodeid] = (used + report.duration, limit)
+    TIME_USED[report.nodeid] = (used + report.duration, limit)
+    cpu = properties.get("cpu_s")
+    if isinstance(cpu, (int, float)):
+        module = report.nodeid.split("::", 1)[0]
+        CPU_SECONDS[module] = CPU_SECONDS.get(module, 0.0) + float(cpu)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if CPU_SECONDS:
+        if CPU_REPORT > 0:
+            terminalreporter.section(f"the {CPU_REPORT} modules that cost the most CPU time")
+            for module, seconds in sorted(CPU_SECONDS.items(), key=lambda kv: -kv[1])[:CPU_REPORT]:
+                terminalreporter.line(f"{seconds:8.1f} s  {module}")
+        terminalreporter.line(
+            f"CPU time of the tests and their child processes: {sum(CPU_SECONDS.values()):.0f} s"
+            " (whatever the load; ASYNC_STAGER_CPU_REPORT=N lists the N costliest modules)"
+        )
     tight = sorted(
-        ((used / limit, used, limit, nodeid) for nodeid, (used, limit) in _used.items() if limit > 0),
+        ((used / limit, used, limit, nodeid) for nodeid, (used, limit) in TIME_USED.items() if limit > 0),
         reverse=True,
     )
     tight = [row for row in tight if row[0] > MARGIN]

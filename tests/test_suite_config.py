@@ -73,3 +73,36 @@ def test_slow_tests_skip_unless_the_gate_is_open(
     assert heavy.skipped() is not runs
     assert not light.skipped()
     assert both.skipped() is not stress  # a stress test in a slow module: the stress run's
+
+
+class _Report:
+    def __init__(self, nodeid: str, cpu: float) -> None:
+        self.nodeid, self.duration, self.user_properties = nodeid, 0.1, [("cpu_s", cpu)]
+
+
+class _Terminal:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def section(self, title: str) -> None:
+        self.lines.append(f"== {title}")
+
+    def line(self, text: str) -> None:
+        self.lines.append(text)
+
+
+def test_cpu_time_is_summed_per_module_and_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The run's own tallies stay as they are: these reports go to fresh ones.
+    monkeypatch.setattr(conftest, "CPU_SECONDS", {})
+    monkeypatch.setattr(conftest, "TIME_USED", {})
+    monkeypatch.setattr(conftest, "CPU_REPORT", 1)
+    for nodeid, cpu in [("tests/a.py::x", 1.5), ("tests/a.py::x", 0.5), ("tests/b.py::y[1]", 1.0)]:
+        conftest.pytest_runtest_logreport(_Report(nodeid, cpu))  # type: ignore[arg-type]
+    assert conftest.CPU_SECONDS == {"tests/a.py": 2.0, "tests/b.py": 1.0}
+    terminal = _Terminal()
+    conftest.pytest_terminal_summary(terminal)
+    assert terminal.lines[1:] == [
+        "     2.0 s  tests/a.py",
+        "CPU time of the tests and their child processes: 3 s (whatever the load; "
+        "ASYNC_STAGER_CPU_REPORT=N lists the N costliest modules)",
+    ]
