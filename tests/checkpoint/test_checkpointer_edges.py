@@ -572,9 +572,13 @@ async def test_a_dcp_key_it_cannot_restore_is_refused_at_save_once(
 # -- Ctrl-C during a write (issue 41, section 4) ---------------------------------------------
 
 _CTRL_C_CHILD = """
-import sys, threading, time
+import signal, sys, threading, time
 import anyio, torch
 from async_stager import Checkpointer
+
+# Ctrl-C as at a terminal, even when the suite runs where SIGINT is ignored and every
+# child inherits that (a background job of a non-interactive shell).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 class SlowToWrite:
     def __reduce__(self):

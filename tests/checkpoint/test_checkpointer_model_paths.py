@@ -338,7 +338,9 @@ def _run(cfg: settings, budgets: tuple[str | None, ...] = PathsMachine.BUDGETS) 
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("budget", [None, "host", "node"])
+# The host budget's examples in CI's second call (its paths also run in-process in
+# test_checkpointer_budget.py); no budget and the node budget's peer process by default.
+@pytest.mark.parametrize("budget", [None, pytest.param("host", marks=pytest.mark.slow), "node"])
 def test_paths_model(budget: str | None) -> None:
     """The default run: a fixed set of short examples (derandomized), per budget."""
     _run(

@@ -191,6 +191,7 @@ def final_step(rest: str) -> int:
     return int(final[0].split()[2])
 
 
+@pytest.mark.slow  # two runs of the orchestrator, each stopped by SIGTERM: CI's second call
 @pytest.mark.timeout(600)  # two runs of the orchestrator
 def test_orchestrator_final_checkpoint_on_sigterm_then_resume(tmp_path: Path) -> None:
     _, rest = orchestrate(tmp_path)

@@ -149,9 +149,10 @@ def _running(pid: int) -> bool:
 
 
 @pytest.mark.timeout(600)
-# SIGKILL (the agent notices its parent gone, as test_parent_exit_stops_the_agent shows
-# without torchrun) in CI's second call.
-@pytest.mark.parametrize("how", [signal.SIGTERM, pytest.param(signal.SIGKILL, marks=pytest.mark.slow)])
+# The example's agent and torchrun with its ranks: CI's second call (the agent leaving
+# with its parent or when idle: the tests above, without torchrun).
+@pytest.mark.slow
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
 def test_example_never_leaves_its_agent_running(tmp_path: Path, how: signal.Signals) -> None:
     """``examples/memory_tier.py`` stopped mid-run (SIGTERM, as a scheduler stops a job;
     SIGKILL): its agent (and its ranks) are gone soon after."""
