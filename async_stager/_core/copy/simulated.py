@@ -32,6 +32,9 @@ The model (what a GPU does that matters to ordering):
   resolves them on the host right after the enqueue, as ATen does (racing the copy).
 - bf16/fp16/fp8 copies pass through float32, as CUDA's ``_foreach_copy_`` fast path.
 
+Its streams and events live in ``simulated_stream``, its memory (the slab's allocator,
+poison and traps, and the memory a pending operation names) in ``simulated_memory``.
+
 What it cannot show: bandwidth, driver locks, real DMA timing, the real allocator's
 block sizes. Its own copies (``copy``) may read any CPU tensor that is not the slab's
 as host memory.
@@ -40,219 +43,35 @@ as host memory.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import random
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from async_stager._core.copy.accelerator import AcceleratorCopier
 from async_stager._core.copy.copiers import CpuCopier
 from async_stager._core.copy.device import Backend, Copier
 from async_stager._core.copy.primitives import POOL_STREAMS, DevicePrimitives
+from async_stager._core.copy.simulated_memory import ALIGN, POISON, Block, Slab, UseAfterFree, Where
+from async_stager._core.copy.simulated_stream import Event, SimulatedStream
 from async_stager._core.memory.arena import Pinner
 
-__all__ = ["POISON", "SimulatedBackend", "SimulatedDevice", "SimulatedStream", "UseAfterFree"]
+__all__ = [
+    "POISON",
+    "SimulatedBackend",
+    "SimulatedDevice",
+    "SimulatedPinner",
+    "SimulatedStream",
+    "UseAfterFree",
+]
 
-#: The byte a freed block is overwritten with.
-POISON = 0xA5
-#: Alignment of device blocks (bytes).
-_ALIGN = 64
 _REDUCED = frozenset(
     {torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2}
     | {getattr(torch, n) for n in ("float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n)}
 )
-
-
-class SimulatedStream:
-    """A queue of operations run in order by its own thread (started at the first
-    operation). ``capturing``: a test sets it to play a stream capturing a graph."""
-
-    def __init__(self, sim: SimulatedDevice, name: str, number: int) -> None:
-        self.sim = sim
-        self.name = name
-        self.number = number
-        self.capturing = False
-        self.queued = 0
-        self.finished = 0
-        #: ``time.perf_counter()`` when the last operation ended (how late a waiter
-        #: saw it is measured against this).
-        self.finished_at = 0.0
-        self._ops: deque[Callable[[], None]] = deque()
-        self._rng = random.Random(sim.seed * 1_000_003 + number)
-        self._thread: threading.Thread | None = None
-
-    def delay(self, kernel: bool = False) -> float:
-        lo, hi = self.sim.kernel_delay if kernel else self.sim.delay
-        return self._rng.uniform(lo, hi) if hi > 0 else 0.0
-
-    def enqueue(self, op: Callable[[], None]) -> int:
-        """Queue ``op``; returns its position (done once ``finished`` reaches it)."""
-        with self.sim.cond:
-            if self.sim.closed:
-                raise RuntimeError("the simulated device is closed")
-            self._ops.append(op)
-            self.queued += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=f"sim-stream-{self.name}", daemon=True)
-                self._thread.start()
-            self.sim.cond.notify_all()
-            return self.queued
-
-    def _run(self) -> None:
-        cond = self.sim.cond
-        while True:
-            with cond:
-                while not self._ops and not self.sim.closed:
-                    cond.wait()
-                if not self._ops:
-                    return
-                op = self._ops[0]
-            try:
-                with torch.no_grad():
-                    op()
-            except BaseException as e:  # noqa: BLE001 - a device error: recorded, the stream goes on
-                self.sim.errors.append(e)
-            with cond:
-                self._ops.popleft()
-                self.finished_at = time.perf_counter()
-                self.finished += 1
-                self.sim._reap()
-                cond.notify_all()
-
-    def join(self, timeout: float) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def __repr__(self) -> str:
-        return f"<SimulatedStream {self.name!r} {self.finished}/{self.queued}>"
-
-
-class _Event:
-    __slots__ = ("position", "stream")
-
-    def __init__(self, stream: SimulatedStream, position: int) -> None:
-        self.stream, self.position = stream, position
-
-    def done(self) -> bool:
-        return self.stream.finished >= self.position
-
-
-class UseAfterFree(RuntimeError):
-    """A device operation touched memory freed before it ran (recorded in
-    ``SimulatedDevice.errors``; the operation still runs, on whatever the memory holds
-    now, as a GPU would)."""
-
-
-class _Where:
-    """Memory written or read by a pending operation: a device tensor by its offset in
-    the slab (nothing kept alive; ``block``: the allocation it belonged to at the
-    enqueue, checked when the operation runs), a host destination by its address, a
-    host source by reference (host memory the test owns)."""
-
-    __slots__ = (
-        "block",
-        "conj",
-        "dtype",
-        "kind",
-        "nbytes",
-        "neg",
-        "offset",
-        "ref",
-        "size",
-        "storage_offset",
-        "stride",
-    )
-
-    def __init__(self, sim: SimulatedDevice, t: torch.Tensor, *, write: bool) -> None:
-        self.dtype, self.size, self.stride = t.dtype, tuple(t.shape), t.stride()
-        self.storage_offset = t.storage_offset()
-        self.conj, self.neg = t.is_conj(), t.is_neg()
-        self.ref: torch.Tensor | None = None
-        self.block: _Block | None = None
-        storage = t.untyped_storage()
-        self.nbytes = storage.nbytes()
-        if sim.owns(t):
-            self.kind = "device"
-            self.offset = storage.data_ptr() - sim._base
-            self.block = sim._blocks.get(self.offset)
-            return
-        if sim._trapped(storage.data_ptr()):
-            sim.errors.append(
-                UseAfterFree(
-                    f"a device operation was enqueued on {storage.nbytes()} bytes freed by free() and "
-                    "not grown again (on CUDA: an illegal address)"
-                )
-            )
-            self.kind = "trap"  # reads poison, writes are lost
-            self.offset = 0
-            return
-        if write:
-            if any(s < 0 for s in self.stride):
-                raise RuntimeError("the simulated device writes host memory with non-negative strides")
-            self.kind = "host"
-            self.offset = storage.data_ptr()
-        else:
-            self.kind = "ref"
-            self.offset = 0
-            self.ref = t
-
-    def view(self, sim: SimulatedDevice) -> torch.Tensor:
-        if self.ref is not None:
-            return self.ref
-        if self.kind == "device" and sim._blocks.get(self.offset) is not self.block:
-            sim.errors.append(
-                UseAfterFree(
-                    f"a device operation on {threading.current_thread().name} touched {self.nbytes} bytes "
-                    f"at offset {self.offset} after they were freed (a missing record_stream, event "
-                    "hold or stream-ordered allocation)"
-                )
-            )
-        if self.nbytes == 0:
-            return torch.empty(self.size, dtype=self.dtype)
-        if self.kind == "trap":
-            poison = torch.full((self.nbytes,), POISON, dtype=torch.uint8).view(self.dtype)
-            return poison.as_strided(self.size, self.stride, self.storage_offset)
-        if self.kind == "device":
-            # as_strided's offset counts from the slab's start (its storage).
-            typed = sim._slab_t.view(self.dtype)
-            start = self.offset // typed.element_size() + self.storage_offset
-            t = typed.as_strided(self.size, self.stride, start)
-        else:
-            raw = (ctypes.c_uint8 * self.nbytes).from_address(self.offset)
-            flat = torch.frombuffer(raw, dtype=torch.uint8)
-            t = flat.view(self.dtype).as_strided(self.size, self.stride, self.storage_offset)
-        if self.conj:
-            t = t.conj()
-        if self.neg:
-            t = t._neg_view()
-        return t
-
-    def physical(self, sim: SimulatedDevice) -> torch.Tensor:
-        """The memory without its lazy bits (what a DMA engine reads)."""
-        t = self.view(sim)
-        if t.is_conj():
-            t = t.conj()
-        if t.is_neg():
-            t = t._neg_view()
-        return t
-
-
-class _Block:
-    __slots__ = ("foreign", "nbytes", "owner", "start", "uses")
-
-    def __init__(self, start: int, nbytes: int, owner: SimulatedStream) -> None:
-        self.start, self.nbytes, self.owner = start, nbytes, owner
-        #: (stream, position) pairs from ``record_stream``.
-        self.uses: list[tuple[SimulatedStream, int]] = []
-        #: Memory the allocator does not own (``SimulatedDevice.foreign``).
-        self.foreign = False
 
 
 class SimulatedDevice(DevicePrimitives):
@@ -284,29 +103,20 @@ class SimulatedDevice(DevicePrimitives):
         self.delay = delay
         #: Seconds (low, high) a kernel (``launch``) takes, drawn as a copy's delay.
         self.kernel_delay = kernel_delay
-        self.capacity = capacity = max(_ALIGN, capacity // _ALIGN * _ALIGN)
+        self.capacity = capacity = max(ALIGN, capacity // ALIGN * ALIGN)
         self.cond = threading.Condition(threading.RLock())
         self.closed = False
         #: Errors raised by operations (a device fault); a test asserts it stays empty.
         self.errors: list[BaseException] = []
         #: Streams drawn by ``new_stream`` (the stager's own: one per copier made).
         self.streams_made = 0
-        #: Asynchronous copies enqueued, and blocks freed (poisoned).
+        #: Asynchronous copies enqueued.
         self.copies = 0
-        self.frees = 0
-        self._slab = bytearray(capacity)
-        self._mv = memoryview(self._slab)
-        self._slab_t = torch.frombuffer(self._slab, dtype=torch.uint8)
-        self._base = self._slab_t.data_ptr()
-        self._free: list[tuple[int, int]] = [(0, capacity)]
-        self._blocks: dict[int, _Block] = {}
-        self._releases: list[_Block] = []
+        #: The device memory (its allocator).
+        self.memory = Slab(capacity, self.cond)
         self._streams: list[SimulatedStream] = []
         self._pool: list[SimulatedStream] = []
         self._pool_next = 0
-        #: Memory that freed scratch points at until it is grown again (never freed).
-        self._traps: list[bytearray] = []
-        self._trap_ranges: list[tuple[int, int]] = []
         self._default = self._stream("default")
         self._local = threading.local()
         self._pinner = SimulatedPinner()
@@ -350,7 +160,7 @@ class SimulatedDevice(DevicePrimitives):
         nothing for it, and its owner frees it (overwritten at once) when its last
         tensor dies, whatever a stream still has queued on it."""
         t = self.tensor(data)
-        block = self._block_of(t)
+        block = self.block_of(t)
         assert block is not None
         block.foreign = True
         return t
@@ -362,7 +172,7 @@ class SimulatedDevice(DevicePrimitives):
         overwritten, as soon as nothing else keeps it; a host tensor is passed as it is.
         (A test's own ``fn()`` that closes over its tensors keeps them, as its own
         training code would.)"""
-        where = [_Where(self, t, write=self.owns(t)) for t in tensors]
+        where = [Where(self.memory, self.errors, t, write=self.owns(t)) for t in tensors]
         del tensors
         stream = self.current_stream()
         wait = stream.delay(kernel=True)
@@ -370,7 +180,7 @@ class SimulatedDevice(DevicePrimitives):
         def run() -> None:
             if wait:
                 time.sleep(wait)
-            fn(*(w.view(self) for w in where))
+            fn(*(w.view() for w in where))
 
         stream.enqueue(run)
 
@@ -389,7 +199,7 @@ class SimulatedDevice(DevicePrimitives):
             self.synchronize()
         finally:
             with self.cond:
-                self.closed = True
+                self.closed = self.memory.closed = True
                 self.cond.notify_all()
             for s in self._streams:
                 s.join(10.0)
@@ -435,9 +245,9 @@ class SimulatedDevice(DevicePrimitives):
 
     # -- events ------------------------------------------------------------------------
 
-    def record(self, stream: Any) -> _Event:
+    def record(self, stream: Any) -> Event:
         with self.cond:
-            return _Event(stream, stream.queued)
+            return Event(stream, stream.queued)
 
     def query(self, event: Any) -> bool:
         done: bool = event.done()
@@ -455,32 +265,19 @@ class SimulatedDevice(DevicePrimitives):
 
     # -- memory ------------------------------------------------------------------------
 
+    @property
+    def frees(self) -> int:
+        """Blocks freed (poisoned)."""
+        return self.memory.frees
+
     def owns(self, tensor: torch.Tensor) -> bool:
-        if tensor.device.type != "cpu":
-            return False
-        try:
-            ptr = tensor.untyped_storage().data_ptr()
-        except Exception:  # noqa: BLE001 - a tensor without storage
-            return False
-        return self._base <= ptr < self._base + self.capacity
+        return self.memory.owns(tensor)
 
     def empty(self, nbytes: int) -> torch.Tensor:
-        size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
-        owner = self.current_stream()
-        with self.cond:
-            for i, (start, n) in enumerate(self._free):
-                if n >= size:
-                    self._free[i] = (start + size, n - size)
-                    if n == size:
-                        del self._free[i]
-                    break
-            else:
-                raise torch.OutOfMemoryError(
-                    f"simulated device out of memory: {nbytes} bytes asked, capacity {self.capacity}"
-                )
-            block = self._blocks[start] = _Block(start, size, owner)
-        arr = np.frombuffer(self._mv[start : start + size], dtype=np.uint8)
-        weakref.finalize(arr, self._dead, block)
+        arr, block = self.memory.allocate(nbytes, self.current_stream())
+        # The block's last tensor died, or ``free`` gave it back (any thread, a GC run
+        # included): released in stream order.
+        weakref.finalize(arr, self.memory.release, block)
         return torch.from_numpy(arr)[:nbytes]
 
     def grow(self, base: torch.Tensor) -> None:
@@ -489,7 +286,7 @@ class SimulatedDevice(DevicePrimitives):
         ``resize_(0)``): every view of the storage sees the new memory, whose bytes are
         whatever the block held (poison, or the last user's)."""
         storage = base.untyped_storage()
-        if self._block_of(base) is not None:
+        if self.memory.block_of(base) is not None:
             return  # it has its memory
         fresh = self.empty(storage.nbytes())
         # In place: the storage (and every view of it) now points at the new block;
@@ -503,83 +300,25 @@ class SimulatedDevice(DevicePrimitives):
         size holding ``POISON`` (host memory never handed out): an operation enqueued
         on it before ``grow`` is a ``UseAfterFree`` in ``errors`` and reads poison (on
         CUDA: an illegal address), not a crash here."""
-        if self._block_of(base) is None:
+        if self.memory.block_of(base) is None:
             return
         storage = base.untyped_storage()
-        dead = torch.from_numpy(self._trap(storage.nbytes())).untyped_storage()
+        dead = torch.from_numpy(self.memory.trap(storage.nbytes())).untyped_storage()
         # The block's memory (its numpy owner) goes to ``dead``'s storage object and
         # dies with it here: the finalizer frees the block in stream order.
         storage._swap_data_ptr_(dead)  # type: ignore[attr-defined]
         del dead
 
-    def _trap(self, nbytes: int) -> np.ndarray[Any, Any]:
-        """``nbytes`` of trap memory (an array of its own over it)."""
-        with self.cond:
-            for buf in self._traps:
-                if len(buf) >= nbytes:
-                    break
-            else:
-                buf = bytearray([POISON]) * max(nbytes, 1 << 16)
-                self._traps.append(buf)
-                start = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
-                self._trap_ranges.append((start, start + len(buf)))
-        return np.frombuffer(memoryview(buf)[:nbytes], dtype=np.uint8)
-
-    def _trapped(self, ptr: int) -> bool:
-        return any(a <= ptr < b for a, b in self._trap_ranges)
-
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
-        block = self._block_of(tensor)
+        block = self.memory.block_of(tensor)
         if block is not None and not block.foreign:  # the allocator's blocks only
             with self.cond:
                 block.uses.append((stream, stream.queued))
 
-    def _block_of(self, t: torch.Tensor) -> _Block | None:
-        if not self.owns(t):
-            return None
-        return self._blocks.get(t.untyped_storage().data_ptr() - self._base)
-
-    def _dead(self, block: _Block) -> None:
-        # The block's last tensor died, or ``free`` gave it back (any thread, a GC run
-        # included).
-        self._release(block)
-
-    def _release(self, block: _Block) -> None:
-        with self.cond:
-            if self.closed:
-                return
-            if block.foreign:
-                block.uses = []  # its owner frees it at once, whatever streams still read it
-            else:
-                block.uses.append((block.owner, block.owner.queued))
-            self._releases.append(block)
-            self._reap()
-
-    def _reap(self) -> None:
-        """Poison (and hand back) every released block whose streams reached it."""
-        keep = []
-        for block in self._releases:
-            if all(s.finished >= p for s, p in block.uses):
-                self._mv[block.start : block.start + block.nbytes] = bytes([POISON]) * block.nbytes
-                self.frees += 1
-                block.uses = []
-                if self._blocks.get(block.start) is block:
-                    del self._blocks[block.start]
-                    self._give(block.start, block.nbytes)
-            else:
-                keep.append(block)
-        self._releases = keep
-
-    def _give(self, start: int, nbytes: int) -> None:
-        """Return a range to the free list, merged with its free neighbours."""
-        free = sorted([*self._free, (start, nbytes)])
-        merged: list[tuple[int, int]] = []
-        for a, n in free:
-            if merged and merged[-1][0] + merged[-1][1] == a:
-                merged[-1] = (merged[-1][0], merged[-1][1] + n)
-            else:
-                merged.append((a, n))
-        self._free = merged
+    def block_of(self, t: torch.Tensor) -> Block | None:
+        """The allocation ``t`` views the start of (``None``: not the device's, or not a
+        block's start)."""
+        return self.memory.block_of(t)
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype)
@@ -598,7 +337,10 @@ class SimulatedDevice(DevicePrimitives):
                     f"shape mismatch: a source of shape {tuple(s.shape)} does not broadcast to "
                     f"the destination's shape {tuple(d.shape)}"
                 )
-            dw, sw = _Where(self, d, write=True), _Where(self, s, write=False)
+            dw, sw = (
+                Where(self.memory, self.errors, d, write=True),
+                Where(self.memory, self.errors, s, write=False),
+            )
             lazy = s.is_conj() != d.is_conj() or s.is_neg() != d.is_neg()
             if lazy and dw.kind == "host" and sw.kind == "device":
                 # ATen: the raw copy is enqueued, the bits resolved on the host now.
@@ -613,7 +355,7 @@ class SimulatedDevice(DevicePrimitives):
             if wait:
                 time.sleep(wait)
             for dw, sw in pairs:
-                dv, sv = dw.view(self), sw.view(self)
+                dv, sv = dw.view(), sw.view()
                 if dv.dtype == sv.dtype and dv.dtype in _REDUCED:
                     dv.copy_(sv.float().to(dv.dtype))
                 else:
