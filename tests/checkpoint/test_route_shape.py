@@ -122,3 +122,36 @@ def test_every_route_module_holds_its_route() -> None:
             if isinstance(value, type) and issubclass(value, Route) and value.__module__ == module.__name__:
                 found[value.__name__] = path.stem
     assert {"StagedRoute", "StreamedRoute", "AdmissionRoute", "MemoryRoute"} <= set(found), found
+
+
+def test_no_module_outside_the_routes_names_a_route() -> None:
+    """Outside ``_checkpoint/routes`` nothing in the package names a route class or asks
+    whether a save's route is one (``isinstance``/``type`` on a route): the Checkpointer
+    asks the schedule for the routes of a step, the queue and the other layers see the
+    ``Route`` interface only. (The policy modules' test above also forbids reading a
+    route's state; this one covers every other module: the Checkpointer, the tiers, the
+    command line.)"""
+    package = CHECKPOINT.parent
+    classes = _route_classes() - {"Route"}
+    bad = []
+    for path in sorted(package.rglob("*.py")):
+        if ROUTES in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and any(a.name in classes for a in node.names):
+                what = f"imports {', '.join(a.name for a in node.names)}"
+            elif (isinstance(node, ast.Name) and node.id in classes) or (
+                isinstance(node, ast.Attribute) and node.attr in classes
+            ):
+                what = f"names {ast.unparse(node)}"
+            elif (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) in ("isinstance", "issubclass", "type")
+                and "Route" in ast.unparse(node)
+            ):
+                what = ast.unparse(node)
+            else:
+                continue
+            bad.append(f"{path.relative_to(package)}:{node.lineno}: {what}")
+    assert classes >= {"StagedRoute", "StreamedRoute", "AdmissionRoute", "MemoryRoute"}, classes
+    assert not bad, "modules outside _checkpoint/routes that know the routes:\n" + "\n".join(bad)
