@@ -128,6 +128,10 @@ class Checkpointer:
     With one process it is a per-process budget. Not with ``stager=`` (pass the node
     budget to that Stager instead).
 
+    ``incremental=True`` (DCP format, checksums on): a save after this Checkpointer's
+    first writes only the tensors whose digests differ from its previous commit and
+    references the rest (hard links in the step's folder: every step stays whole).
+
     A folder this process cannot write opens for restore only (``save`` raises
     CheckpointError). Other Checkpointers (other processes) may use the same folder:
     none deletes another live one's temporary folders, and commits are serialized by a
@@ -157,6 +161,7 @@ class Checkpointer:
         persist_every: int = 1,
         memory_keep: int = 2,
         agent_timeout: float = 5.0,
+        incremental: bool = False,
     ) -> None:
         import torch.distributed.checkpoint  # noqa: F401 - imported here, not first in two threads at once
 
@@ -184,6 +189,7 @@ class Checkpointer:
             node_budget_bytes,
             os.fspath(node_budget_path) if isinstance(node_budget_path, os.PathLike) else node_budget_path,
             node_budget_job,
+            incremental,
         )
         check_stager(self.options, stager)
         self._format = format_for(format)

@@ -13,6 +13,7 @@ every stored byte and not only the tensors.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -21,6 +22,7 @@ import torch
 from async_stager._checkpoint import integrity as _integrity
 from async_stager._checkpoint.commit import recorded_layout
 from async_stager._checkpoint.disk import dcp_writer
+from async_stager._checkpoint.incremental import skipping_planner
 from async_stager._checkpoint.ranks import Ranks
 from async_stager._checkpoint.statefuls import (
     KEYS,
@@ -69,10 +71,14 @@ class CheckpointFormat(ABC):
         CheckpointError naming its path). Runs on the event loop: cheap checks only."""
 
     @abstractmethod
-    def write(self, staged: dict[str, Any], tmp: Path, ranks: Ranks) -> dict[str, Any] | None:
+    def write(
+        self, staged: dict[str, Any], tmp: Path, ranks: Ranks, skip: Collection[str] = ()
+    ) -> dict[str, Any] | None:
         """Write the staged copy into the save's folder ``tmp`` (fsynced); every rank
         calls it. Returns what ``stored`` needs about files digested while written
-        (or None). ``staged`` is the lease's: read it, never keep it."""
+        (or None). ``staged`` is the lease's: read it, never keep it. ``skip``: the
+        manifest keys of tensor chunks not to write (an incremental save references
+        them; only formats that can, DCP)."""
 
     @abstractmethod
     def stored(self, tmp: Path, written: dict[str, Any] | None) -> Stored:
@@ -115,7 +121,9 @@ class DcpFormat(CheckpointFormat):
     def check_savable(self, sd: dict[str, Any]) -> None:
         check_dcp_savable(sd)
 
-    def write(self, staged: dict[str, Any], tmp: Path, ranks: Ranks) -> dict[str, Any] | None:
+    def write(
+        self, staged: dict[str, Any], tmp: Path, ranks: Ranks, skip: Collection[str] = ()
+    ) -> dict[str, Any] | None:
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
         from async_stager._dcp.blocking import save_blocking
@@ -131,7 +139,7 @@ class DcpFormat(CheckpointFormat):
             kwargs.update(process_group=ranks.group, no_dist=False)
         else:
             kwargs.update(no_dist=True)
-        planner = DefaultSavePlanner()
+        planner = skipping_planner(skip) if skip else DefaultSavePlanner()
         try:
             # save_blocking picks the host writer (no CUDA stream sync) for the path.
             save_blocking(staged, planner=planner, **kwargs)
@@ -174,7 +182,9 @@ class TorchFormat(CheckpointFormat):
     def check_savable(self, sd: dict[str, Any]) -> None:
         check_torch_restorable(sd)
 
-    def write(self, staged: dict[str, Any], tmp: Path, ranks: Ranks) -> dict[str, Any] | None:
+    def write(
+        self, staged: dict[str, Any], tmp: Path, ranks: Ranks, skip: Collection[str] = ()
+    ) -> dict[str, Any] | None:
         return torch_write(staged, tmp / TORCH_FILE)
 
     def stored(self, tmp: Path, written: dict[str, Any] | None) -> Stored:

@@ -246,7 +246,12 @@ def _hashing_on(data: torch.Tensor, device: int | None) -> contextlib.AbstractCo
 
 
 def _compare(
-    step: int | None, k: str, entry: dict[str, Any], data: torch.Tensor, device: int | None = None
+    step: int | None,
+    k: str,
+    entry: dict[str, Any],
+    data: torch.Tensor,
+    device: int | None = None,
+    stored: str = "",
 ) -> None:
     if list(data.shape) != entry["shape"]:
         raise IntegrityError(
@@ -270,7 +275,7 @@ def _compare(
         raise IntegrityError(
             f"tensor {entry['fqn']!r} (offsets {entry['offsets']}): {entry['hash']} mismatch in bytes "
             f"{bad * piece}..{min((bad + 1) * piece, data.numel() * data.element_size())} "
-            "of its data: the stored data is not what "
+            f"of its data{stored}: the stored data is not what "
             "was staged (corrupted or torn file)",
             step=step,
             tensor=entry["fqn"],
@@ -327,7 +332,7 @@ def verify_dcp(
     ``rank_cuda_device``; any thread may call this). Returns the number of chunks
     checked; raises IntegrityError."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
     manifest = load_manifest(folder, step)
     tensors = manifest.tensors
@@ -373,7 +378,10 @@ def verify_dcp(
                         tensor=fqn,
                     )
                 region = target[fqn][tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))]
-                _compare(step, k, found, region, device)
+                info = (metadata.storage_data or {}).get(MetadataIndex(fqn, chunk.offsets))
+                # The file (an incremental step's may be a link shared with other steps).
+                stored = f" (stored in {folder / str(info.relative_path)})" if info is not None else ""
+                _compare(step, k, found, region, device, stored)
                 checked += 1
             for k in by_fqn.pop(fqn, []):
                 if k not in keys:

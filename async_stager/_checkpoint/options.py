@@ -48,6 +48,7 @@ class CheckpointerOptions:
     node_budget_bytes: int | None = None
     node_budget_path: str | None = None  # a path-like given is kept as its string
     node_budget_job: str | None = None
+    incremental: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.keep, int) or isinstance(self.keep, bool) or self.keep < 1:
@@ -60,6 +61,7 @@ class CheckpointerOptions:
             raise InvalidOptionError(f"policy must be 'wait', 'skip' or 'coalesce', got {self.policy!r}")
         if not isinstance(self.checksum_threads, int) or self.checksum_threads < 1:
             raise InvalidOptionError(f"checksum_threads must be an int >= 1, got {self.checksum_threads!r}")
+        _check_incremental(self)
         budget = self.host_budget_bytes
         if budget is not None:
             if isinstance(budget, bool) or not isinstance(budget, int) or budget < 4096:
@@ -102,6 +104,23 @@ class CheckpointerOptions:
                 raise InvalidOptionError(f"{name} must be None or a non-empty string, got {value!r}")
 
 
+def _check_incremental(options: CheckpointerOptions) -> None:
+    if not isinstance(options.incremental, bool):
+        raise InvalidOptionTypeError(f"incremental must be True or False, got {options.incremental!r}")
+    if not options.incremental:
+        return
+    if options.format != "dcp":
+        raise InvalidOptionError(
+            f"incremental=True needs format='dcp', got format={options.format!r}: a torch.save file is "
+            "one pickle that cannot reference tensors stored by an earlier step"
+        )
+    if not options.checksums:
+        raise InvalidOptionError(
+            "incremental=True needs checksums=True: the manifest's digests are how a save knows "
+            "which tensors are unchanged since the previous commit"
+        )
+
+
 @dataclass(frozen=True)
 class SaveStats:
     """One committed checkpoint. Seconds and bytes.
@@ -124,7 +143,11 @@ class SaveStats:
     staged copy did not fit: streamed through the budgeted pipeline within a share of
     the node budget, ``budget`` then holds its BudgetStats); None without a node
     budget. ``node_wait_seconds``: the seconds the save waited in the node's ticket
-    order, for its staged copy's bytes and, streamed, for its ring's share."""
+    order, for its staged copy's bytes and, streamed, for its ring's share.
+
+    With ``incremental=True``: ``reused_bytes`` is the part of ``bytes`` this rank did
+    not write because the step references it, unchanged, from the previous commit
+    (0 for a save that wrote everything)."""
 
     step: int
     path: str
@@ -137,6 +160,7 @@ class SaveStats:
     budget: BudgetStats | None = None
     admission: str | None = None
     node_wait_seconds: float = 0.0
+    reused_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (str, int, float, None and dicts of them; ``budget`` as a dict or

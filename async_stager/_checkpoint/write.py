@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from async_stager._checkpoint import commit as _commit, holds as _holds, integrity as _integrity
 from async_stager._checkpoint.disk import failure_reason
 from async_stager._checkpoint.formats import CheckpointFormat
+from async_stager._checkpoint.incremental import Increments
 from async_stager._checkpoint.manifest import MANIFEST
 from async_stager._checkpoint.options import CheckpointerOptions, SaveStats
 from async_stager._checkpoint.ranks import Ranks
@@ -79,6 +80,8 @@ class Writer:
         self.token = token
         self.root = options.directory
         self._commit_lock = threading.Lock()
+        #: ``incremental=True``: the previous commit and each save's references.
+        self.increments = Increments(self.root, ranks) if options.incremental else None
 
     def tmp(self, item: SaveItem) -> Path:
         return _commit.tmp_dir(self.root, item.step, self.token, item.seq)
@@ -137,6 +140,8 @@ class Writer:
                 f"checkpoint step {item.step} was not committed: {error}", step=item.step
             ) from ((disk_full_in(local) or local) if local is not None else None)
         item.committed = True
+        if self.increments is not None:
+            self.increments.committed(item.step)  # the next save's base
 
     def _commit(self, item: SaveItem, manifests: list[Table], entry: dict[str, Any] | None) -> None:
         tmp = self.tmp(item)
@@ -150,12 +155,17 @@ class Writer:
             _holds.exclusive(self.root, _commit.step_name(item.step), item.readers_hold),
             _commit.folder_lock(self.root),
         ):
+            if self.increments is not None:
+                self.increments.link(item.seq, tmp)  # before the manifest digests the folder
             if self.options.checksums:
                 files, objects = self.format.stored(tmp, entry)
                 with naming_file(tmp / MANIFEST):
                     _integrity.write_manifest(tmp, item.step, merged, files=files, objects=objects)
             with naming_file(tmp / _commit.COMMIT):  # the record, then the fsyncs and the rename
                 _commit.commit(self.root, tmp, item.step, layout=self.format.name)
+            if self.increments is not None:
+                # The new step references the base now: its hold goes before retention.
+                self.increments.release(item.seq)
             _commit.retain(self.root, self.options.keep)
 
     async def discard(self, item: SaveItem) -> None:
@@ -177,6 +187,7 @@ class Writer:
         budget: BudgetStats | None = None,
         admission: str | None = None,
         node_wait: float = 0.0,
+        reused_bytes: int = 0,
     ) -> SaveStats:
         """A commit's stats: ``t0`` its write's start, ``t1`` its files' end (now: the
         commit's end); what only its route knows is passed in."""
@@ -192,4 +203,5 @@ class Writer:
             budget=budget,
             admission=admission,
             node_wait_seconds=node_wait,
+            reused_bytes=reused_bytes,
         )

@@ -175,17 +175,22 @@ class StagedRoute(DiskRoute):
         if item.cancelled:
             raise GivenUp
         writer.begin(item)
-        manifest, entry, checksum_seconds, nbytes = self._write_staged(item, lease)
-        written()
-        t1 = time.monotonic()
-        self.writing = Phase.COMMITTING
-        item.wait_earlier()
-        # Its caller may still be cancelled inside save() (the loop has not resumed it
-        # since this write started): wait until it returned or gave up.
-        item.settled.wait()
-        if item.cancelled:
-            raise GivenUp
-        writer.commit(item, manifest, entry)
+        try:
+            manifest, entry, checksum_seconds, nbytes = self._write_staged(item, lease)
+            written()
+            t1 = time.monotonic()
+            self.writing = Phase.COMMITTING
+            item.wait_earlier()
+            # Its caller may still be cancelled inside save() (the loop has not resumed it
+            # since this write started): wait until it returned or gave up.
+            item.settled.wait()
+            if item.cancelled:
+                raise GivenUp
+            plan = writer.increments.plan_of(item.seq) if writer.increments is not None else None
+            writer.commit(item, manifest, entry)
+        finally:
+            if writer.increments is not None:
+                writer.increments.release(item.seq)  # its hold on the base, whatever happened
         return writer.stats(
             item,
             nbytes,
@@ -195,6 +200,7 @@ class StagedRoute(DiskRoute):
             stage_seconds=item.staged,
             admission=self.admission,
             node_wait=self.node_wait,
+            reused_bytes=plan.reused_bytes if plan is not None else 0,
         )
 
     def _write_staged(
@@ -210,8 +216,13 @@ class StagedRoute(DiskRoute):
         # leaves hashing to this point, off the caller's blocked path) is hashed from
         # the staged copy beside the write; both end before the copy is handed back.
         hashing = hash_staged(staged, opts.checksum_threads, lease.checksums) if opts.checksums else None
+        skip: frozenset[str] = frozenset()
         try:
-            entry = writer.format.write(staged, writer.tmp(item), self.ctx.ranks)
+            if writer.increments is not None and hashing is not None:
+                # Incremental: the digests decide what is written, so the hash ends first.
+                plan = writer.increments.plan(item.seq, item.step, staged, hashing.result()[0])
+                skip = plan.skip if plan is not None else skip
+            entry = writer.format.write(staged, writer.tmp(item), self.ctx.ranks, skip)
         finally:
             if hashing is not None:
                 futures.wait([hashing])  # it reads the staged buffers, whatever happened

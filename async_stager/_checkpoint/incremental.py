@@ -1,0 +1,281 @@
+"""Incremental saves (``Checkpointer(incremental=True)``): a step writes only the tensors
+whose content differs from the previous commit of this Checkpointer, and references the
+others, already stored in that commit's data files.
+
+How a reference is stored: the step's DCP ``.metadata`` names, for each unchanged
+tensor, the same file, offset and length as the previous commit's metadata, and that
+file is a hard link in the step's own folder (``ref-<seq>-__0_0.distcp``: ``seq`` is the
+commit number of the step that wrote it, so two origins never share a name; a link of a
+link keeps its name). So every committed step is a whole, self-contained folder: plain
+``torch.distributed.checkpoint.load`` reads it, ``verify`` reads every byte it
+references, a copy of the folder is a complete checkpoint, and retention stays a
+folder's deletion: a data file's bytes are freed by the file system when the last step
+that links it goes (the data of a kept step is never deleted). A reference is a name
+relative to the step folder, never an absolute path; on a file system without hard
+links the file is copied instead (a warning), which costs the bytes but stays whole.
+
+The decision (``Increments.plan``, every rank, in the save's thread, after the staged
+copy is hashed): the coordinator holds the base (the previous commit of this
+Checkpointer, if it is still that commit: ``commit.reading``, so no retention deletes
+it until the new step commits) and names it to every rank; each rank compares its
+chunks' digests, shapes, dtypes and the global size with the base's manifest and
+metadata; a tensor is referenced only when every rank found every one of its chunks
+unchanged and its chunks are the base's (same sharding), else it is written in full.
+The coordinator makes the links and the step's ``.metadata`` at the commit
+(``Increments.link``), before the manifest digests the folder, and lets go of the base
+after the commit point, before retention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import pickle
+import shutil
+import threading
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from async_stager._checkpoint import commit as _commit
+from async_stager._checkpoint.integrity import flatten, tensor_chunks
+from async_stager._checkpoint.manifest import HASH, load_manifest
+from async_stager._checkpoint.ranks import Ranks
+from async_stager._checkpoint.stored import file_digest
+from async_stager._core.checksum.digest import chunk_key
+from async_stager.errors import IntegrityError
+
+__all__ = ["REF_PREFIX", "Increments", "Plan", "skipping_planner"]
+
+_log = logging.getLogger("async_stager.checkpoint")
+
+#: The name prefix of a data file linked from an earlier commit.
+REF_PREFIX = "ref-"
+_METADATA = ".metadata"
+
+
+@dataclass
+class Plan:
+    """One incremental save's decision: its base step and folder, the tensors it
+    references (flattened names), the chunk keys this rank does not write, their bytes."""
+
+    step: int
+    folder: Path
+    seq: int
+    reused: frozenset[str]
+    skip: frozenset[str]
+    reused_bytes: int
+    metadata: Any
+
+
+def _read_base(folder: Path, step: int) -> tuple[dict[str, dict[str, Any]], Any]:
+    """The base step's manifest tensors and its DCP metadata, the metadata's bytes
+    checked against the manifest before they are unpickled."""
+    manifest = load_manifest(folder, step)
+    want = (manifest.files or {}).get(_METADATA)
+    if want is None:
+        raise IntegrityError(f"{folder}: its manifest has no digest of {_METADATA}", step=step)
+    got = file_digest(folder / _METADATA)
+    if got["bytes"] != want["bytes"] or got["digest"] != want["digest"]:
+        raise IntegrityError(f"{folder}: {_METADATA} is not what was committed", step=step)
+    with open(folder / _METADATA, "rb") as f:
+        metadata = pickle.load(f)  # checked against the committed digest above
+    return manifest.tensors, metadata
+
+
+def _mine(
+    staged: dict[str, Any], table: dict[str, dict[str, Any]], base: dict[str, dict[str, Any]], md: Any
+) -> tuple[set[str], dict[str, list[str]]]:
+    """This rank's view: the tensors it has a changed (or new, reshaped, resharded)
+    chunk of, and per other tensor its chunk keys found unchanged in the base."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.tensor import DTensor
+
+    sizes = {fqn: list(v.shape) for fqn, v in flatten(staged).items() if isinstance(v, DTensor)}
+    changed: set[str] = set()
+    same: dict[str, list[str]] = {}
+    for k, fqn, local, _ in tensor_chunks(staged):
+        entry, old = table.get(k), base.get(k)
+        meta = md.state_dict_metadata.get(fqn)
+        unchanged = (
+            entry is not None
+            and old is not None
+            and isinstance(meta, TensorStorageMetadata)
+            and list(meta.size) == sizes.get(fqn, list(local.shape))
+            and meta.properties.dtype == local.dtype
+            and entry.get("hash", HASH) == old["hash"]
+            and entry["digest"] == old["digest"]
+            and entry["shape"] == old["shape"]
+            and entry["dtype"] == old["dtype"]
+        )
+        if unchanged:
+            same.setdefault(fqn, []).append(k)
+        else:
+            changed.add(fqn)
+    return changed, same
+
+
+class Increments:
+    """The incremental saves of one Writer: the previous commit (``committed``), each
+    save's plan and its hold on the base until its commit."""
+
+    def __init__(self, root: Path, ranks: Ranks) -> None:
+        self.root = root
+        self.ranks = ranks
+        #: The previous commit of this Checkpointer: its step and commit number.
+        self.last: tuple[int, int | None] | None = None
+        self._plans: dict[int, Plan] = {}
+        self._holds: dict[int, contextlib.ExitStack] = {}
+        self._lock = threading.Lock()
+
+    def committed(self, step: int) -> None:
+        """A save of this Checkpointer committed ``step`` (every rank)."""
+        seq = _commit.commit_number(self.root, step) if self.ranks.coordinator else None
+        self.last = (step, seq)
+
+    def plan(
+        self, seq: int, step: int, staged: dict[str, Any], table: dict[str, dict[str, Any]]
+    ) -> Plan | None:
+        """Decide what save number ``seq`` (of ``step``) references (every rank, in call
+        order: collectives). None: it writes everything (the first save, a base that is
+        gone or replaced, a damaged base)."""
+        ranks = self.ranks
+        base: tuple[int, int] | None = None
+        if ranks.coordinator:
+            base = self._hold(seq, step)
+        base = ranks.broadcast(base)
+        if base is None:
+            return None
+        folder = _commit.step_dir(self.root, base[0])
+        try:
+            tensors, md = _read_base(folder, base[0])
+            changed, same = _mine(staged, table, tensors, md)
+        except (IntegrityError, OSError, pickle.UnpicklingError, EOFError, AttributeError) as exc:
+            _log.warning("incremental: step %d is not referenced, every tensor is written: %s", base[0], exc)
+            tensors, md, changed, same = {}, None, {"\0"}, {}
+        views = ranks.all_gather((changed, same)) if ranks.distributed else [(changed, same)]
+        if any("\0" in c for c, _ in views):
+            self.release(seq)
+            return None
+        all_changed = set().union(*(c for c, _ in views))
+        found: dict[str, set[str]] = {}
+        for _, s in views:
+            for fqn, keys in s.items():
+                found.setdefault(fqn, set()).update(keys)
+        reused = set()
+        for fqn, keys in found.items():
+            meta = md.state_dict_metadata.get(fqn)
+            if fqn in all_changed or meta is None:
+                continue
+            if keys == {chunk_key(fqn, c.offsets) for c in meta.chunks}:
+                reused.add(fqn)  # every chunk, as the base holds them: the same sharding
+        skip = frozenset(k for fqn, keys in same.items() if fqn in reused for k in keys)
+        nbytes = sum(
+            int(local.numel() * local.element_size()) for k, _, local, _ in tensor_chunks(staged) if k in skip
+        )
+        plan = Plan(base[0], folder, base[1], frozenset(reused), skip, nbytes, md)
+        with self._lock:
+            self._plans[seq] = plan
+        return plan
+
+    def _hold(self, seq: int, step: int) -> tuple[int, int] | None:
+        """Coordinator: hold the previous commit for save number ``seq`` if it is still
+        that commit (and not the step this save replaces); its step and commit number."""
+        last = self.last
+        if last is None or last[0] == step or last[1] is None:
+            return None
+        stack = contextlib.ExitStack()
+        try:
+            got, _ = stack.enter_context(_commit.reading(self.root, last[0]))
+        except (_commit.StepGone, OSError, Exception):  # noqa: BLE001 - no base: a full save
+            stack.close()
+            return None
+        if got != last[1]:
+            stack.close()  # replaced by another writer: not this job's data
+            return None
+        with self._lock:
+            self._holds[seq] = stack
+        return last[0], got
+
+    def plan_of(self, seq: int) -> Plan | None:
+        with self._lock:
+            return self._plans.get(seq)
+
+    def release(self, seq: int) -> None:
+        """Let go of save number ``seq``'s base and plan (idempotent)."""
+        with self._lock:
+            stack = self._holds.pop(seq, None)
+            self._plans.pop(seq, None)
+        if stack is not None:
+            stack.close()
+
+    def link(self, seq: int, tmp: Path) -> None:
+        """Coordinator, at the commit of save number ``seq`` into ``tmp``: link the base's
+        data files that its references name and add the references to ``.metadata``
+        (rewritten, fsynced, renamed into place)."""
+        plan = self.plan_of(seq)
+        if plan is None or not plan.reused:
+            return
+        base_md = plan.metadata
+        with open(tmp / _METADATA, "rb") as f:
+            md = pickle.load(f)  # written by this save's DCP save a moment ago
+        names: dict[str, str] = {}
+        for index, info in base_md.storage_data.items():
+            if index.fqn not in plan.reused:
+                continue
+            rel = str(info.relative_path)
+            name = names.get(rel)
+            if name is None:
+                name = names[rel] = rel if rel.startswith(REF_PREFIX) else f"{REF_PREFIX}{plan.seq}-{rel}"
+                _link(plan.folder / rel, tmp / name)
+            md.storage_data[index] = dataclasses.replace(info, relative_path=name)
+        for fqn in plan.reused:
+            md.state_dict_metadata[fqn] = base_md.state_dict_metadata[fqn]
+            if base_md.planner_data is not None and fqn in base_md.planner_data:
+                if md.planner_data is None:
+                    md.planner_data = {}
+                md.planner_data[fqn] = base_md.planner_data[fqn]
+        part = tmp / f"{_METADATA}.tmp"
+        with open(part, "wb") as f:
+            pickle.dump(md, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(part, tmp / _METADATA)
+
+
+def _link(src: Path, dst: Path) -> None:
+    """``dst`` a hard link of ``src``; a copy where the file system has none."""
+    try:
+        os.link(src, dst)
+    except FileExistsError:
+        raise
+    except OSError as exc:
+        if not src.exists():
+            raise
+        _log.warning("incremental: %s could not be linked (%s): copied instead", src, exc)
+        shutil.copyfile(src, dst)
+
+
+def skipping_planner(skip: Collection[str]) -> Any:
+    """A DCP save planner that writes every item but the tensor chunks in ``skip``
+    (their manifest keys): what an incremental save references instead."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+
+    keys = frozenset(skip)
+
+    class _Skipping(DefaultSavePlanner):
+        def create_local_plan(self) -> SavePlan:
+            plan = super().create_local_plan()
+            items = [
+                i
+                for i in plan.items
+                if i.type is WriteItemType.BYTE_IO or chunk_key(i.index.fqn, i.index.offset or ()) not in keys
+            ]
+            self.plan = dataclasses.replace(plan, items=items)
+            return self.plan
+
+    return _Skipping()
