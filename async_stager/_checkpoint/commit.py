@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from async_stager._checkpoint import holds as _holds
+from async_stager._dcp.files import naming_file
 from async_stager.errors import CheckpointError
 
 __all__ = [
@@ -353,7 +354,10 @@ def commit(root: Path, tmp: Path, step: int, layout: str | None = None) -> Path:
 
         record["manifest"] = file_digest(tmp / _MANIFEST)
     record["check"] = _record_check(record)
-    (tmp / COMMIT).write_text(_canonical(record), encoding="utf-8")
+    with naming_file(tmp / COMMIT):  # a full disk's error names no file: this one
+        (tmp / COMMIT).write_text(_canonical(record), encoding="utf-8")
+    # What fails from here names no file of its own (an fsync, a rename of the folder):
+    # the caller names the step's folder, not the record written fine before.
     _fsync_tree(tmp)
     old = root / f".old-{step_name(step)}.{tmp.name.split('.')[2]}"
     if dst.exists():

@@ -161,7 +161,9 @@ class Writer:
                 files, objects = self.format.stored(tmp, entry)
                 with naming_file(tmp / MANIFEST):
                     _integrity.write_manifest(tmp, item.step, merged, files=files, objects=objects)
-            with naming_file(tmp / _commit.COMMIT):  # the record, then the fsyncs and the rename
+            # The record (its own error names it), then the fsyncs and the rename: a full
+            # disk there names no file, and is the step's folder's (not the record's).
+            with naming_file(tmp):
                 _commit.commit(self.root, tmp, item.step, layout=self.format.name)
             if self.increments is not None:
                 # The new step references the base now: its hold goes before retention.

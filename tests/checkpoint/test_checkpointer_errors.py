@@ -236,21 +236,81 @@ async def test_an_abandoned_saved_iterator_holds_nothing(anyio_backend: Any, tmp
     live.close()  # idempotent
 
 
+@pytest.mark.parametrize("budget", [None, 1 << 20], ids=["staged", "budgeted"])
+@pytest.mark.parametrize("where", ["data", "metadata"])
 async def test_dcp_save_on_a_full_disk_names_the_file_in_its_chain(
-    anyio_backend: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    anyio_backend: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: int | None, where: str
 ) -> None:
-    """A sibling: ``async_stager.dcp.save`` keeps DCP's own exception (its documented
-    behaviour), but the rank's error in it is the OSError naming the file."""
+    """A sibling: ``async_stager.dcp.save`` keeps DCP's own ``CheckpointException`` (its
+    documented behaviour), staged or budgeted, but the rank's error in it is the OSError
+    naming the file: a data file, or DCP's commit (its ``.metadata``, written last);
+    nothing is committed, and the stager saves again once there is room."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     import async_stager.dcp as adcp
     from async_stager import Stager
 
+    folder = tmp_path / "x"
+    file = ".distcp" if where == "data" else ".metadata.tmp"
+    state = {"w": torch.arange(100.0)}
+    kw: dict[str, Any] = {} if budget is None else {"host_budget_bytes": budget}
     async with Stager() as stager:
-        full_disk(monkeypatch, tmp_path)
-        with pytest.raises(BaseException) as e:  # DCP's CheckpointException (a BaseException)
-            await adcp.save(
-                {"w": torch.arange(100.0)}, stager=stager, checkpoint_id=str(tmp_path / "x"), no_dist=True
-            )
-        failures = getattr(e.value, "failures", {})
-        [(error, _)] = failures.values()
+        disk = full_disk(monkeypatch, folder if where == "data" else folder / file)
+        with pytest.raises(CheckpointException) as e:
+            await adcp.save(state, stager=stager, checkpoint_id=str(folder), no_dist=True, **kw)
+        assert disk.refused >= 1
+        [failure] = e.value.failures.values()
+        error = failure[0] if isinstance(failure, tuple) else failure
         assert isinstance(error, OSError) and error.errno == errno.ENOSPC
-        assert error.filename and error.filename.endswith(".distcp")
+        assert error.filename and error.filename.endswith(file), error.filename
+        assert str(folder / "") in error.filename
+        assert error.filename in str(e.value)
+        assert not (folder / ".metadata").exists()
+        monkeypatch.undo()
+        await adcp.save(state, stager=stager, checkpoint_id=str(folder), no_dist=True, **kw)
+    assert (folder / ".metadata").exists()
+
+
+@pytest.mark.parametrize("fmt", ["dcp", "torch", "budgeted"])
+async def test_a_commit_failing_after_its_record_names_the_folder_not_a_file(
+    anyio_backend: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> None:
+    """The commit's fsyncs fail on a full disk (a quota or a network filesystem reports
+    it there: an OSError naming nothing) after every file, the COMMIT record included,
+    was written: the CheckpointError says the disk is full writing the step's folder,
+    not the COMMIT record (written fine) nor another file; nothing is committed, the
+    temporary folder is gone, and saves work again once the disk has room."""
+    import stat
+
+    state = {"w": torch.arange(2000.0), "n": 3}
+    opts: dict[str, Any] = {"host_budget_bytes": 1 << 20} if fmt == "budgeted" else {"format": fmt}
+    real_fsync = os.fsync
+    refused: list[int] = []
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):  # the commit's own: a folder's names
+            refused.append(fd)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_fsync(fd)
+
+    async with Checkpointer(tmp_path, **opts) as ckpt:
+        await ckpt.save(state, step=1)
+        await ckpt.wait()
+        monkeypatch.setattr(os, "fsync", fsync)
+        await ckpt.save(state, step=2)
+        with pytest.raises(CheckpointError) as e:
+            await ckpt.wait()
+        assert refused and e.value.step == 2
+        msg = str(e.value)
+        assert "disk is full" in msg and "writing " in msg, msg
+        named = msg.split("writing ", 1)[1].split(". ", 1)[0]
+        assert Path(named).parent == tmp_path and Path(named).name.startswith(".tmp-step-00000002"), msg
+        assert "COMMIT" not in msg, msg
+        cause = e.value.__cause__
+        assert isinstance(cause, OSError) and cause.errno == errno.ENOSPC, repr(cause)
+        monkeypatch.undo()
+        assert ckpt.steps() == [1]
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+        await ckpt.save(state, step=3)
+        await ckpt.wait()
+        assert ckpt.steps() == [1, 3]
