@@ -94,6 +94,8 @@ PROCESS_MODULES = {
     "test_agent_lifetime",
     "test_job_kills",
     "test_checkpointer_agent_crash",
+    "test_replication",
+    "test_replication_faults",
     "test_service_example",
     "test_checkpointer_paths",
     "test_reliability_faults",

@@ -162,6 +162,9 @@ class Checkpointer:
         memory_keep: int = 2,
         agent_timeout: float = 5.0,
         incremental: bool = False,
+        replicate: bool = False,
+        replica_share: float = 0.5,
+        replica_rate: float | None = None,
     ) -> None:
         import torch.distributed.checkpoint  # noqa: F401 - imported here, not first in two threads at once
 
@@ -206,6 +209,9 @@ class Checkpointer:
             agent_timeout=agent_timeout,
             keep=memory_keep,
             namespace=str(directory.resolve()),
+            replicate=replicate,
+            replica_share=replica_share,
+            replica_rate=replica_rate,
         )
         self._stager = stager
         self._own_stager = stager is None

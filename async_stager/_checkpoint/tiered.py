@@ -29,15 +29,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import anyio
+
 from async_stager._checkpoint import commit as _commit
 from async_stager._checkpoint.ranks import Ranks
 from async_stager._checkpoint.statefuls import apply_loaded, check_matches, resolve
 from async_stager._core.aio.threads import run_in_thread
+from async_stager._tier import replicator as _replicas
 from async_stager.errors import InvalidOptionError, StagingError
 
 if TYPE_CHECKING:
     from async_stager._share.handoff import AttachedStateDict
     from async_stager._tier.client import AgentClient
+    from async_stager._tier.replicator import Replicator
     from async_stager._tier.tier import MemoryTier
 
 __all__ = ["TierSchedule", "make_tier", "restore"]
@@ -74,14 +78,24 @@ def make_tier(
     agent_timeout: float,
     keep: int = 2,
     namespace: str = "",
+    replicate: bool = False,
+    replica_share: float = 0.5,
+    replica_rate: float | None = None,
 ) -> tuple[MemoryTier | None, TierSchedule]:
     """The memory tier for ``agent`` (a job id, or a client), or None without one
-    (then ``memory_every`` and ``persist_every`` must be left at 1)."""
+    (then ``memory_every`` and ``persist_every`` must be left at 1). ``replicate``: each
+    snapshot also to another node's agent (``_tier.replicator``), paced by
+    ``replica_share`` and ``replica_rate``."""
     schedule = TierSchedule(memory_every, persist_every)
+    if not isinstance(replicate, bool):
+        raise InvalidOptionError(f"replicate must be True or False, got {replicate!r}")
+    from async_stager._tier.replica import Replication
+
+    pace = Replication(share=replica_share, rate=replica_rate)
     if agent is None:
-        if schedule != TierSchedule():
+        if schedule != TierSchedule() or replicate:
             raise InvalidOptionError(
-                "memory_every and persist_every need agent=JOB (the memory tier's node agent: "
+                "memory_every, persist_every and replicate need agent=JOB (the memory tier's node agent: "
                 "`python -m async_stager agent --job JOB`)"
             )
         return None, schedule
@@ -97,7 +111,7 @@ def make_tier(
         raise InvalidOptionError(
             f"agent must be a job id (str) or an AgentClient, got {type(agent).__name__}"
         )
-    agree, timeline = None, None
+    agree, timeline, own = None, None, None
     if ranks.distributed:
         own = _own_group(ranks)
         agree = own.all_gather
@@ -112,7 +126,55 @@ def make_tier(
         agree=agree,
         timeline=timeline,
     )
+    if replicate and own is not None:
+        tier.replicator = _replicator(tier, own, client, namespace, pace)
+    elif replicate:
+        _log.warning("replicate=True in a job of one process: there is no other node to replicate to")
     return tier, schedule
+
+
+def _replicator(
+    tier: MemoryTier, own: Ranks, client: AgentClient, namespace: str, pace: Any
+) -> Replicator | None:
+    """Where this rank's replicas go (``replica.ring`` over the ranks' nodes: a node is
+    the agent a rank talks to, its host and socket path) and the tier's own gloo group
+    the replicas travel on. A collective: every rank calls it (at construction)."""
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    from async_stager._tier.replica import ring
+    from async_stager._tier.replicator import Replicator
+
+    nodes = [tuple(n) for n in own.all_gather([socket.gethostname(), client.path])]
+    peers = ring(nodes)
+    if not peers:  # the same answer on every rank: none makes the group
+        _log.warning("replicate=True but every rank talks to one agent (one node): nothing to replicate to")
+        return None
+    members = dist.get_process_group_ranks(own.group) if own.group is not None else None
+    # Idle for as long as no snapshot comes: a dead peer is found by its closed socket.
+    group = dist.new_group(
+        ranks=members, backend="gloo", timeout=datetime.timedelta(days=30), use_local_synchronization=True
+    )
+    rank = own.rank
+    replicator = Replicator(
+        group,
+        rank=rank,
+        world=own.world,
+        peer=peers.get(rank),
+        sources=[r for r, p in sorted(peers.items()) if p == rank],
+        namespace=namespace,
+        agent_path=client.path,
+        agent_timeout=client.timeout,
+        options=pace,
+        held=lambda step: step in tier.held_steps(),
+        replicated_common=lambda: tier.replicated_step,
+        update=tier.update_stats,
+        stats=lambda: tier.stats,
+    )
+    tier.update_stats(replica_peer=peers.get(rank))
+    return replicator
 
 
 def _own_group(ranks: Ranks) -> Ranks:
@@ -137,13 +199,22 @@ async def restore(
     while a collective runs; ``state`` is changed only once every rank verified."""
     tier.restarting()
     mine = await tier.complete_snapshots()
+    rep = tier.replicator
+    replicas = await _replicas.replica_snapshots(rep) if rep is not None else []
     disk = await run_in_thread(lambda: _commit.committed_steps(root), name="async-stager-restore")
     gathered: list[Any] = await run_in_thread(
-        lambda: ranks.all_gather((mine, disk)), name="async-stager-restore"
+        lambda: ranks.all_gather((mine, disk, replicas)), name="async-stager-restore"
     )
-    common = {(int(s), str(t)) for s, t in gathered[0][0]}
-    for held, _ in gathered[1:]:
-        common &= {(int(s), str(t)) for s, t in held}
+    own = [{(int(s), str(t)) for s, t in g[0]} for g in gathered]
+    # (rank, step, timeline) -> the lowest rank whose node's agent holds its replica.
+    holders: dict[tuple[int, int, str], int] = {}
+    for h, g in enumerate(gathered):
+        for src, s, t in g[2]:
+            holders.setdefault((int(src), int(s), str(t)), h)
+    # What each rank can get whole: its own agent's, or the replica on its peer's node.
+    common = set.intersection(
+        *(own[r] | {(s, t) for (src, s, t) in holders if src == r} for r in range(len(gathered)))
+    )
     newest_disk = gathered[0][1][-1] if gathered[0][1] else None
     # Newest first (the same order on every rank: they all saw the same lists).
     candidates = sorted(
@@ -155,10 +226,14 @@ async def restore(
         reverse=True,
     )
     for chosen, timeline in candidates:
+        # Each rank's source: its own agent, else the holder of its replica.
+        source = [
+            r if (chosen, timeline) in own[r] else holders[(r, chosen, timeline)] for r in range(len(own))
+        ]
         attached: AttachedStateDict | None = None
         ok = False
         try:
-            attached = await tier.load(chosen, timeline)
+            attached = await _obtain(tier, ranks.rank, source, chosen, timeline)
             check_matches(resolve(state), attached.state_dict, chosen)
             ok = True
         except (StagingError, OSError) as exc:  # AgentError, IntegrityError, a mapping that failed
@@ -178,8 +253,34 @@ async def restore(
         finally:
             attached.close()
         tier.note_restored(chosen)
-        _log.info("restored step %d from the memory tier", chosen)
+        peer = source[ranks.rank] != ranks.rank
+        tier.update_stats(restored_from_peer=peer)
+        _log.info(
+            "restored step %d from the memory tier%s", chosen, " (the peer node's replica)" if peer else ""
+        )
         return chosen
     if candidates:
         _log.warning("no step is restorable from memory on every rank: restoring from the folder")
     return None
+
+
+async def _obtain(
+    tier: MemoryTier, me: int, source: list[int], step: int, timeline: str
+) -> AttachedStateDict:
+    """This rank's snapshot of ``step`` from ``source[me]`` (itself: its agent; another
+    rank: the replica its node holds, sent over the tier's group), while this rank
+    sends the replicas it holds to the ranks whose source it is (never raised: the
+    receivers' checks decide)."""
+    rep = tier.replicator
+    gives = [r for r, src in enumerate(source) if src == me and r != me]
+    got: list[AttachedStateDict] = []
+    async with anyio.create_task_group() as tg:
+        if rep is not None:
+            for dst in gives:
+                tg.start_soon(_replicas.give, rep, dst, step, timeline)
+        if source[me] == me:
+            got.append(await tier.load(step, timeline))
+        else:
+            assert rep is not None
+            got.append(await _replicas.take(rep, source[me], step))
+    return got[0]

@@ -96,9 +96,10 @@ class Agreement:
     """The ranks' exchanges of the steps each holds complete (see the module doc).
 
     ``agree(steps)``: a blocking all-gather of this rank's list on a process group of
-    the tier's own; ``published()``: this rank's complete steps now (read from the
-    exchanges' thread: it returns a fresh tuple); ``on_common(step)``: awaited on the
-    loop after each exchange with the newest common step (None: none); ``on_broken``:
+    the tier's own; ``published()``: this rank's complete steps now and those of them
+    replicated (read from the exchanges' thread: fresh tuples); ``on_common(step,
+    replicated)``: awaited on the loop after each exchange with the newest common step
+    and the newest common replicated one (None: none); ``on_broken``:
     the exchange failed (a rank died) or its loop side was cancelled: no more exchanges.
 
     Hazard: the collectives run in a thread of their own, one ticket after another, as
@@ -109,10 +110,10 @@ class Agreement:
 
     def __init__(
         self,
-        agree: Callable[[list[int]], list[Any]],
+        agree: Callable[[list[Any]], list[Any]],
         *,
-        published: Callable[[], Sequence[int]],
-        on_common: Callable[[int | None], Awaitable[None]],
+        published: Callable[[], tuple[Sequence[int], Sequence[int]]],
+        on_common: Callable[[int | None, int | None], Awaitable[None]],
         on_broken: Callable[[BaseException], None],
     ) -> None:
         self._agree = agree
@@ -126,8 +127,10 @@ class Agreement:
         self._done = -1
         self._changed = anyio.Event()
         self.broken: BaseException | None = None
-        #: The newest common step of the latest exchange.
+        #: The newest common step of the latest exchange, and the newest step every
+        #: rank holds complete with its replica verified on its peer node.
         self.common: int | None = None
+        self.replicated: int | None = None
 
     def ticket(self, tg: anyio.abc.TaskGroup) -> Ticket:
         """A place for the save being called (synchronously, at its call). Its exchange
@@ -181,7 +184,8 @@ class Agreement:
                 t.gathered.set_exception(failed)
                 continue
             try:
-                got = self._agree(list(self._published()))
+                held, replicated = self._published()
+                got = self._agree([list(held), list(replicated)])
             except BaseException as exc:  # noqa: BLE001 - a dead rank: handed to the loop
                 failed = exc
                 t.gathered.set_exception(exc)
@@ -194,8 +198,11 @@ class Agreement:
                 await prev.done.wait()
             got = await wait_future(t.gathered)
             if self.broken is None:
-                self.common = newest_common([[int(s) for s in steps] for steps in got])
-                await self._on_common(self.common)
+                # Each rank's (held, replicated): its complete steps, and those of them
+                # its peer node verified (``replicator``: empty without replication).
+                self.common = newest_common([[int(s) for s in held] for held, _ in got])
+                self.replicated = newest_common([[int(s) for s in rep] for _, rep in got])
+                await self._on_common(self.common, self.replicated)
         except BaseException as exc:  # a dead rank, or this task cancelled
             # An exchange failed, or its answer will not be applied: the ranks' views
             # are out of step from here on: no more exchanges.

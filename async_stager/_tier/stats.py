@@ -20,7 +20,16 @@ class MemoryStats:
     the agent's verification, in the background), ``bytes`` (its tensor bytes);
     ``available``: the tier is on (False after a failure, until its retry);
     ``restored``: the step the last ``Checkpointer.restore`` took from memory (None: none
-    did)."""
+    did); ``restored_from_peer``: it came from the replica on another node's agent.
+
+    Replication (``replicate=True``): ``replica_peer`` (the rank whose node's agent
+    holds this rank's replicas; None: none), ``replicated`` (snapshots the peer's agent
+    verified and holds), ``replica_step`` (the newest of them), ``replica_skipped``
+    (not held because the peer's agent reached its memory bound), ``replica_failures``
+    (the peer's agent away or refusing, or the peer gone), ``replica_seconds`` (the
+    newest replica's transfer, paced, until verified) and
+    ``replica_link_bytes_per_second`` (its bytes over the seconds spent sending them:
+    the link's measured rate, before pacing)."""
 
     saved: int = 0
     skipped: int = 0
@@ -32,12 +41,20 @@ class MemoryStats:
     bytes: int = 0
     available: bool = True
     restored: int | None = None
+    restored_from_peer: bool = False
+    replica_peer: int | None = None
+    replicated: int = 0
+    replica_step: int | None = None
+    replica_skipped: int = 0
+    replica_failures: int = 0
+    replica_seconds: float = 0.0
+    replica_link_bytes_per_second: float = 0.0
 
 
 @dataclass(frozen=True)
 class TierProgress:
-    """A memory snapshot in flight: its step, phase (``"memory-staging"`` or
-    ``"memory-committing"``), seconds since its save was called, and the stage's
+    """A memory snapshot in flight: its step, phase (``"memory-staging"``,
+    ``"memory-committing"`` or ``"memory-replicating"``: sent to the peer node), seconds since its save was called, and the stage's
     seconds (None while staging)."""
 
     step: int

@@ -46,7 +46,7 @@ import uuid
 import warnings
 import weakref
 from collections.abc import Callable, Coroutine
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import anyio.abc
@@ -59,6 +59,7 @@ from async_stager._core.run.records import Captures
 from async_stager._share.handoff import AttachedStateDict, attach_shared, export_shared
 from async_stager._tier.client import AgentClient, verify_fetched
 from async_stager._tier.regions import PIECE_BYTES, ArenaMaps, digests_of, regions_of
+from async_stager._tier.replica import Outgoing
 from async_stager._tier.retention import Agreement, Ticket, droppable, forced
 from async_stager._tier.stats import MemoryStats, TierProgress
 from async_stager.errors import (
@@ -67,6 +68,9 @@ from async_stager.errors import (
     AgentUnavailableError,
     InvalidOptionError,
 )
+
+if TYPE_CHECKING:
+    from async_stager._tier.replicator import Replicator
 
 __all__ = ["MemoryStats", "MemoryTier", "TierProgress"]
 
@@ -98,7 +102,7 @@ class MemoryTier:
         retry_seconds: float = 30.0,
         keep: int = 2,
         namespace: str = "",
-        agree: Callable[[list[int]], list[Any]] | None = None,
+        agree: Callable[[list[Any]], list[Any]] | None = None,
         timeline: str | None = None,
     ) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
@@ -132,6 +136,10 @@ class MemoryTier:
         #: The newest step every rank holds (None: unknown), and the step restored.
         self._common: int | None = None
         self._restored: int | None = None
+        #: The newest step every rank holds with its replica verified (``replicator``).
+        self._replicated: int | None = None
+        #: Replication to another node's agent (set by whoever builds the tier).
+        self.replicator: Replicator | None = None
         self._agreement = (
             None
             if agree is None
@@ -165,7 +173,7 @@ class MemoryTier:
     @property
     def stager(self) -> Stager:
         if self._stager is None:
-            self._stager = Stager(share_memory=True, max_buffer_sets=self.keep + 1)
+            self._stager = Stager(share_memory=True, max_buffer_sets=self.keep + 1 + self._extra)
         return self._stager
 
     @property
@@ -176,6 +184,16 @@ class MemoryTier:
             self._update(available=True)
         return on
 
+    @property
+    def _extra(self) -> int:
+        # Replicating: sets kept apart for the step being sent and the newest step
+        # every rank has replicated, so that a save never waits for replication.
+        return 2 if self.replicator is not None else 0
+
+    def _pins(self) -> set[int]:
+        r = self.replicator
+        return {s for s in (r.pinned if r is not None else None, self._replicated) if s is not None}
+
     def held_steps(self) -> list[int]:
         """The steps of this rank's complete snapshots whose buffers it holds."""
         return [s for s, _ in self._held]
@@ -185,9 +203,20 @@ class MemoryTier:
 
         self._stats = replace(self._stats, **changes)
 
+    #: For the replicator (on the loop): its counts into ``stats``.
+    update_stats = _update
+
+    @property
+    def replicated_step(self) -> int | None:
+        """The newest step every rank holds complete with its replica verified."""
+        return self._replicated
+
     def open(self, tg: anyio.abc.TaskGroup) -> None:
-        """Commits (and the ranks' exchanges) run as tasks of ``tg`` (the Checkpointer's)."""
+        """Commits (and the ranks' exchanges, and replication) run as tasks of ``tg``
+        (the Checkpointer's)."""
         self._tg = tg
+        if self.replicator is not None:
+            self.replicator.open(tg)
 
     async def aclose(self) -> None:
         """Wait for a commit in flight, release the held snapshots (the agent keeps its
@@ -196,6 +225,8 @@ class MemoryTier:
         with anyio.CancelScope(shield=True):
             while self._busy is not None:
                 await self._busy.wait()
+            if self.replicator is not None:
+                await self.replicator.aclose()
             if self._agreement is not None:
                 self._agreement.close()
             self._release_held()
@@ -217,11 +248,13 @@ class MemoryTier:
             lease.release()
 
     def in_flight(self) -> list[TierProgress]:
-        """The snapshot being staged or committed, if any (a snapshot; no I/O)."""
+        """The snapshot being staged or committed, if any, and the replica being sent to
+        the peer node (a snapshot; no I/O)."""
+        sending = self.replicator.in_flight() if self.replicator is not None else []
         if self._progress is None:
-            return []
+            return sending
         step, phase, called, staged = self._progress
-        return [TierProgress(step, phase, time.monotonic() - called, staged)]
+        return [TierProgress(step, phase, time.monotonic() - called, staged), *sending]
 
     @property
     def busy(self) -> bool:
@@ -264,7 +297,7 @@ class MemoryTier:
     @property
     def room(self) -> bool:
         """A buffer set is free for the next stage (no more than ``keep`` held)."""
-        return len(self._held) <= self.keep
+        return len(self._held) <= self.keep + self._extra
 
     def ticket(self) -> Ticket | None:
         """A memory save's place in the ranks' exchanges, taken at every call (None: one
@@ -386,14 +419,15 @@ class MemoryTier:
         """Until a buffer set is free: the ranks' exchanges of the saves before this
         one let go of a snapshot, else (a rank failed to commit) the oldest that is not
         the common step goes. False if the tier went off meanwhile."""
-        while len(self._held) > self.keep:
+        while not self.room:
             agreement = self._agreement
             if not self.available:
                 return False
             if agreement is None or ticket is None or agreement.done_through(ticket.index - 1):
                 async with self._retaining:
-                    step = forced(self.held_steps(), self._common)
-                    if step is not None and len(self._held) > self.keep:
+                    pins = self._pins()
+                    step = forced([s for s in self.held_steps() if s not in pins], self._common)
+                    if step is not None and not self.room:
                         # Once at WARNING (a rank that keeps failing would say it every step).
                         _log.log(
                             logging.DEBUG if self._forced else logging.WARNING,
@@ -405,7 +439,7 @@ class MemoryTier:
                         )
                         self._forced = True
                         await self._let_go([step])
-                if len(self._held) > self.keep:
+                if not self.room:
                     return False
                 break
             await agreement.changed()
@@ -419,16 +453,20 @@ class MemoryTier:
             return None
         return min([base, *held])
 
-    def _published(self) -> tuple[int, ...]:
-        # Read from the exchanges' thread: one reference taken, then a fresh tuple.
-        held = self._held
-        return tuple(s for s, _ in held)
+    def _published(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        # Read from the exchanges' thread: one reference taken, then fresh tuples.
+        held = tuple(s for s, _ in self._held)
+        verified = self.replicator.verified if self.replicator is not None else []
+        return held, tuple(s for s in held if s in verified)
 
-    async def _on_common(self, common: int | None) -> None:
-        """After an exchange: let go of what the rule allows (``retention``)."""
+    async def _on_common(self, common: int | None, replicated: int | None = None) -> None:
+        """After an exchange: let go of what the rule allows (``retention``), never the
+        step being replicated nor the newest step every rank has replicated."""
         async with self._retaining:
             self._common = common
-            drop = droppable(self.held_steps(), common, self.keep)
+            self._replicated = replicated
+            pins = self._pins()
+            drop = [s for s in droppable(self.held_steps(), common, self.keep) if s not in pins]
             if drop and self.available:
                 await self._let_go(drop)
 
@@ -508,7 +546,8 @@ class MemoryTier:
             after = [*self.held_steps(), step]
             # One process: this step is the job's newest common one once committed.
             common = step if self._agreement is None else self._common
-            drop = droppable(after, common, self.keep)
+            pins = self._pins()
+            drop = [s for s in droppable(after, common, self.keep) if s not in pins]
             keep = [s for s in after if s not in drop]
             dropping = [h for h in self._held if h[0] in drop]
             self._held = [h for h in self._held if h[0] not in drop]  # no longer reported
@@ -547,6 +586,13 @@ class MemoryTier:
                 old.release()
             if self._agreement is None:
                 self._common = step
+        if self.replicator is not None:
+            body = {
+                "step": step, "timeline": self.timeline, "world": self.world, "rank": self.rank,
+                "arenas": sizes, "refs": [list(r) for r in handle.refs], "digests": digests,
+                "piece_bytes": PIECE_BYTES, "tensors": handle.tensors, "nbytes": handle.nbytes,
+            }  # fmt: skip
+            self.replicator.offer(step, Outgoing(body, handle.payload, fds))
         self._update(
             saved=self._stats.saved + 1,
             last_step=step,
@@ -565,6 +611,7 @@ class MemoryTier:
         self._restores += 1
         self._common = None
         self._restored = None
+        self._replicated = None
 
     def note_restored(self, step: int) -> None:
         """``step`` was restored from memory (``MemoryStats.restored``): every rank

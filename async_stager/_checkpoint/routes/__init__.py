@@ -143,10 +143,12 @@ class Schedule:
         return [step for q in self.queues for step in q.dropped]
 
     def in_flight(self) -> list[SaveProgress]:
-        """The saves not yet ended, the folder's first, oldest call first. A write that
-        ended in its thread has ended, even before the loop saw it."""
+        """The saves not yet ended, the folder's first, oldest call first, then the
+        memory snapshot being replicated (``"memory-replicating"``). A write that ended
+        in its thread has ended, even before the loop saw it."""
         now = time.monotonic()
-        return [progress_of(i, now, q.rate) for q in self.queues for i in q.items if not i.finished.is_set()]
+        saves = [progress_of(i, now, q.rate) for q in self.queues for i in q.items if not i.finished.is_set()]
+        return saves + (self.memory.replicating() if self.memory is not None else [])
 
     def fence(self) -> tuple[list[Coroutine[Any, Any, None]], list[anyio.Event]]:
         """Each way's stager's ordering points, read now, and the events of the saves

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from async_stager._checkpoint.item import Phase, Route
+from async_stager._checkpoint.progress import SaveProgress
 from async_stager._checkpoint.routes.way import Way, skipped
 from async_stager._checkpoint.saves import SaveQueue
 from async_stager._checkpoint.write import GivenUp
@@ -183,6 +184,13 @@ class MemoryWay(Way):
 
     async def settle(self) -> None:
         await self.tier.settle()
+
+    def replicating(self) -> list[SaveProgress]:
+        """The snapshot being sent to the peer node's agent (``replicate=True``)."""
+        rep = self.tier.replicator
+        if rep is None:
+            return []
+        return [SaveProgress(p.step, p.phase, p.seconds, None, rep.sending_bytes) for p in rep.in_flight()]
 
 
 def _no_stats(stats: SaveStats) -> None:
