@@ -273,14 +273,21 @@ async def _obtain(
     receivers' checks decide)."""
     rep = tier.replicator
     gives = [r for r, src in enumerate(source) if src == me and r != me]
-    got: list[AttachedStateDict] = []
+    got: AttachedStateDict | None = None
+    failed: BaseException | None = None
     async with anyio.create_task_group() as tg:
         if rep is not None:
             for dst in gives:
-                tg.start_soon(_replicas.give, rep, dst, step, timeline)
-        if source[me] == me:
-            got.append(await tier.load(step, timeline))
-        else:
-            assert rep is not None
-            got.append(await _replicas.take(rep, source[me], step))
-    return got[0]
+                tg.start_soon(_replicas.give, rep, dst, step, timeline)  # never raises
+        try:
+            if source[me] == me:
+                got = await tier.load(step, timeline)
+            else:
+                assert rep is not None
+                got = await _replicas.take(rep, source[me], step)
+        except Exception as exc:  # noqa: BLE001 - raised once the gives ended (not as a group)
+            failed = exc
+    if failed is not None:
+        raise failed
+    assert got is not None
+    return got

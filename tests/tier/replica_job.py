@@ -74,7 +74,9 @@ class Proc:
             if got is not None:
                 return got
             for p in (self, *others):
-                assert p.proc.poll() is None, f"a process exited before {word}: {p.lines} (exit {p.proc.returncode})"
+                assert p.proc.poll() is None, (
+                    f"a process exited before {word}: {p.lines} (exit {p.proc.returncode})"
+                )
             assert time.monotonic() < end, f"no {word} in {timeout} s: {self.lines}"
             time.sleep(0.01)
 
@@ -95,7 +97,18 @@ def rank(
     directory: Path, job: str, base: str, steps: int, mode: str, r: int, world: int, port: int, **env: str
 ) -> Proc:
     """Rank ``r`` of a job of ``world`` ranks (plain gloo rendezvous on ``port``)."""
-    cmd = [sys.executable, str(CHILD), str(directory), job, base, str(steps), mode, str(r), str(world), str(port)]
+    cmd = [
+        sys.executable,
+        str(CHILD),
+        str(directory),
+        job,
+        base,
+        str(steps),
+        mode,
+        str(r),
+        str(world),
+        str(port),
+    ]
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,

@@ -317,10 +317,11 @@ class Peer:
         self.go.set()
         self.calls = 0
 
-    def agree(self, mine: list[int]) -> list[list[int]]:
+    def agree(self, mine: list[list[int]]) -> list[list[list[int]]]:
+        # Each rank's (complete steps, those replicated): nothing replicated here.
         self.go.wait(60)
         self.calls += 1
-        return [mine, list(self.steps)]
+        return [mine, [list(self.steps), []]]
 
 
 async def _held(agent: Agent) -> list[int]:
