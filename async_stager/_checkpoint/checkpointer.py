@@ -26,12 +26,7 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 
-from async_stager._checkpoint import (
-    commit as _commit,
-    restore as _restore,
-    session as _session,
-    tiered as _tiered,
-)
+from async_stager._checkpoint import restore as _restore, session as _session, tiered as _tiered
 from async_stager._checkpoint.exiting import close_by, exit_fast_if_abandoned
 from async_stager._checkpoint.formats import format_for
 from async_stager._checkpoint.node_budget import CreditLedger
@@ -44,7 +39,7 @@ from async_stager._checkpoint.options import (
     check_loop,
     check_stager,
     check_step,
-    local_directory,
+    resolve_directory,
 )
 from async_stager._checkpoint.progress import (
     SaveProgress,
@@ -58,6 +53,7 @@ from async_stager._checkpoint.ranks import Ranks
 from async_stager._checkpoint.routes import DiskContext, Schedule
 from async_stager._checkpoint.saved import SavedStream, Subscribers
 from async_stager._checkpoint.saves import SaveQueue
+from async_stager._checkpoint.store_place import make_place
 from async_stager._checkpoint.write import Writer
 from async_stager._core.aio.stager import Stager
 from async_stager._core.aio.threads import run_in_thread
@@ -179,7 +175,7 @@ class Checkpointer:
             checksums = checksum
 
         threads = checksum_threads if checksum_threads is not None else hash_threads()
-        directory = local_directory(directory)
+        directory, url = resolve_directory(directory)
         self.options = CheckpointerOptions(
             directory,
             keep,
@@ -193,7 +189,9 @@ class Checkpointer:
             os.fspath(node_budget_path) if isinstance(node_budget_path, os.PathLike) else node_budget_path,
             node_budget_job,
             incremental,
+            url,
         )
+        self._place = make_place(self.options)  # the folder, or the store (and its scratch folder)
         check_stager(self.options, stager)
         self._format = format_for(format)
         self._ranks = Ranks.resolve(process_group)
@@ -208,7 +206,7 @@ class Checkpointer:
             ranks=self._ranks,
             agent_timeout=agent_timeout,
             keep=memory_keep,
-            namespace=str(directory.resolve()),
+            namespace=url or str(directory.resolve()),
             replicate=replicate,
             replica_share=replica_share,
             replica_rate=replica_rate,
@@ -265,6 +263,7 @@ class Checkpointer:
                 name="async-stager-open",
             )
         try:
+            await run_in_thread(self._place.open, name="async-stager-open")
             token = await self._meet(root, ranks)
         except BaseException:
             if self._ledger is not None:
@@ -278,7 +277,7 @@ class Checkpointer:
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._loop_thread = threading.get_ident()
-        writer = Writer(self.options, self._format, ranks, token)
+        writer = Writer(self.options, self._format, ranks, token, self._place)
         self._schedule.disk.open(DiskContext(self.options, ranks, writer, self._stager, self._ledger))
         if self._tier is not None:
             self._tier.open(self._tg)
@@ -379,6 +378,7 @@ class Checkpointer:
                         )
                     await run_in_thread(session.close, name="async-stager-close")
                     self._session = None
+                await run_in_thread(self._place.close, name="async-stager-close")
         if interrupted and exc is not None:
             _log.warning("%s", interrupted_line(exc, interrupted, self.last))
         if exc is None:
@@ -561,7 +561,7 @@ class Checkpointer:
     def steps(self) -> list[int]:
         """Committed steps in the directory, oldest commit first (the last is the
         newest: what ``restore()`` tries first)."""
-        return _commit.committed_steps(self.options.directory)
+        return self._place.committed_steps()
 
     async def restore(
         self, state: dict[str, Any], *, step: int | None = None, fallback: bool = True
@@ -583,11 +583,12 @@ class Checkpointer:
         ``state`` may then be partly loaded."""
         self._check_open("restore()")
         if self._tier is not None:
-            got = await _tiered.restore(self._tier, self._ranks, self.options.directory, state, step)
+            got = await _tiered.restore(self._tier, self._ranks, self._place, state, step)
             if got is not None:
                 return got
         return await _restore.restore(
             self.options,
+            self._place,
             self._format,
             self._ranks,
             state,

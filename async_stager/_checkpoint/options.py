@@ -49,6 +49,9 @@ class CheckpointerOptions:
     node_budget_path: str | None = None  # a path-like given is kept as its string
     node_budget_job: str | None = None
     incremental: bool = False
+    #: The object store's URL (``s3://bucket/prefix``) the steps go to; None: they are
+    #: in ``directory``, which is then only the saves' local scratch folder.
+    url: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.keep, int) or isinstance(self.keep, bool) or self.keep < 1:
@@ -119,6 +122,11 @@ def _check_incremental(options: CheckpointerOptions) -> None:
             "incremental=True needs checksums=True: the manifest's digests are how a save knows "
             "which tensors are unchanged since the previous commit"
         )
+    if options.url is not None:
+        raise InvalidOptionError(
+            f"incremental=True is for a local folder, not {options.url!r}: a step references its "
+            "base's files by hard links, which an object store has none of (docs/object_storage.md)"
+        )
 
 
 @dataclass(frozen=True)
@@ -179,11 +187,17 @@ class SaveStats:
         return self.bytes / self.write_seconds if self.write_seconds > 0 else 0.0
 
 
-def local_directory(directory: str | os.PathLike[str]) -> Path:
-    """The local folder a Checkpointer's ``directory`` names.
+#: The URL schemes a Checkpointer's ``directory`` may have (besides a plain path).
+SCHEMES = ("s3://bucket/prefix", "file:///path")
 
-    A ``file://`` URL names a local folder. Any other URL is refused: ``Path`` would
-    turn ``s3://bucket/run`` into a relative folder ``s3:/bucket/run``, and the
+
+def resolve_directory(directory: str | os.PathLike[str]) -> tuple[Path, str | None]:
+    """The local folder and the object store a Checkpointer's ``directory`` names.
+
+    A path or a ``file://`` URL: that folder, no store. ``s3://bucket/prefix``: the
+    store, with a local scratch folder for the saves' files (``scratch_folder``). Any
+    other URL is refused (InvalidOptionError naming it and the supported ones): ``Path``
+    would turn ``gs://bucket/run`` into a relative folder ``gs:/bucket/run``, and the
     checkpoints a user believes are in the bucket would die with the machine.
     """
     raw = os.fspath(directory)
@@ -191,21 +205,52 @@ def local_directory(directory: str | os.PathLike[str]) -> Path:
         raise InvalidOptionTypeError(f"directory must be a str or os.PathLike[str], got bytes {raw!r}")
     match = _URL.match(raw)
     if match is None:
-        return Path(raw)
+        return Path(raw), None
     scheme = match.group(1).lower()
+    parsed = urllib.parse.urlsplit(raw)
     if scheme == "file":
-        parsed = urllib.parse.urlsplit(raw)
         if parsed.netloc not in ("", "localhost") or parsed.query or parsed.fragment:
             raise InvalidOptionError(
                 f"directory {raw!r}: a file:// URL must name a local path "
                 "(file:///abs/path or file://localhost/abs/path)"
             )
-        return Path(urllib.parse.unquote(parsed.path))
+        return Path(urllib.parse.unquote(parsed.path)), None
+    if scheme == "s3":
+        if not parsed.netloc or parsed.query or parsed.fragment:
+            raise InvalidOptionError(
+                f"directory {raw!r}: an s3:// URL names a bucket and a prefix: s3://bucket/prefix"
+            )
+        url = f"s3://{parsed.netloc}/{parsed.path.strip('/')}".rstrip("/")
+        return scratch_folder(url), url
     raise InvalidOptionError(
-        f"directory {raw!r} is a {scheme}:// URL: the Checkpointer writes to a local folder "
-        "(a path or a file:// URL); object stores are not supported, and a folder named "
+        f"directory {raw!r} is a {scheme}:// URL, which the Checkpointer does not support: it "
+        f"writes to {', '.join(SCHEMES)} or a local path (GCS, Azure and other fsspec stores are "
+        "not supported; see docs/object_storage.md). A folder named "
         f"{scheme + ':'!r} in the working directory would take the checkpoints instead"
     )
+
+
+def local_directory(directory: str | os.PathLike[str]) -> Path:
+    """The local folder a ``directory`` names; an object store's URL is refused here
+    (for callers that need a folder: the memory tier's agent, tools)."""
+    folder, url = resolve_directory(directory)
+    if url is not None:
+        raise InvalidOptionError(f"directory {url!r}: a local folder is needed here, not an object store")
+    return folder
+
+
+def scratch_folder(url: str) -> Path:
+    """The local folder where saves to ``url`` write their files before they are
+    uploaded (and restores download them): ``$ASYNC_STAGER_SCRATCH/<hash>``, else
+    ``$XDG_CACHE_HOME/async_stager/scratch/<hash>`` (``~/.cache``), one per URL (the
+    ranks of one node share it, as they share a folder)."""
+    import hashlib
+
+    base = os.environ.get("ASYNC_STAGER_SCRATCH")
+    if not base:
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        base = os.path.join(cache, "async_stager", "scratch")
+    return Path(base) / hashlib.sha256(url.encode()).hexdigest()[:16]
 
 
 def check_stager(options: CheckpointerOptions, stager: Stager | None) -> None:

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from pathlib import Path
 from typing import Any
 
 from async_stager._checkpoint import commit as _commit
 from async_stager._checkpoint.formats import CheckpointFormat, format_of
 from async_stager._checkpoint.options import CheckpointerOptions
+from async_stager._checkpoint.place import Place
 from async_stager._checkpoint.ranks import Ranks
 from async_stager._core.aio.threads import run_in_thread
 from async_stager.errors import CheckpointError, IntegrityError
@@ -36,6 +36,7 @@ _RELISTS = 50
 
 async def restore(
     options: CheckpointerOptions,
+    place: Place,
     fmt: CheckpointFormat,
     ranks: Ranks,
     state: dict[str, Any],
@@ -44,26 +45,25 @@ async def restore(
     fallback: bool,
     created: bool = False,
 ) -> int | None:
-    """Load the newest committed step of ``options.directory`` that verifies into
+    """Load the newest committed step of ``place`` that verifies into
     ``state`` (in place) and return it; None if there is none (see
     ``Checkpointer.restore``), said in one log line (a WARNING when the folder did not
     exist, or this Checkpointer's open made it: ``created``, a typo in the path trains
     from scratch otherwise in silence). Cancellation: deferred until the thread reading
     the current candidate returns; ``state`` may then be partly loaded."""
-    root = options.directory
     first_error: IntegrityError | None = None
     failed: set[int] = set()
     for _ in range(_RELISTS):
         listed: list[int] = await run_in_thread(
-            lambda: ranks.broadcast(_commit.steps_for_reading(root)), name="async-stager-restore"
+            lambda: ranks.broadcast(place.steps_for_reading()), name="async-stager-restore"
         )
         candidates = [s for s in reversed(listed) if (step is None or s == step) and s not in failed]
         if step is not None and not candidates and not failed:
-            raise CheckpointError(f"no committed checkpoint for step {step} in {root}", step=step)
+            raise CheckpointError(f"no committed checkpoint for step {step} in {place.where}", step=step)
         for s in candidates:
             try:
                 await run_in_thread(
-                    lambda s=s: _load(options, fmt, ranks, state, s),  # type: ignore[misc]
+                    lambda s=s: _load(options, place, fmt, ranks, state, s),  # type: ignore[misc]
                     name="async-stager-restore",
                 )
             except _commit.StepGone:
@@ -81,12 +81,13 @@ async def restore(
     if first_error is not None:
         raise first_error
     if ranks.coordinator:
-        _say_nothing_restored(root, created)
+        _say_nothing_restored(place, created)
     return None
 
 
-def _say_nothing_restored(root: Path, created: bool) -> None:
-    if created or not root.is_dir():
+def _say_nothing_restored(place: Place, created: bool) -> None:
+    root = place.where
+    if created or not place.exists():
         made = "this Checkpointer created it" if created else "it could not be created"
         _log.warning(
             "restore: nothing to restore: %s did not exist (%s); training starts from scratch "
@@ -99,21 +100,24 @@ def _say_nothing_restored(root: Path, created: bool) -> None:
 
 
 def _load(
-    options: CheckpointerOptions, default: CheckpointFormat, ranks: Ranks, state: dict[str, Any], s: int
+    options: CheckpointerOptions,
+    place: Place,
+    default: CheckpointFormat,
+    ranks: Ranks,
+    state: dict[str, Any],
+    s: int,
 ) -> None:
     """Hold committed step ``s`` and load it in its own format (every rank; blocking).
     Raises StepGone on every rank if any rank found it gone before holding it."""
-    root = options.directory
     with contextlib.ExitStack() as stack:
         try:
-            seq, held = stack.enter_context(_commit.reading(root, s))
+            folder, seq, held = stack.enter_context(place.reading(s))
             here = False
         except _commit.StepGone:
-            seq, held, here = None, False, True
+            folder, seq, held, here = place.scratch, None, False, True
         # Every rank learns whether any rank found it gone: none loads it alone.
         if any(ranks.all_gather(here)) if ranks.distributed else here:
             raise _commit.StepGone(s)
-        folder = _commit.step_dir(root, s)
         fmt = format_of(folder, default)
         if ranks.distributed and not fmt.several_ranks:
             raise CheckpointError(
@@ -127,7 +131,7 @@ def _load(
                 fmt.verify(folder, s, ranks)
             fmt.load(state, folder, s, ranks, options.checksums)
         except IntegrityError:
-            if not held and _commit.commit_number(root, s) != seq:
+            if not held and place.commit_number(s) != seq:
                 # Read without a hold (a folder without lock files): it was retired or
                 # replaced while it was read, which is no damage.
                 raise _commit.StepGone(s) from None

@@ -26,12 +26,11 @@ import functools
 import logging
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from async_stager._checkpoint import commit as _commit
+from async_stager._checkpoint.place import Place
 from async_stager._checkpoint.ranks import Ranks
 from async_stager._checkpoint.statefuls import apply_loaded, check_matches, resolve
 from async_stager._core.aio.threads import run_in_thread
@@ -192,7 +191,7 @@ def _own_group(ranks: Ranks) -> Ranks:
 
 
 async def restore(
-    tier: MemoryTier, ranks: Ranks, root: Path, state: dict[str, Any], step: int | None
+    tier: MemoryTier, ranks: Ranks, place: Place, state: dict[str, Any], step: int | None
 ) -> int | None:
     """Restore from the agents if every rank can (see the module doc); the step, or
     None (then restore from the folder). Every rank calls it. Cancellation: deferred
@@ -201,7 +200,7 @@ async def restore(
     mine = await tier.complete_snapshots()
     rep = tier.replicator
     replicas = await _replicas.replica_snapshots(rep) if rep is not None else []
-    disk = await run_in_thread(lambda: _commit.committed_steps(root), name="async-stager-restore")
+    disk = await run_in_thread(place.committed_steps, name="async-stager-restore")
     gathered: list[Any] = await run_in_thread(
         lambda: ranks.all_gather((mine, disk, replicas)), name="async-stager-restore"
     )

@@ -24,12 +24,13 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from async_stager._checkpoint import commit as _commit, holds as _holds, integrity as _integrity
+from async_stager._checkpoint import commit as _commit, integrity as _integrity
 from async_stager._checkpoint.disk import failure_reason
 from async_stager._checkpoint.formats import CheckpointFormat
 from async_stager._checkpoint.incremental import Increments
 from async_stager._checkpoint.manifest import MANIFEST
 from async_stager._checkpoint.options import CheckpointerOptions, SaveStats
+from async_stager._checkpoint.place import FolderPlace, Place
 from async_stager._checkpoint.ranks import Ranks
 from async_stager._core.aio.threads import run_in_thread, start_thread
 from async_stager._core.checksum.digest import Checksums
@@ -73,12 +74,21 @@ class Writer:
     """Writes and commits SaveItems into a Checkpointer directory (one per open
     Checkpointer). ``token``: the writer's session token, the same on every rank."""
 
-    def __init__(self, options: CheckpointerOptions, fmt: CheckpointFormat, ranks: Ranks, token: str) -> None:
+    def __init__(
+        self,
+        options: CheckpointerOptions,
+        fmt: CheckpointFormat,
+        ranks: Ranks,
+        token: str,
+        place: Place | None = None,
+    ) -> None:
         self.options = options
         self.format = fmt
         self.ranks = ranks
         self.token = token
         self.root = options.directory
+        #: Where the committed steps go (``place``): the folder itself, or a store.
+        self.place = place if place is not None else FolderPlace(options.directory)
         self._commit_lock = threading.Lock()
         #: ``incremental=True``: the previous commit and each save's references.
         self.increments = Increments(self.root, ranks) if options.incremental else None
@@ -123,12 +133,23 @@ class Writer:
         """Gather the ranks' manifests; the coordinator commits; every rank learns the
         outcome (a CheckpointError on every rank if the commit failed)."""
         ranks = self.ranks
-        manifests = ranks.gather(manifest)
+        stored: str | None = None
+        try:
+            # Each rank's own files reach the store before the ranks meet (a folder's
+            # are in place already): the commit follows every rank's data.
+            self.place.upload_own(self.tmp(item), ranks.rank, ranks.world)
+        except Exception as exc:  # noqa: BLE001 - told to the coordinator, raised on every rank
+            stored = f"rank {ranks.rank}: {failure_reason(exc, self.tmp(item))}"
+        gathered = ranks.gather((manifest, stored))
         error: str | None = None
         local: Exception | None = None
         if ranks.coordinator:
-            assert manifests is not None
+            assert gathered is not None
+            manifests = [m for m, _ in gathered]
+            failed = next((e for _, e in gathered if e is not None), None)
             try:
+                if failed is not None:
+                    raise CheckpointError(f"the ranks' files were not all stored: {failed}", step=item.step)
                 self._commit(item, manifests, entry)
             except Exception as exc:  # noqa: BLE001 - told to every rank, raised below
                 local = exc
@@ -148,27 +169,25 @@ class Writer:
         merged: Table = {}
         for m in manifests:
             merged.update(m)  # a replicated tensor: every rank staged the same values
-        # The step's hold first (it waits for a reader of the step it replaces), then
-        # the folder's lock: the order ``holds`` prescribes.
-        with (
-            self._commit_lock,
-            _holds.exclusive(self.root, _commit.step_name(item.step), item.readers_hold),
-            _commit.folder_lock(self.root),
-        ):
-            if self.increments is not None:
-                self.increments.link(item.seq, tmp)  # before the manifest digests the folder
+        increments = self.increments
+
+        def prepare() -> None:
+            if increments is not None:
+                increments.link(item.seq, tmp)  # before the manifest digests the folder
             if self.options.checksums:
                 files, objects = self.format.stored(tmp, entry)
                 with naming_file(tmp / MANIFEST):
                     _integrity.write_manifest(tmp, item.step, merged, files=files, objects=objects)
-            # The record (its own error names it), then the fsyncs and the rename: a full
-            # disk there names no file, and is the step's folder's (not the record's).
-            with naming_file(tmp):
-                _commit.commit(self.root, tmp, item.step, layout=self.format.name)
-            if self.increments is not None:
+
+        def committed() -> None:
+            if increments is not None:
                 # The new step references the base now: its hold goes before retention.
-                self.increments.release(item.seq)
-            _commit.retain(self.root, self.options.keep)
+                increments.release(item.seq)
+
+        with self._commit_lock:
+            self.place.commit(
+                item.step, tmp, self.format.name, self.options.keep, prepare, committed, item.readers_hold
+            )
 
     async def discard(self, item: SaveItem) -> None:
         """Remove a save's folder after it failed or was cancelled (coordinator).
@@ -195,7 +214,7 @@ class Writer:
         commit's end); what only its route knows is passed in."""
         return SaveStats(
             step=item.step,
-            path=str(_commit.step_dir(self.root, item.step)),
+            path=self.place.step_path(item.step),
             bytes=nbytes,
             queued_seconds=item.queued,
             stage_seconds=stage_seconds,

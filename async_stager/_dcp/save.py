@@ -34,6 +34,7 @@ from async_stager._core.aio.threads import run_in_thread
 from async_stager._core.copy.device import caller_cuda_device
 from async_stager._dcp.blocking import save_blocking as save_blocking  # patched by tests
 from async_stager._dcp.budget import BudgetSettings, BudgetStats, budgeted_save
+from async_stager._dcp.store_io import StoreWriter, is_store_url
 from async_stager.errors import (
     InvalidOptionError,
     InvalidOptionTypeError,
@@ -174,6 +175,12 @@ def save(
     if not node and (node_budget_path is not None or node_budget_job is not None):
         raise InvalidOptionError("node_budget_path and node_budget_job need node_budget_bytes")
     if node or host_budget_bytes is not None:
+        if is_store_url(checkpoint_id):
+            raise UnsupportedError(
+                f"checkpoint_id={checkpoint_id!r}: a budgeted save writes a local folder; to an object "
+                "store, save without host_budget_bytes/node_budget_bytes (its uploads are bounded by "
+                "the store's part budget), or use Checkpointer(url, host_budget_bytes=...)"
+            )
         if storage_writer is not None or planner is not None:
             raise UnsupportedError(
                 "a budgeted save brings its own planner and FileSystemWriter: pass checkpoint_id "
@@ -197,6 +204,10 @@ def save(
             owns_ledger=node_ledger is None and ledger is not None,
         )
         return budgeted_save(state_dict, stager, settings).coroutine()
+    if storage_writer is None and is_store_url(checkpoint_id):
+        # An object store's checkpoint: DCP's writer on our store (DCP alone would pick
+        # fsspec's, or a local folder named "s3:").
+        storage_writer = StoreWriter(str(checkpoint_id))
     # The staging job is submitted now, leased (what ``snapshot`` does on entering),
     # and the caller's CUDA device read now: the coroutine may run in another thread.
     leasing = stager.lease(state_dict)

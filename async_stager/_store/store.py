@@ -13,6 +13,7 @@ absent (its upload aborted) or whole, never torn; a read leaves ``dest`` partly 
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
@@ -138,6 +139,19 @@ class Store:
             raise InvalidOptionTypeError("abort_uploads: give the UploadInfo records list_uploads returned")
         return lambda: self.backend.abort_uploads(items)
 
+    def _put_many(self, items: Sequence[tuple[str, Any]], budget: ByteBudget | None) -> Op[list[ObjectInfo]]:
+        ops = [self._put(key, data, budget, None) for key, data in items]
+
+        return lambda: _all(ops)
+
+    def _get_many_into(self, items: Sequence[tuple[str, Any]]) -> Op[int]:
+        ops = [self._get_into(key, dest, 0) for key, dest in items]
+
+        async def get_all() -> int:
+            return sum(await _all(ops))
+
+        return get_all
+
     # -- the async face ---------------------------------------------------------------
 
     async def put(
@@ -164,6 +178,19 @@ class Store:
         than 10,000 parts. Nothing is sent before the first write. Its ``blocking``
         face serves a thread."""
         return self._open_writer(key, budget, progress, size_hint)
+
+    async def put_many(
+        self, items: Sequence[tuple[str, Any]], *, budget: ByteBudget | None = None
+    ) -> list[ObjectInfo]:
+        """``put`` of several objects at once (``(key, data)`` pairs), their parts in
+        flight together within the one ``budget``; the first failure cancels the others
+        (each aborted: absent or whole), then is raised."""
+        return await self._io.run(self._put_many(items, budget))
+
+    async def get_many_into(self, items: Sequence[tuple[str, Any]]) -> int:
+        """``get_into`` of several objects at once (``(key, dest)`` pairs, each ``dest``
+        the object's size), in parallel; the bytes read."""
+        return await self._io.run(self._get_many_into(items))
 
     async def put_record(self, key: str, data: Any, *, if_absent: bool = False) -> ObjectInfo:
         """Write a small object in one atomic request (the commit record, written last).
@@ -241,6 +268,14 @@ class BlockingStore:
     ) -> BlockingObjectWriter:
         return self._s._open_writer(key, budget, progress, size_hint).blocking
 
+    def put_many(
+        self, items: Sequence[tuple[str, Any]], *, budget: ByteBudget | None = None
+    ) -> list[ObjectInfo]:
+        return self._s._io.run_blocking(self._s._put_many(items, budget))
+
+    def get_many_into(self, items: Sequence[tuple[str, Any]]) -> int:
+        return self._s._io.run_blocking(self._s._get_many_into(items))
+
     def put_record(self, key: str, data: Any, *, if_absent: bool = False) -> ObjectInfo:
         return self._s._io.run_blocking(self._s._put_record(key, data, if_absent))
 
@@ -270,6 +305,19 @@ class BlockingStore:
 
     def close(self) -> None:
         self._s._io.close_blocking(self._s.backend.close)
+
+
+async def _all(ops: Sequence[Op[T]]) -> list[T]:
+    """Run ``ops`` together; the first failure cancels the others and waits for their
+    cleanup (an upload aborted), then is raised (itself, not a group)."""
+    tasks = [asyncio.ensure_future(op()) for op in ops]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def _check_offset(offset: int) -> None:

@@ -1,6 +1,7 @@
 """A Checkpointer's directory given as a URL (issue 44's first item): ``file://`` names
-a local folder; every other scheme is refused at construction, naming the URL, instead
-of being written into a relative folder named after the scheme (``s3:``) that dies with
+a local folder, ``s3://`` an object store (tests/store/test_checkpointer_s3.py); every
+other scheme is refused at construction, naming the URL and the supported ones, instead
+of being written into a relative folder named after the scheme (``gs:``) that dies with
 the machine."""
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ from async_stager.errors import InvalidOptionError
 @pytest.mark.parametrize(
     "url",
     [
-        "s3://bucket/run",
-        "S3://bucket/run",
         "gs://bucket/run",
+        "GS://bucket/run",
         "az://container/run",
         "hdfs://nn/run",
         "http://x/y",
@@ -33,8 +33,19 @@ def test_a_url_of_another_scheme_is_refused_and_no_folder_is_made(
     with pytest.raises(InvalidOptionError) as info:
         Checkpointer(url)
     message = str(info.value)
-    assert url in message and "local folder" in message
-    assert list(tmp_path.iterdir()) == []  # no "s3:" folder in the working directory
+    assert url in message and "s3://bucket/prefix" in message and "file:///path" in message
+    assert list(tmp_path.iterdir()) == []  # no "gs:" folder in the working directory
+
+
+def test_an_s3_url_is_an_object_store_not_a_folder(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ASYNC_STAGER_SCRATCH", str(tmp_path / "scratch"))
+    ckpt = Checkpointer("s3://bucket/run/")
+    assert ckpt.options.url == "s3://bucket/run"
+    assert ckpt.options.directory.parent == tmp_path / "scratch"  # the saves' scratch folder
+    assert list(tmp_path.iterdir()) == []  # nothing made at construction, no "s3:" folder
+    with pytest.raises(InvalidOptionError, match="s3://bucket/prefix"):
+        Checkpointer("s3:///run")
 
 
 def test_a_file_url_to_a_foreign_host_is_refused(tmp_path: Path) -> None:
