@@ -102,6 +102,7 @@ PROCESS_MODULES = {
     "test_store_kill",
     "test_store_faults",
     "test_dependencies",
+    "test_incremental_ranks",
 }
 
 #: Modules whose tests share one module-scoped child process or run (spawning a writer

@@ -15,15 +15,19 @@ relative to the step folder, never an absolute path; on a file system without ha
 links the file is copied instead (a warning), which costs the bytes but stays whole.
 
 The decision (``Increments.plan``, every rank, in the save's thread, after the staged
-copy is hashed): the coordinator holds the base (the previous commit of this
-Checkpointer, if it is still that commit: ``commit.reading``, so no retention deletes
-it until the new step commits) and names it to every rank; each rank compares its
-chunks' digests, shapes, dtypes and the global size with the base's manifest and
-metadata; a tensor is referenced only when every rank found every one of its chunks
-unchanged and its chunks are the base's (same sharding), else it is written in full.
-The coordinator makes the links and the step's ``.metadata`` at the commit
-(``Increments.link``), before the manifest digests the folder, and lets go of the base
-after the commit point, before retention.
+copy is hashed, before anything is written): the coordinator holds the base (the
+previous commit of this Checkpointer, if it is still that commit: ``commit.reading``,
+so no retention or replacement takes it meanwhile) and names it to every rank; each
+rank compares its chunks' digests, shapes, dtypes and the global size with the base's
+manifest and metadata; a tensor is referenced only when every rank found every one of
+its chunks unchanged and its chunks are the base's (same sharding), else it is written
+in full. The coordinator then links the base's data files that the references name
+into the save's temporary folder and lets go of the base: from then on the data is the
+save's own, whatever becomes of the base's folder (retired, replaced), and a hold never
+waits on a commit (saves in flight commit in call order). At the commit
+(``Increments.link``) it adds the references to the step's ``.metadata``, before the
+manifest digests the folder. A crash anywhere leaves a temporary folder (links
+included) that the next open removes; the committed steps are untouched.
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ class Plan:
     skip: frozenset[str]
     reused_bytes: int
     metadata: Any
+    #: The base's data files the references name -> their links' names in the step.
+    names: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _read_base(folder: Path, step: int) -> tuple[dict[str, dict[str, Any]], Any]:
@@ -137,18 +143,36 @@ class Increments:
         self.last = (step, seq)
 
     def plan(
-        self, seq: int, step: int, staged: dict[str, Any], table: dict[str, dict[str, Any]]
+        self, seq: int, step: int, staged: dict[str, Any], table: dict[str, dict[str, Any]], tmp: Path
     ) -> Plan | None:
-        """Decide what save number ``seq`` (of ``step``) references (every rank, in call
-        order: collectives). None: it writes everything (the first save, a base that is
-        gone or replaced, a damaged base)."""
+        """Decide what save number ``seq`` (of ``step``, into ``tmp``) references and
+        link the base's data files it names into ``tmp`` (every rank, in call order:
+        collectives). None: it writes everything (the first save, a base that is gone
+        or replaced, a damaged base). The base is held only while this runs: once
+        linked, its data stays whatever becomes of its folder."""
         ranks = self.ranks
         base: tuple[int, int] | None = None
         if ranks.coordinator:
             base = self._hold(seq, step)
-        base = ranks.broadcast(base)
-        if base is None:
-            return None
+        try:
+            base = ranks.broadcast(base)
+            if base is None:
+                return None
+            plan = self._decide(base, staged, table)
+            if plan is not None and ranks.coordinator:
+                self._link_files(plan, tmp)
+            ranks.broadcast(None)  # every rank read the base before the hold goes
+        finally:
+            self._let_go(seq)
+        if plan is not None:
+            with self._lock:
+                self._plans[seq] = plan
+        return plan
+
+    def _decide(
+        self, base: tuple[int, int], staged: dict[str, Any], table: dict[str, dict[str, Any]]
+    ) -> Plan | None:
+        ranks = self.ranks
         folder = _commit.step_dir(self.root, base[0])
         try:
             tensors, md = _read_base(folder, base[0])
@@ -158,7 +182,6 @@ class Increments:
             tensors, md, changed, same = {}, None, {"\0"}, {}
         views = ranks.all_gather((changed, same)) if ranks.distributed else [(changed, same)]
         if any("\0" in c for c, _ in views):
-            self.release(seq)
             return None
         all_changed = set().union(*(c for c, _ in views))
         found: dict[str, set[str]] = {}
@@ -176,16 +199,29 @@ class Increments:
         nbytes = sum(
             int(local.numel() * local.element_size()) for k, _, local, _ in tensor_chunks(staged) if k in skip
         )
-        plan = Plan(base[0], folder, base[1], frozenset(reused), skip, nbytes, md)
+        return Plan(base[0], folder, base[1], frozenset(reused), skip, nbytes, md)
+
+    def _link_files(self, plan: Plan, tmp: Path) -> None:
+        """Coordinator: link the base's data files that ``plan``'s references name."""
+        for index, info in plan.metadata.storage_data.items():
+            rel = str(info.relative_path)
+            if index.fqn in plan.reused and rel not in plan.names:
+                name = plan.names[rel] = (
+                    rel if rel.startswith(REF_PREFIX) else f"{REF_PREFIX}{plan.seq}-{rel}"
+                )
+                _link(plan.folder / rel, tmp / name)
+
+    def _let_go(self, seq: int) -> None:
         with self._lock:
-            self._plans[seq] = plan
-        return plan
+            stack = self._holds.pop(seq, None)
+        if stack is not None:
+            stack.close()
 
     def _hold(self, seq: int, step: int) -> tuple[int, int] | None:
         """Coordinator: hold the previous commit for save number ``seq`` if it is still
         that commit (and not the step this save replaces); its step and commit number."""
         last = self.last
-        if last is None or last[0] == step or last[1] is None:
+        if last is None or last[1] is None:
             return None
         stack = contextlib.ExitStack()
         try:
@@ -205,33 +241,26 @@ class Increments:
             return self._plans.get(seq)
 
     def release(self, seq: int) -> None:
-        """Let go of save number ``seq``'s base and plan (idempotent)."""
+        """Forget save number ``seq``'s plan (idempotent)."""
+        self._let_go(seq)
         with self._lock:
-            stack = self._holds.pop(seq, None)
             self._plans.pop(seq, None)
-        if stack is not None:
-            stack.close()
 
     def link(self, seq: int, tmp: Path) -> None:
-        """Coordinator, at the commit of save number ``seq`` into ``tmp``: link the base's
-        data files that its references name and add the references to ``.metadata``
-        (rewritten, fsynced, renamed into place)."""
+        """Coordinator, at the commit of save number ``seq`` into ``tmp``: add its
+        references to ``.metadata`` (rewritten, fsynced, renamed into place), naming
+        the links ``plan`` made."""
         plan = self.plan_of(seq)
         if plan is None or not plan.reused:
             return
         base_md = plan.metadata
         with open(tmp / _METADATA, "rb") as f:
             md = pickle.load(f)  # written by this save's DCP save a moment ago
-        names: dict[str, str] = {}
         for index, info in base_md.storage_data.items():
-            if index.fqn not in plan.reused:
-                continue
-            rel = str(info.relative_path)
-            name = names.get(rel)
-            if name is None:
-                name = names[rel] = rel if rel.startswith(REF_PREFIX) else f"{REF_PREFIX}{plan.seq}-{rel}"
-                _link(plan.folder / rel, tmp / name)
-            md.storage_data[index] = dataclasses.replace(info, relative_path=name)
+            if index.fqn in plan.reused:
+                md.storage_data[index] = dataclasses.replace(
+                    info, relative_path=plan.names[str(info.relative_path)]
+                )
         for fqn in plan.reused:
             md.state_dict_metadata[fqn] = base_md.state_dict_metadata[fqn]
             if base_md.planner_data is not None and fqn in base_md.planner_data:

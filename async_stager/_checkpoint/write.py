@@ -181,8 +181,7 @@ class Writer:
 
         def committed() -> None:
             if increments is not None:
-                # The new step references the base now: its hold goes before retention.
-                increments.release(item.seq)
+                increments.release(item.seq)  # its plan (its links are in the step)
 
         with self._commit_lock:
             self.place.commit(

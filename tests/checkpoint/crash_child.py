@@ -7,7 +7,8 @@ and saves every step (``RUN`` steps) until it SIGKILLs itself at ``KILL``: ``NAM
 points fall in each phase: staging (``lease``), writing (``write_item`` and
 ``torch_save``: DCP's and torch.save's per-item writes; ``digest``: a piece hashed by the
 copy threads while staging),
-and committing (``fsync``, ``rename``, ``replace``, ``rmtree``). ``none`` trains to the
+and committing (``fsync``, ``rename``, ``replace``, ``rmtree``; ``link``: an incremental
+save's links to the previous commit's data; FORMAT ``dcp+incremental``). ``none`` trains to the
 end. The training is deterministic (one thread), so ``digest(step)`` is a function of
 the step alone, computed by the parent with ``reference()``.
 """
@@ -27,6 +28,10 @@ import torch
 from torch import nn
 
 STEPS = 400
+#: The format argument of an incremental run (``dcp`` with ``incremental=True`` and a
+#: frozen tensor in the state).
+INCREMENTAL = "dcp+incremental"
+FROZEN = 64 * 1024
 #: Steps one run trains past its restored step (each one saved) unless killed first.
 RUN = 8
 
@@ -74,6 +79,10 @@ class App:
         set_state_dict(self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
 
+def frozen() -> torch.Tensor:
+    return torch.randn(FROZEN, generator=torch.Generator().manual_seed(7))
+
+
 def reference() -> dict[int, int]:
     """The digest after each step, trained without interruption."""
     torch.set_num_threads(1)
@@ -116,6 +125,7 @@ def arm(spec: str) -> None:
         "rename": (os, "rename"),
         "replace": (os, "replace"),
         "rmtree": (shutil, "rmtree"),
+        "link": (os, "link"),
     }
     wrap(*targets[name])
 
@@ -126,9 +136,20 @@ async def main(directory: str, fmt: Any, spec: str) -> None:
     torch.set_num_threads(1)
     model, opt = build()
     state: dict[str, Any] = {"app": App(model, opt), "progress": {"step": 0}}
-    async with Checkpointer(directory, keep=2, format=fmt, checksum_threads=1) as ckpt:
+    incremental = fmt == INCREMENTAL
+    if incremental:
+        fmt, state["frozen"] = "dcp", torch.zeros(FROZEN)
+    async with Checkpointer(
+        directory, keep=2, format=fmt, checksum_threads=1, incremental=incremental
+    ) as ckpt:
         restored = await ckpt.restore(state, fallback=False)
         step = 0 if restored is None else int(state["progress"]["step"])
+        if incremental:
+            # A frozen tensor every save after the first references.
+            if restored is not None and not torch.equal(state["frozen"], frozen()):
+                print("frozen tensor differs", flush=True)
+                sys.exit(3)
+            state["frozen"] = frozen()
         print(f"restored {restored} {digest(model, opt) if restored is not None else 0}", flush=True)
         arm(spec)
         stop = min(STEPS, step + RUN)

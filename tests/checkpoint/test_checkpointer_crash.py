@@ -87,6 +87,32 @@ def test_kill_at_points_in_each_phase_short(tmp_path: Path) -> None:
     chain(tmp_path, "dcp", SHORT)
 
 
+#: Kill points of an incremental chain: its links, its writes, its commit and retention.
+INCREMENTAL_SHORT = ["link:2", "rmtree:1"]
+INCREMENTAL_LONG = [
+    *(f"link:{k}" for k in (1, 2, 3)),
+    *(f"write_item:{k}" for k in (2, 5, 9)),
+    *(f"fsync:{k}" for k in (2, 6, 11)),
+    *(f"rename:{k}" for k in (1, 2, 3, 5)),
+    *(f"replace:{k}" for k in (1, 2)),
+    *(f"rmtree:{k}" for k in (1, 2, 3)),
+]
+
+
+@pytest.mark.timeout(600)  # a hang guard, not a speed check (see CONTRIBUTING.md, "Tests")
+def test_kill_an_incremental_save_at_its_links_and_its_retention(tmp_path: Path) -> None:
+    """Incremental saves (a frozen tensor referenced): killed while it links the
+    previous commit's data and while retention deletes a step whose data a kept step
+    still links; each restart restores a whole step, the frozen tensor bit-exact."""
+    chain(tmp_path, crash_child.INCREMENTAL, INCREMENTAL_SHORT)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_kill_an_incremental_save_at_points_in_each_phase(tmp_path: Path) -> None:
+    chain(tmp_path, crash_child.INCREMENTAL, INCREMENTAL_LONG)
+
+
 @pytest.mark.stress
 @pytest.mark.timeout(900)
 def test_kill_at_thirty_points_dcp(tmp_path: Path) -> None:

@@ -317,6 +317,9 @@ class Live:
             "ratio": seq / 7,
             "name": f"save-{seq}",
             "gate": gate,
+            # The same values in a new tensor every save: what an incremental save
+            # references (by content, not by identity).
+            "frozen": torch.arange(512, dtype=torch.float32) * 0.5,
         }
 
 
@@ -350,6 +353,7 @@ def fresh_state() -> dict[str, Any]:
         "ratio": -1.0,
         "name": "",
         "gate": None,
+        "frozen": torch.zeros(512),
     }
 
 
@@ -406,6 +410,16 @@ def fingerprint(folder: Path) -> tuple[tuple[str, int, int], ...]:
             s = p.stat()
             out.append((str(p.relative_to(folder)), s.st_size, s.st_mtime_ns))
     return tuple(sorted(out))
+
+
+def inode(path: Path) -> tuple[int, int]:
+    s = path.stat()
+    return s.st_dev, s.st_ino
+
+
+def linked_files(c: Any) -> set[tuple[int, int]]:
+    """The data files (device, inode) of a committed step's folder."""
+    return {inode(p) for p in Path(c.path).glob("*.distcp")} if c.path is not None else set()
 
 
 def byte_ranges(folder: Path, kind: str) -> list[tuple[Path, int, int]]:
@@ -630,6 +644,9 @@ class Model:
         self.dropped: Counter[int] = Counter()
         self.corrupted: set[int] = set()
         self.damage: dict[int, str] = {}
+        #: (device, inode) of data files with a flipped byte: incremental steps link
+        #: them, so every step that links one is damaged.
+        self.damaged_files: set[tuple[int, int]] = set()
         #: A write failed (or a save was cancelled) since the last wait(): its folder
         #: may still be going.
         self.failed_since_wait = False
@@ -783,9 +800,19 @@ class CheckpointerMachine(RuleBasedStateMachine):
         budget = None
         if fmt == "dcp" and policy != "coalesce":
             budget = data.draw(st.sampled_from([None, None, BUDGET]), label="host_budget_bytes")
-        self.start(fmt, backend, policy, mif, keep, budget)
+        incremental = fmt == "dcp" and data.draw(st.booleans(), label="incremental")
+        self.start(fmt, backend, policy, mif, keep, budget, incremental)
 
-    def start(self, fmt: str, backend: str, policy: str, mif: int, keep: int, budget: int | None) -> None:
+    def start(
+        self,
+        fmt: str,
+        backend: str,
+        policy: str,
+        mif: int,
+        keep: int,
+        budget: int | None,
+        incremental: bool = False,
+    ) -> None:
         """Open the example's Checkpointer (also for a sequence replayed by hand)."""
         self.fmt, self.policy, self.budget = fmt, policy, budget
         self.options: dict[str, Any] = {
@@ -795,6 +822,7 @@ class CheckpointerMachine(RuleBasedStateMachine):
             "keep": keep,
             "host_budget_bytes": budget,
             "checksum_threads": 1,
+            "incremental": incremental,
         }
         self.model = Model(policy, mif, keep)
         self.live = Live()
@@ -1334,6 +1362,15 @@ class CheckpointerMachine(RuleBasedStateMachine):
             f.write(bytes([b[0] ^ flip]))
         self.model.corrupted.add(c.seq)
         self.model.damage[c.seq] = f"{path.relative_to(c.path)} byte {offset} of {start}..{end} ^ {flip:#04x}"
+        if path.name.endswith(".distcp"):
+            # An incremental step links the data files of the step it references: the
+            # flipped byte is in each step that links the file.
+            node = inode(path)
+            self.model.damaged_files.add(node)
+            for other in good:
+                if other is not c and node in linked_files(other):
+                    self.model.corrupted.add(other.seq)
+                    self.model.damage[other.seq] = f"links {path.relative_to(self.directory)} (damaged)"
 
     @rule(pick=st.integers(0, 255))
     @_guarded
@@ -1424,6 +1461,13 @@ class CheckpointerMachine(RuleBasedStateMachine):
                 return exc, target
 
         got, target = self.call(cmd)
+        # Committed after the damage, referencing the damaged file: damaged if it
+        # references the flipped byte's tensor, else whole (its own digests cover the
+        # file's other bytes as they were at its commit). Either, never wrong.
+        damaged_base = self.model.damaged_files & linked_files(c)
+        if c.seq not in self.model.corrupted and damaged_base and isinstance(got, IntegrityError):
+            self.model.corrupted.add(c.seq)
+            self.model.damage[c.seq] = f"references a damaged file: {got}"
         if c.seq in self.model.corrupted and BENIGN_DAMAGE_MAY_RESTORE and got == c.step:
             compare(target, c.expected, f"step {c.step} (save {c.seq}, damaged: {self.model.damage[c.seq]})")
             self.model.corrupted.discard(c.seq)  # a byte no value depends on: restored intact

@@ -190,7 +190,7 @@ class StagedRoute(DiskRoute):
             writer.commit(item, manifest, entry)
         finally:
             if writer.increments is not None:
-                writer.increments.release(item.seq)  # its hold on the base, whatever happened
+                writer.increments.release(item.seq)  # its plan, whatever happened
         return writer.stats(
             item,
             nbytes,
@@ -220,7 +220,9 @@ class StagedRoute(DiskRoute):
         try:
             if writer.increments is not None and hashing is not None:
                 # Incremental: the digests decide what is written, so the hash ends first.
-                plan = writer.increments.plan(item.seq, item.step, staged, hashing.result()[0])
+                plan = writer.increments.plan(
+                    item.seq, item.step, staged, hashing.result()[0], writer.tmp(item)
+                )
                 skip = plan.skip if plan is not None else skip
             entry = writer.format.write(staged, writer.tmp(item), self.ctx.ranks, skip)
         finally:
