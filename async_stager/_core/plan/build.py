@@ -27,7 +27,15 @@ from async_stager._core.copy.device import Copier
 from async_stager._core.memory.arena import Block, align
 from async_stager._core.memory.buffer_sets import BufferSet
 from async_stager._core.options import StagerOptions
-from async_stager._core.plan.layout import DeviceProgram, Plan, Run, Unit, fingerprint, identity_layout
+from async_stager._core.plan.layout import (
+    DeviceProgram,
+    Plan,
+    Run,
+    Unit,
+    fingerprint,
+    host_marks,
+    identity_layout,
+)
 from async_stager._core.plan.reuse import overlaps, reads_in_pool, repeats
 from async_stager._core.plan.views import lazy_bits, with_lazy_bits
 from async_stager._core.walk.tree import wrap_like
@@ -82,6 +90,7 @@ def make_plan(
     plan.identity = (same_tensor, same_storage, st_bytes)
     first_leaf = {u: i for i, u in reversed(list(enumerate(leaf_u)))}
     plan.groups = [(first_leaf[g.members[0]], g.block) for g in groups.values() if g.block is not None]
+    plan.host_marks = host_marks(plan.hosts)
     return plan, len(groups) - misses, misses
 
 

@@ -22,11 +22,13 @@ from async_stager._core.memory.arena import Block
 
 __all__ = [
     "FINGERPRINT",
+    "HOST_MARKS",
     "DeviceProgram",
     "Plan",
     "Run",
     "Unit",
     "fingerprint",
+    "host_marks",
     "identity_layout",
     "signature_of",
 ]
@@ -113,6 +115,8 @@ class Plan:
     identity: tuple[list[int], list[int], list[int]] | None = None
     #: Per storage group: the first leaf on it and its block (empty storages too).
     groups: list[tuple[int, Block]] = field(default_factory=list)
+    #: ``host_marks(hosts)`` when the plan was made (see ``HOST_MARKS``).
+    host_marks: list[list[Any]] = field(default_factory=list)
 
 
 def signature_of(sd: Any) -> Any:
@@ -178,6 +182,29 @@ FINGERPRINT: tuple[Callable[[Sequence[torch.Tensor]], list[Any]], ...] = (
     _each(torch.Tensor.is_neg),
     _each(torch.Tensor.is_conj),
 )
+
+
+#: What each host tensor of a plan must still be when the plan is reused. The result is
+#: made of the plan's host tensor objects, and a caller may have changed one in place
+#: after an earlier stage handed it out (``unsqueeze_``, ``t_``, ``as_strided_``,
+#: ``resize_``, ``set_``, ``requires_grad_``, ``.data =``, ``__class__ =``): its layout,
+#: memory, dtype, requires_grad and class, taken when the plan is made (``host_marks``)
+#: and compared before each reuse (``_reuse.hosts_intact``; lazy bits cannot change in
+#: place). What a caller may attach (a gradient, hooks) is checked to be absent there.
+HOST_MARKS: tuple[Callable[[Sequence[torch.Tensor]], list[Any]], ...] = (
+    _each(torch.Tensor.data_ptr),
+    _each(operator.attrgetter("dtype")),
+    _each(torch.Tensor.size),
+    _each(torch.Tensor.stride),
+    _each(torch.Tensor.storage_offset),
+    _each(operator.attrgetter("requires_grad")),
+    _each(type),
+)
+
+
+def host_marks(hosts: Sequence[torch.Tensor]) -> list[list[Any]]:
+    """One list per HOST_MARKS entry, per host tensor."""
+    return [f(hosts) for f in HOST_MARKS]
 
 
 def fingerprint(leaves: Sequence[torch.Tensor]) -> list[list[Any]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import itertools
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -20,14 +21,19 @@ import torch
 
 from async_stager._core.memory.arena import Block, HostPool
 from async_stager._core.memory.storage_cache import StorageCache
-from async_stager._core.plan.layout import FINGERPRINT, Plan, identity_layout
+from async_stager._core.plan.layout import FINGERPRINT, HOST_MARKS, Plan, identity_layout
 from async_stager._core.walk.objects import Interrupt
 from async_stager.errors import StagingError
 
-__all__ = ["overlaps", "plan_holds", "reads_in_pool", "repeats", "take_over"]
+__all__ = ["hosts_intact", "overlaps", "plan_holds", "reads_in_pool", "repeats", "take_over"]
 
 #: Leaves per fingerprint chunk (each chunk's maps hold the GIL; ticks come between).
 _FP_CHUNK = 512
+
+#: What a caller may attach to a host tensor handed out in a result: a gradient (None
+#: unless set), hooks (None, or empty once every hook was removed).
+_GRAD = operator.attrgetter("_grad")
+_HOOKS = (operator.attrgetter("_backward_hooks"), operator.attrgetter("_post_accumulate_grad_hooks"))
 
 #: The dtypes a conj bit can be set on.
 _COMPLEX = frozenset({torch.complex32, torch.complex64, torch.complex128})
@@ -64,6 +70,31 @@ def plan_holds(
     new = [st for st in (t.untyped_storage() for t in leaves) if st._cdata not in seen]
     reads = reads_in_pool(pool, new)
     return not (reads and any(overlaps(u.block, reads) for u in plan.units))
+
+
+def hosts_intact(plan: Plan, tick: Callable[[], None]) -> bool:
+    """The plan's host tensors are as the plan made them (``HOST_MARKS``: layout, memory,
+    dtype, requires_grad, class) with nothing attached (a gradient, hooks): a caller
+    that changed a tensor of an earlier result in place (``unsqueeze_``,
+    ``requires_grad_``, ``.grad =``) made it unfit to be handed out again, and the plan
+    is then made anew (its memory found again in the storage cache). In chunks, ticking
+    between them, as ``plan_holds``."""
+    hosts = plan.hosts
+    marks = plan.host_marks
+    if len(marks) != len(HOST_MARKS):
+        return False
+    for lo in range(0, len(hosts), _FP_CHUNK):
+        chunk = hosts[lo : lo + _FP_CHUNK]
+        for f, expected in zip(HOST_MARKS, marks):
+            if f(chunk) != expected[lo : lo + _FP_CHUNK]:
+                return False
+        if any(map(operator.is_not, map(_GRAD, chunk), itertools.repeat(None))):
+            return False
+        if any(any(map(get, chunk)) for get in _HOOKS):
+            return False
+        del chunk
+        tick()
+    return True
 
 
 def _fingerprint_holds(

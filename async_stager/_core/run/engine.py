@@ -40,7 +40,7 @@ from async_stager._core.memory.preflight import engine_hook
 from async_stager._core.options import StagerOptions
 from async_stager._core.plan.build import make_plan
 from async_stager._core.plan.layout import Plan, signature_of
-from async_stager._core.plan.reuse import plan_holds, take_over
+from async_stager._core.plan.reuse import hosts_intact, plan_holds, take_over
 from async_stager._core.run.enqueue import diagnose_copy_error, enqueue, no_torch_function
 from async_stager._core.run.lanes import Lanes
 from async_stager._core.run.records import Cancelled, Captures, StageRecord
@@ -330,6 +330,9 @@ class Engine:
         if its leaves still have the plan's fingerprint (``plan_holds``) or are new
         tensors of its layout whose predecessors died (``take_over``); else None (and
         nothing built stays alive: the caller then re-watches the set)."""
+        with no_torch_function():
+            if not hosts_intact(plan, tick):
+                return None  # a caller changed a tensor of an earlier result in place
         walk = Walk(plan.hosts, validate=False, tick=tick, generators=gens)
         result = walk.rebuild(sd)
         leaves = walk.leaves
