@@ -66,6 +66,7 @@ def anyio_backend(request: pytest.FixtureRequest) -> Any:
 #: that (see CONTRIBUTING.md, "Tests").
 PROCESS_MODULES = {
     "test_multirank",
+    "test_checkpointer_s3_procs",
     "test_multirank_crash",
     "test_checkpointer_budget",
     "test_node_budget_procs",

@@ -35,7 +35,7 @@ from async_stager._checkpoint.ranks import Ranks
 from async_stager._core.aio.threads import run_in_thread, start_thread
 from async_stager._core.checksum.digest import Checksums
 from async_stager._dcp.files import disk_full_in, naming_file
-from async_stager.errors import CheckpointError
+from async_stager.errors import CheckpointError, StoreError
 
 if TYPE_CHECKING:
     from async_stager._checkpoint.item import SaveItem
@@ -68,6 +68,14 @@ def hash_staged(
         return table, time.monotonic() - t0, hashed
 
     return start_thread(run, name="async-stager-checksum")
+
+
+def _store_failure(exc: Exception, tmp: Path) -> str:
+    """One line: a store's error whole (it names the object, and says where credentials
+    come from), anything else as ``failure_reason`` says it."""
+    if isinstance(exc, StoreError):
+        return str(exc)
+    return failure_reason(exc, tmp)
 
 
 class Writer:
@@ -139,7 +147,9 @@ class Writer:
             # are in place already): the commit follows every rank's data.
             self.place.upload_own(self.tmp(item), ranks.rank, ranks.world)
         except Exception as exc:  # noqa: BLE001 - told to the coordinator, raised on every rank
-            stored = f"rank {ranks.rank}: {failure_reason(exc, self.tmp(item))}"
+            stored = _store_failure(exc, self.tmp(item))
+            if ranks.distributed:
+                stored = f"rank {ranks.rank} could not store its files: {stored}"
         gathered = ranks.gather((manifest, stored))
         error: str | None = None
         local: Exception | None = None
@@ -147,13 +157,14 @@ class Writer:
             assert gathered is not None
             manifests = [m for m, _ in gathered]
             failed = next((e for _, e in gathered if e is not None), None)
-            try:
-                if failed is not None:
-                    raise CheckpointError(f"the ranks' files were not all stored: {failed}", step=item.step)
-                self._commit(item, manifests, entry)
-            except Exception as exc:  # noqa: BLE001 - told to every rank, raised below
-                local = exc
-                error = failure_reason(exc, self.tmp(item))
+            if failed is not None:
+                error = failed
+            else:
+                try:
+                    self._commit(item, manifests, entry)
+                except Exception as exc:  # noqa: BLE001 - told to every rank, raised below
+                    local = exc
+                    error = _store_failure(exc, self.tmp(item))
         error = ranks.broadcast(error)
         if error is not None:
             # The coordinator chains its own error (a full disk's OSError first).
