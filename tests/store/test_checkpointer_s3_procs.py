@@ -110,5 +110,5 @@ async def test_sigkill_leaves_every_committed_step_whole(
     prefixes = {k.split("/")[1].split(".")[0] for k in keys if k.startswith("run/step-")}
     # The dead writer's save and every older step are gone; 6 waits out its grace.
     assert prefixes == {"step-00000006", "step-00000007", "step-00000008"}, sorted(keys)
-    assert [k for k in keys if k.endswith("/RETIRED")][0].startswith("run/step-00000006.")
+    assert next(k for k in keys if k.endswith("/RETIRED")).startswith("run/step-00000006.")
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
