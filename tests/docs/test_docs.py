@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.store.conftest import fault_proxy, moto_port, proxy, s3_env  # noqa: F401 - fixtures
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ["quickstart.md", "recipes.md", "migration.md", "troubleshooting.md"]
 # Every other page of docs/ (a new page's blocks run without a list to update), and the README.
@@ -62,6 +64,23 @@ def test_referenced_paths_exist(doc: str) -> None:
 
 
 @pytest.mark.parametrize("code", PY_BLOCKS)
-def test_python_block_runs(code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_python_block_runs(
+    code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
     monkeypatch.chdir(tmp_path)
+    for bucket in sorted(set(re.findall(r"s3://([a-z0-9][a-z0-9.-]+)/", code))):
+        # A block that writes to a bucket runs against the S3 server the store tests
+        # start (moto), the standard AWS variables pointing at it as a user's would.
+        _s3_bucket(request, bucket)
     exec(compile(code, "<docs>", "exec"), {"__name__": "__docs__"})
+
+
+def _s3_bucket(request: pytest.FixtureRequest, name: str) -> None:
+    from tests.store.conftest import admin_client
+
+    request.getfixturevalue("s3_env")
+    client = admin_client(request.getfixturevalue("moto_port"))
+    try:
+        client.create_bucket(Bucket=name)
+    except client.exceptions.BucketAlreadyOwnedByYou:
+        pass
