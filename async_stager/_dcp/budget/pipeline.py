@@ -168,6 +168,8 @@ class Pipeline:
         #: item (before DCP's ``torch.save``). Set by ``PipelinePlanner``.
         self.source: Callable[[WriteItem], Any] | None = None
         self.lookup: Callable[[WriteItem], Any] | None = None
+        #: DCP's flattened name -> its path in the state dict (the planner's, once set).
+        self.path_of: Callable[[str], tuple[Any, ...]] = lambda fqn: self._seen.paths.get(fqn, (fqn,))
         self._ring: Ring | None = None
         self._chunk = ALIGN
         self._cond = threading.Condition()
@@ -205,7 +207,7 @@ class Pipeline:
         self._items = [it for it in plan.items if it.type != WriteItemType.BYTE_IO]
         need = max((padded(max(item_nbytes(it), 1)) for it in self._items), default=0)
         if need > self.budget:
-            raise too_small(self._items, self.budget)
+            raise too_small(self._items, self.budget, self.path_of)
         total = sum(padded(max(item_nbytes(it), 1)) for it in self._items)
         if self._objects:
             hint = self._seen.object_bytes
@@ -239,8 +241,9 @@ class Pipeline:
                 raise SaveAborted("the budgeted save was cancelled while it waited for the node budget")
 
         try:
+            largest = max(self._items, key=item_nbytes).index.fqn if self._items else ""
             self._reservation, self._node_wait = reserve_share(
-                self.ledger, need, capacity, timeout=self.ledger_wait, stop=stop
+                self.ledger, need, capacity, timeout=self.ledger_wait, stop=stop, path=self.path_of(largest)
             )
         except BaseException as e:
             self._fail_with(e)
@@ -521,8 +524,7 @@ class Pipeline:
         stream.flush()
 
     def _path_of(self, at: int) -> tuple[Any, ...]:
-        fqn = self._objects[at].index.fqn
-        return self._seen.paths.get(fqn, (fqn,))
+        return self.path_of(self._objects[at].index.fqn)
 
     def _piece(self, n: int) -> np.ndarray[Any, Any]:
         ring = self._ring

@@ -6,7 +6,7 @@ the abort error, and the sizes of write items. Below both, so neither imports th
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -64,6 +64,8 @@ class PipelineSide(Protocol):
 
     source: Any
     lookup: Any
+    #: DCP's flattened name (fqn) -> the value's path in the state dict (the planner's).
+    path_of: Any
 
     def start(self, plan: SavePlan) -> None: ...
 
@@ -85,12 +87,16 @@ def item_nbytes(item: WriteItem) -> int:
     return n * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
 
 
-def too_small(items: Sequence[WriteItem], budget: int) -> BudgetTooSmallError:
-    """The error for a budget smaller than the biggest tensor item."""
+def too_small(
+    items: Sequence[WriteItem], budget: int, path_of: Callable[[str], tuple[Any, ...]]
+) -> BudgetTooSmallError:
+    """The error for a budget smaller than the biggest tensor item, naming its path in
+    the state dict (``path_of``: DCP's flattened name -> the path) and the option."""
     item = max(items, key=item_nbytes)
     need = padded(item_nbytes(item))
     return BudgetTooSmallError(
-        f"write item {item.index.fqn!r} takes {need} bytes of host memory, more than "
-        f"host_budget_bytes={budget}; pass host_budget_bytes >= {need}",
+        f"this tensor (write item {item.index.fqn!r}) takes {need} bytes of host memory, more "
+        f"than host_budget_bytes={budget}; pass host_budget_bytes >= {need}",
+        path=path_of(item.index.fqn),
         needed_bytes=need,
     )

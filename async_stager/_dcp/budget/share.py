@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from async_stager._core.memory.ring import ALIGN
 from async_stager.errors import BudgetTooSmallError
@@ -78,6 +78,7 @@ def reserve_share(
     *,
     timeout: float | None,
     stop: Callable[[], None] | None = None,
+    path: tuple[Any, ...] | None = None,
 ) -> tuple[Reservation, float]:
     """Reserve a ring's bytes from ``ledger`` (blocking: the writer thread) and return
     the reservation and the seconds waited. Its size: ``capacity`` (what the state
@@ -86,12 +87,14 @@ def reserve_share(
     ring too), whichever is less, but at least ``need`` (the largest piece); a multiple
     of ``ALIGN``. Granted at once when free, else waited for in the node's ticket order
     at most ``timeout`` seconds (NodeBudgetError after); ``stop`` may raise to end the
-    wait. BudgetTooSmallError at once when ``need`` is more than the whole budget."""
+    wait. BudgetTooSmallError at once when ``need`` is more than the whole budget,
+    naming ``path`` (the largest piece's tensor in the state dict) and the option."""
     what = f"the ring of a budgeted DCP save (pid {os.getpid()})"
     if need > ledger.budget:
         raise BudgetTooSmallError(
-            f"the largest write item takes {need} bytes of host memory, more than the whole "
-            f"node budget (node_budget_bytes={ledger.budget}); pass node_budget_bytes >= {need}",
+            f"this tensor takes {need} bytes of host memory, more than the whole node budget "
+            f"(node_budget_bytes={ledger.budget}); pass node_budget_bytes >= {need}",
+            path=path,
             needed_bytes=need,
         )
     usage = ledger.usage()

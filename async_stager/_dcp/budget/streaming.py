@@ -42,12 +42,19 @@ class PipelinePlanner(DefaultSavePlanner):
         self._pipeline = pipeline
         pipeline.source = self._source
         pipeline.lookup = self._lookup
+        pipeline.path_of = self._path_of
 
     def _source(self, item: WriteItem) -> Any:
         return DefaultSavePlanner.resolve_data(self, item)
 
     def _lookup(self, item: WriteItem) -> Any:
         return self.lookup_object(item.index)
+
+    def _path_of(self, fqn: str) -> tuple[Any, ...]:
+        """The path in the state dict of DCP's flattened name ``fqn`` (the planner's
+        mappings, set when it flattened the state dict; else the name itself)."""
+        path = (getattr(self, "mappings", None) or {}).get(fqn)
+        return tuple(path) if path is not None else (fqn,)
 
     def resolve_data(self, write_item: WriteItem) -> Any:
         return self._pipeline.take(write_item)
