@@ -14,7 +14,9 @@ holds a newer one), and the ranks agree on the run's timeline there.
 
 Restore takes the newest step (of one run: step and timeline) that every rank holds
 complete in memory, at this world size, unless the folder's newest commit is a later
-step; every rank loads it from its agent and verifies every byte; if any rank cannot
+step; every rank loads it from its agent, trusting the agent's verification of a
+snapshot it sealed (``_tier.sealing``: no process can change it since), else verifying
+every byte, and reads it straight into the state's tensors (``_tier.loading``); if any rank cannot
 (agent gone, a checksum, a state that does not match), the next older common step is
 tried, and then every rank restores from the folder. Never a step assembled from memory
 on some ranks and disk on others, nor from two runs.
@@ -40,6 +42,7 @@ from async_stager.errors import InvalidOptionError, StagingError
 if TYPE_CHECKING:
     from async_stager._share.handoff import AttachedStateDict
     from async_stager._tier.client import AgentClient
+    from async_stager._tier.loading import Loaded
     from async_stager._tier.replicator import Replicator
     from async_stager._tier.tier import MemoryTier
 
@@ -229,7 +232,7 @@ async def restore(
         source = [
             r if (chosen, timeline) in own[r] else holders[(r, chosen, timeline)] for r in range(len(own))
         ]
-        attached: AttachedStateDict | None = None
+        attached: AttachedStateDict | Loaded | None = None
         ok = False
         try:
             attached = await _obtain(tier, ranks.rank, source, chosen, timeline)
@@ -248,10 +251,15 @@ async def restore(
             continue
         assert attached is not None
         try:
-            apply_loaded(state, attached.state_dict, chosen)
+            from async_stager._tier.loading import Loaded, load_into
+
+            # One copy, read from the arenas into the state's own tensors (a thread).
+            read = functools.partial(load_into, attached, resolve(state))
+            loaded = await run_in_thread(read, name="async-stager-restore")
+            apply_loaded(state, loaded, chosen)
         finally:
             attached.close()
-        tier.note_restored(chosen)
+        tier.note_restored(chosen, attached.trusted if isinstance(attached, Loaded) else None)
         peer = source[ranks.rank] != ranks.rank
         tier.update_stats(restored_from_peer=peer)
         _log.info(
@@ -265,14 +273,14 @@ async def restore(
 
 async def _obtain(
     tier: MemoryTier, me: int, source: list[int], step: int, timeline: str
-) -> AttachedStateDict:
+) -> AttachedStateDict | Loaded:
     """This rank's snapshot of ``step`` from ``source[me]`` (itself: its agent; another
     rank: the replica its node holds, sent over the tier's group), while this rank
     sends the replicas it holds to the ranks whose source it is (never raised: the
     receivers' checks decide)."""
     rep = tier.replicator
     gives = [r for r, src in enumerate(source) if src == me and r != me]
-    got: AttachedStateDict | None = None
+    got: AttachedStateDict | Loaded | None = None
     failed: BaseException | None = None
     async with anyio.create_task_group() as tg:
         if rep is not None:

@@ -400,6 +400,19 @@ class AttachedStateDict:
     def closed(self) -> bool:
         return self._closed
 
+    def spans(self) -> list[tuple[int, int]]:
+        """(address, bytes) of this process's mapping of each arena, in the order of
+        ``handle.arenas``: where each attached tensor's bytes lie in its arena (a
+        reader of the arenas' descriptors can fetch them without touching the
+        mapping). Raises ClosedError once closed."""
+        if self._closed:
+            raise ClosedError("this AttachedStateDict is closed")
+        out = []
+        for mm in self._maps:
+            view = torch.frombuffer(mm, dtype=torch.uint8, count=1) if len(mm) else None
+            out.append((view.data_ptr() if view is not None else 0, len(mm)))
+        return out
+
     def close(self) -> None:
         """Drop the structure and the mappings; each arena is unmapped, and its
         descriptor closed, when the last tensor viewing it dies (at once if the caller

@@ -27,7 +27,12 @@ they all hold). Snapshots of other sessions (a trainer that died: nobody writes 
 them) stay for a restart; at most ``keep`` of them per rank, the newest.
 
 ``LIST`` says which snapshots are complete; ``FETCH`` hands one back (descriptors,
-structure, digests) to a restarted trainer; ``STATUS`` says what is held. Nothing is
+structure, digests) to a restarted trainer; ``STATUS`` says what is held.
+
+Sealing (``sealing``): when a trainer's connection ends, the agent seals the arenas of
+its snapshots (granted by the kernel only once no process maps them writable: the
+trainer is gone) and verifies them once more; a FETCH of a snapshot so sealed and
+verified says ``sealed``, and the restarted trainer loads it without re-reading it. Nothing is
 written to any file system; the agent's exit (or death) closes its descriptors and the
 kernel frees every arena no trainer still maps.
 """
@@ -46,7 +51,7 @@ import anyio
 import anyio.abc
 from anyio.abc import SocketStream
 
-from async_stager._tier import wire
+from async_stager._tier import sealing, wire
 from async_stager._tier.regions import ALGORITHM, PIECE_BYTES, ArenaMaps, digests_of, regions_of
 from async_stager._tier.wire import Kind, Message
 from async_stager.errors import AgentError, AgentRefusedError, AgentUnavailableError, InvalidOptionError
@@ -89,6 +94,8 @@ class Held:
     #: The job's run it belongs to (the ranks agree on one at start and at each
     #: restore): a restore never mixes two runs' snapshots of one step.
     timeline: str = ""
+    #: Sealed and verified after the seal (``sealing``), or not yet.
+    seal: sealing.SealState = field(default_factory=sealing.SealState)
 
     @property
     def bytes(self) -> int:
@@ -106,13 +113,6 @@ class Held:
             "tensors": int(self.meta.get("tensors", 0)),
             "since": self.since,
         }
-
-
-def _int(body: dict[str, Any], key: str, low: int = 0) -> int:
-    v = body.get(key)
-    if isinstance(v, bool) or not isinstance(v, int) or v < low:
-        raise AgentRefusedError(f"{key} must be an int >= {low}, got {v!r}", reason="request")
-    return v
 
 
 class Agent:
@@ -150,6 +150,7 @@ class Agent:
         self._maps = ArenaMaps()
         self._lock = anyio.Lock()
         self._listener: anyio.abc.SocketListener | None = None
+        self._sealer = sealing.Sealer(self._drop_damaged)
         self._inode: tuple[int, int] | None = None
         self.closed = False
         #: Connections accepted so far, and open now.
@@ -242,6 +243,7 @@ class Agent:
         assert listener is not None
         try:
             async with anyio.create_task_group() as tg:
+                self._sealer.tg = tg
                 task_status.started()
                 _log.info(
                     "agent for job %r listening at %s: at most %d bytes, keeping %d snapshots per rank of a trainer gone",
@@ -323,38 +325,45 @@ class Agent:
         self.connections += 1
         self.open_connections += 1
         self._idle_since = None
+        sessions: set[str] = set()
         try:
-            await self._serve_connection(stream)
+            await self._serve_connection(stream, sessions)
         finally:
             self.open_connections -= 1
             if self.open_connections == 0:
                 self._idle_since = time.monotonic()
+        # The trainer may be gone: seal and verify its snapshots (``sealing``).
+        await self._sealer.seal_gone(lambda: [h for h in self.snapshots() if h.session in sessions])
 
-    async def _serve_connection(self, stream: SocketStream) -> None:
+    async def _serve_connection(self, stream: SocketStream, sessions: set[str]) -> None:
         async with stream:
             try:
                 wire.check_peer(self._peer_uid(stream), self._uid)
             except AgentRefusedError as exc:
                 _log.warning("%s", exc)
-                await self._answer(stream, _error(exc))
+                await self._answer(stream, wire.error_message(exc))
                 return
             while not self.closed:
                 try:
                     message = await wire.receive(stream)
                 except AgentRefusedError as exc:
-                    await self._answer(stream, _error(exc))
+                    await self._answer(stream, wire.error_message(exc))
                     return
                 except AgentUnavailableError:
                     return
                 if message is None:
                     return
+                if message.kind in (Kind.BEGIN, Kind.COMMIT, Kind.RETAIN):
+                    sessions.add(str(message.body.get("session", "")))
                 try:
                     answer = await self._handle(message)
                 except AgentRefusedError as exc:
-                    answer = _error(exc)
+                    answer = wire.error_message(exc)
                 except Exception as exc:  # noqa: BLE001 - a bad request must not stop the agent
                     _log.exception("agent: a %s request failed", message.kind.name)
-                    answer = _error(AgentRefusedError(f"the agent failed: {exc!r}", reason="internal"))
+                    answer = wire.error_message(
+                        AgentRefusedError(f"the agent failed: {exc!r}", reason="internal")
+                    )
                 finally:
                     wire.close_fds(message.fds)  # the handler dup'ed what it keeps
                 if not await self._answer(stream, answer):
@@ -387,16 +396,20 @@ class Agent:
         if m.kind == Kind.COMMIT:
             return await self._commit(m)
         if m.kind == Kind.FETCH:
-            return self._fetch(body)
+            return await self._fetch(body)
         if m.kind == Kind.RETAIN:
             return await self._retain_request(body)
         raise AgentRefusedError(f"a {m.kind.name} message is not a request", reason="request")
 
     async def _begin(self, body: dict[str, Any]) -> Message:
-        rank, step, world = _int(body, "rank"), _int(body, "step"), _int(body, "world", 1)
+        rank, step, world = (
+            wire.int_field(body, "rank"),
+            wire.int_field(body, "step"),
+            wire.int_field(body, "world", 1),
+        )
         who = (str(body.get("ns", "")), rank)
         session = str(body.get("session", ""))
-        protect, floor = _retention(body)
+        protect, floor = wire.retention_of(body)
         async with self._lock:
             dropped = self._retain(who, session, protect, floor, begin=step)
             timeline = str(body.get("timeline", ""))
@@ -406,9 +419,9 @@ class Agent:
         return Message(Kind.OK, {"dropped": dropped})
 
     async def _retain_request(self, body: dict[str, Any]) -> Message:
-        rank = _int(body, "rank")
+        rank = wire.int_field(body, "rank")
         who = (str(body.get("ns", "")), rank)
-        protect, floor = _retention(body)
+        protect, floor = wire.retention_of(body)
         async with self._lock:
             dropped = self._retain(who, str(body.get("session", "")), protect, floor)
         if dropped:
@@ -417,7 +430,11 @@ class Agent:
 
     async def _commit(self, m: Message) -> Message:
         body = m.body
-        rank, step, world = _int(body, "rank"), _int(body, "step"), _int(body, "world", 1)
+        rank, step, world = (
+            wire.int_field(body, "rank"),
+            wire.int_field(body, "step"),
+            wire.int_field(body, "world", 1),
+        )
         who = (str(body.get("ns", "")), rank)
         sizes = body.get("arenas")
         refs = body.get("refs")
@@ -438,7 +455,7 @@ class Agent:
                 f"arenas {sizes!r}, algorithm {body.get('algorithm')!r}",
                 reason="request",
             )
-        protect, floor = _retention(body)
+        protect, floor = wire.retention_of(body)
         regions = regions_of(refs)
         if len(digests) != len(regions):
             raise AgentRefusedError(
@@ -554,36 +571,42 @@ class Agent:
             reason="request",
         )
 
+    async def _drop_damaged(self, h: Held) -> None:
+        async with self._lock:
+            held = self._ranks.get((h.ns, h.rank), [])
+            if h in held:
+                held.remove(h)
+                self._forget(h)
+
     def _drop_pending(self, pending: Held) -> None:
         held = self._ranks.get((pending.ns, pending.rank), [])
         if pending in held and not pending.complete:
             held.remove(pending)
             self._forget(pending)
 
-    def _fetch(self, body: dict[str, Any]) -> Message:
-        rank, step = _int(body, "rank"), _int(body, "step")
-        timeline = body.get("timeline")
-        for h in reversed(self._ranks.get((str(body.get("ns", "")), rank), [])):
+    async def _fetch(self, body: dict[str, Any]) -> Message:
+        """The snapshot's descriptors, structure and digests; ``sealed`` if it is sealed
+        and verified after the seal. A FETCH's ``wait`` (seconds): how long to wait for
+        that verification (started now if the kernel grants the seal)."""
+        rank, step = wire.int_field(body, "rank"), wire.int_field(body, "step")
+        timeline, wait = body.get("timeline"), body.get("wait", 0)
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait < 3600:
+            raise AgentRefusedError(f"wait must be seconds in [0, 3600), got {wait!r}", reason="request")
+        key = (str(body.get("ns", "")), rank)
+        for h in reversed(self._ranks.get(key, [])):
             if h.step == step and h.complete and (timeline is None or h.timeline == timeline):
+                await self._sealer.seal_now(h, wait)
+                if h.seal.damaged:
+                    raise AgentRefusedError(
+                        f"rank {rank} step {step}: its regions do not match their checksums after "
+                        "its seal (its memory changed after the commit was verified)",
+                        reason="checksum",
+                    )
+                if not (h.complete and h.arenas and h in self._ranks.get(key, [])):
+                    break  # forgotten while it was verified
                 meta = dict(h.meta)
                 meta.update(h.info())
+                meta["sealed"] = h.seal.verified
                 fds = [os.dup(a.fd) for a in h.arenas]
                 return Message(Kind.OK, meta, h.payload, fds)
         raise AgentRefusedError(f"no complete snapshot of rank {rank} step {step}", reason="unknown")
-
-
-def _retention(body: dict[str, Any]) -> tuple[frozenset[int], int | None]:
-    """A message's ``protect`` (steps) and ``floor`` (a step, or None)."""
-    protect = body.get("protect", [])
-    if not isinstance(protect, list) or not all(
-        isinstance(p, int) and not isinstance(p, bool) for p in protect
-    ):
-        raise AgentRefusedError(f"protect must be a list of steps, got {protect!r}", reason="request")
-    floor = body.get("floor")
-    if floor is not None and (isinstance(floor, bool) or not isinstance(floor, int)):
-        raise AgentRefusedError(f"floor must be a step or null, got {floor!r}", reason="request")
-    return frozenset(protect), floor
-
-
-def _error(exc: AgentRefusedError) -> Message:
-    return Message(Kind.ERROR, {"reason": exc.reason, "message": exc.message})

@@ -23,6 +23,7 @@ from anyio.abc import SocketStream
 from async_stager._share.handoff import SharedArenaRef, SharedHandle
 from async_stager._tier import wire
 from async_stager._tier.regions import PIECE_BYTES, ArenaMaps, digests_of, regions_of
+from async_stager._tier.sealing import is_sealed
 from async_stager._tier.wire import Kind, Message
 from async_stager.errors import (
     AgentError,
@@ -78,7 +79,9 @@ class AgentStatus:
 class Fetched:
     """A snapshot handed back: ``handle`` names this process's own descriptors (close
     them with ``close()`` once attached: a mapping keeps the memory), ``digests`` per
-    region, and what it was saved as (``rank``, ``step``, ``world``)."""
+    region, and what it was saved as (``rank``, ``step``, ``world``). ``sealed``: the
+    agent verified it after sealing its arenas, and the kernel confirms every seal on
+    these descriptors (``sealing``): its bytes cannot have changed since."""
 
     handle: SharedHandle
     fds: tuple[int, ...]
@@ -87,6 +90,7 @@ class Fetched:
     rank: int
     step: int
     world: int
+    sealed: bool = False
 
     def close(self) -> None:
         """Close the descriptors (idempotent: closing one already closed is ignored)."""
@@ -316,14 +320,18 @@ class AgentClient:
         msg = Message(Kind.COMMIT, body, handle.payload, fds)
         await self._call(msg, self.timeout + sum(sizes) / SLOWEST_HASH)
 
-    async def fetch(self, rank: int, step: int, *, ns: str = "", timeline: str | None = None) -> Fetched:
+    async def fetch(
+        self, rank: int, step: int, *, ns: str = "", timeline: str | None = None, wait: float = 0.0
+    ) -> Fetched:
         """Snapshot ``step`` of ``rank`` (of ``timeline``; None: the newest commit) as
         this process's descriptors (close them: ``Fetched.close``). AgentRefusedError
-        ``"unknown"`` if it holds no complete one."""
-        body: dict[str, Any] = {"rank": rank, "step": step, "ns": ns}
+        ``"unknown"`` if it holds no complete one, ``"checksum"`` if its memory changed
+        after its commit. ``wait``: seconds the agent may take to seal and verify it
+        first (``Fetched.sealed``; the call's bound grows by as much)."""
+        body: dict[str, Any] = {"rank": rank, "step": step, "ns": ns, "wait": float(wait)}
         if timeline is not None:
             body["timeline"] = timeline
-        answer = await self._call(Message(Kind.FETCH, body))
+        answer = await self._call(Message(Kind.FETCH, body), self.timeout + wait)
         b, fds = answer.body, answer.fds
         try:
             sizes = [int(n) for n in b["arenas"]]
@@ -349,6 +357,7 @@ class AgentClient:
                 int(b["rank"]),
                 int(b["step"]),
                 int(b["world"]),
+                b.get("sealed") is True and all(is_sealed(fd) for fd in fds),
             )
         except BaseException:
             wire.close_fds(fds)

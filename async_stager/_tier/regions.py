@@ -7,7 +7,7 @@ trainer computes it after its stage, the agent recomputes it before it accepts t
 snapshot, and a restarted trainer recomputes it before it loads from memory: the
 memory tier's completeness is decided by content, never by a marker.
 
-``ArenaMaps`` keeps one read-only shared mapping per arena (by inode), so hashing the
+``ArenaMaps`` keeps one read-only mapping per arena (by inode), so hashing the
 same arenas at every snapshot pays their page-table set-up once.
 """
 
@@ -16,12 +16,21 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from async_stager._core.checksum.digest import ALGORITHM, PIECE_BYTES, hasher
 
-__all__ = ["ALGORITHM", "PIECE_BYTES", "ArenaMaps", "Region", "digests_of", "region_digest", "regions_of"]
+__all__ = [
+    "ALGORITHM",
+    "PIECE_BYTES",
+    "ArenaMaps",
+    "Region",
+    "digests_in",
+    "digests_of",
+    "region_digest",
+    "regions_of",
+]
 
 #: (slot of the arena in the snapshot, byte offset in it, bytes).
 Region = tuple[int, int, int]
@@ -54,8 +63,13 @@ def region_digest(buf: Any, offset: int, nbytes: int, piece: int = PIECE_BYTES) 
 
 
 class ArenaMaps:
-    """Read-only shared mappings of arena descriptors, one per inode, kept until
-    ``drop``/``close``. Thread-safe."""
+    """Read-only mappings of arena descriptors, one per inode, kept until
+    ``drop``/``close``. Thread-safe.
+
+    Private mappings (``MAP_PRIVATE``, read only): they read the arena's pages as they
+    are (nothing is ever written through them, so no page is copied), and, unlike a
+    shared mapping of a descriptor opened for writing, they never count as a writer:
+    the agent's seal (``sealing``) is not refused because of them."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -72,7 +86,7 @@ class ArenaMaps:
                 return mm
             if mm is not None:
                 _close(mm)
-            mm = self._maps[key] = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            mm = self._maps[key] = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
             return mm
 
     def drop(self, key: tuple[int, int]) -> None:
@@ -117,16 +131,24 @@ def digests_of(
     """The digest of every region, read through ``maps`` of the arenas ``fds`` (each
     ``sizes[i]`` bytes). Blocking (hashes every byte once, on ``threads`` threads:
     default the cores, at most 4; xxhash releases the GIL): run it in a thread."""
-    bufs = []
+    bufs: dict[int, mmap.mmap] = {}
     for slot, offset, nbytes in regions:
         if not 0 <= slot < len(fds) or offset < 0 or nbytes < 0 or offset + nbytes > sizes[slot]:
             raise ValueError(
                 f"region {(slot, offset, nbytes)} is outside the snapshot's arenas {list(sizes)}"
             )
-        bufs.append(maps.get(fds[slot], sizes[slot]))
+        bufs[slot] = maps.get(fds[slot], sizes[slot])
+    return digests_in(bufs, regions, piece, threads)
+
+
+def digests_in(
+    bufs: Mapping[int, Any], regions: Sequence[Region], piece: int = PIECE_BYTES, threads: int | None = None
+) -> list[list[int]]:
+    """The digest of every region of the buffers ``bufs`` (by slot), on ``threads``
+    threads (default the cores, at most 4). Blocking: run it in a thread."""
     pieces = [
-        (i, buf, offset + a, min(piece, nbytes - a))
-        for i, (buf, (_, offset, nbytes)) in enumerate(zip(bufs, regions))
+        (i, bufs[slot], offset + a, min(piece, nbytes - a))
+        for i, (slot, offset, nbytes) in enumerate(regions)
         for a in range(0, max(nbytes, 1), piece)
     ]
     n = threads if threads is not None else min(4, os.cpu_count() or 1)

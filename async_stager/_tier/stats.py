@@ -20,7 +20,10 @@ class MemoryStats:
     the agent's verification, in the background), ``bytes`` (its tensor bytes);
     ``available``: the tier is on (False after a failure, until its retry);
     ``restored``: the step the last ``Checkpointer.restore`` took from memory (None: none
-    did); ``restored_from_peer``: it came from the replica on another node's agent.
+    did); ``restored_from_peer``: it came from the replica on another node's agent;
+    ``restored_sealed``: whether that restore trusted the agent's verification after
+    sealing the snapshot (True: not read again, one copy into the state) or verified
+    every byte itself (False).
 
     Replication (``replicate=True``): ``replica_peer`` (the rank whose node's agent
     holds this rank's replicas; None: none), ``replicated`` (snapshots the peer's agent
@@ -49,6 +52,7 @@ class MemoryStats:
     replica_failures: int = 0
     replica_seconds: float = 0.0
     replica_link_bytes_per_second: float = 0.0
+    restored_sealed: bool | None = None
 
 
 @dataclass(frozen=True)

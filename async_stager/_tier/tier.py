@@ -31,7 +31,8 @@ rank died) turn the tier off for good, with one warning.
 
 Restore: ``complete_snapshots`` (what the agent holds for this rank, of this world
 size: step and timeline) and ``load(step, timeline)``: the snapshot's descriptors,
-verified against its digests here (every byte read once), attached without a copy.
+trusted if the agent sealed and verified it after its writer was gone, else verified
+here (every byte read once), attached without a copy (``loading``).
 The caller decides the step with the other ranks (never a step mixed from memory and
 disk: ``_checkpoint`` does that).
 """
@@ -56,8 +57,9 @@ from async_stager._core.aio.stager import Stager, stager_internals
 from async_stager._core.aio.threads import run_in_thread
 from async_stager._core.memory.lease import Lease
 from async_stager._core.run.records import Captures
-from async_stager._share.handoff import AttachedStateDict, attach_shared, export_shared
-from async_stager._tier.client import AgentClient, verify_fetched
+from async_stager._share.handoff import export_shared
+from async_stager._tier.client import AgentClient
+from async_stager._tier.loading import Loaded, load_snapshot
 from async_stager._tier.regions import PIECE_BYTES, ArenaMaps, digests_of, regions_of
 from async_stager._tier.replica import Outgoing
 from async_stager._tier.retention import Agreement, Ticket, droppable, forced
@@ -613,11 +615,11 @@ class MemoryTier:
         self._restored = None
         self._replicated = None
 
-    def note_restored(self, step: int) -> None:
-        """``step`` was restored from memory (``MemoryStats.restored``): every rank
-        holds it, so the agent may forget this rank's older ones."""
+    def note_restored(self, step: int, sealed: bool | None = None) -> None:
+        """``step`` was restored from memory (``MemoryStats.restored``, ``restored_sealed``):
+        every rank holds it, so the agent may forget this rank's older ones."""
         self._restored = step
-        self._update(restored=step)
+        self._update(restored=step, restored_sealed=sealed)
 
     async def complete_snapshots(self) -> list[tuple[int, str]]:
         """(step, timeline) of this rank's snapshots the agent holds complete, saved at
@@ -633,14 +635,10 @@ class MemoryTier:
         """The steps of ``complete_snapshots``."""
         return [s for s, _ in await self.complete_snapshots()]
 
-    async def load(self, step: int, timeline: str | None = None) -> AttachedStateDict:
+    async def load(self, step: int, timeline: str | None = None) -> Loaded:
         """Snapshot ``step`` (of ``timeline``: None, the newest) of this rank, attached
-        (no copy) after every region was verified against its digest. Raises AgentError
-        (gone, refused) or IntegrityError (a region does not match, or it is of another
-        timeline). Close the result when loaded."""
-        fetched = await self.client.fetch(self.rank, step, ns=self.namespace, timeline=timeline)
-        try:
-            await run_in_thread(lambda: verify_fetched(fetched), name="async-stager-tier-verify")
-            return attach_shared(fetched.handle)
-        finally:
-            fetched.close()  # the mapping keeps the memory
+        (no copy), trusted if the agent sealed and verified it, else verified here
+        (``loading``). Raises AgentError (gone, refused) or IntegrityError (a region does
+        not match). Close the result when loaded (``Loaded.read_into`` copies it)."""
+        ns, wait = self.namespace, self.client.timeout
+        return await load_snapshot(self.client, self.rank, step, ns=ns, timeline=timeline, wait=wait)

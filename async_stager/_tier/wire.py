@@ -48,8 +48,11 @@ __all__ = [
     "Message",
     "check_peer",
     "close_fds",
+    "error_message",
+    "int_field",
     "peer_uid",
     "receive",
+    "retention_of",
     "runtime_dir",
     "send",
     "socket_path",
@@ -270,3 +273,32 @@ def check_peer(peer: int, own: int) -> None:
         raise AgentRefusedError(
             f"refused a connection from uid {peer}: this agent serves uid {own} only", reason="peer"
         )
+
+
+# -- requests ----------------------------------------------------------------------
+
+
+def int_field(body: dict[str, Any], key: str, low: int = 0) -> int:
+    """A request's int field ``key`` (at least ``low``), else AgentRefusedError."""
+    v = body.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise AgentRefusedError(f"{key} must be an int >= {low}, got {v!r}", reason="request")
+    return v
+
+
+def retention_of(body: dict[str, Any]) -> tuple[frozenset[int], int | None]:
+    """A message's ``protect`` (steps) and ``floor`` (a step, or None)."""
+    protect = body.get("protect", [])
+    if not isinstance(protect, list) or not all(
+        isinstance(p, int) and not isinstance(p, bool) for p in protect
+    ):
+        raise AgentRefusedError(f"protect must be a list of steps, got {protect!r}", reason="request")
+    floor = body.get("floor")
+    if floor is not None and (isinstance(floor, bool) or not isinstance(floor, int)):
+        raise AgentRefusedError(f"floor must be a step or null, got {floor!r}", reason="request")
+    return frozenset(protect), floor
+
+
+def error_message(exc: AgentRefusedError) -> Message:
+    """The ERROR answer that carries a refusal's reason and message."""
+    return Message(Kind.ERROR, {"reason": exc.reason, "message": exc.message})

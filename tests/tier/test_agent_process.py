@@ -76,6 +76,9 @@ def test_trainer_sigkill_mid_snapshot_restores_the_previous_one() -> None:
             assert [(i.step, i.complete) for i in infos] == [(3, True), (4, False)]
             assert await tier.complete_steps() == [3]
             attached = await tier.load(3)
+            # Its trainer is gone: the agent sealed its memory and verified it after
+            # the seal, and this restore trusts that check (issue 45 s2).
+            assert attached.trusted
             with attached:
                 assert_same(attached.state_dict, state_of(3, 4))
             await tier.aclose()

@@ -122,22 +122,25 @@ async def test_damaged_memory_restores_from_disk(tmp_path: Path, caplog: pytest.
                 for step in (1, 2, 3):
                     assert await ckpt.save(state_of(step), step=step)
                     await settle(ckpt)
-            # Flip a byte of step 3 in the agent's memory (what a stray write would do).
-            async with AgentClient("ck", base=base) as c:
-                fetched = await c.fetch(0, 3, ns=str(tmp_path.resolve()))
-                try:
-                    fd = fetched.fds[0]
-                    mm = mmap.mmap(fd, fetched.handle.arenas[0].nbytes, flags=mmap.MAP_SHARED)
-                    ref = next(r for r in fetched.handle.refs if r[0] == "t")
-                    mm[ref[2]] ^= 0xFF
-                    mm.close()
-                finally:
-                    fetched.close()
+                # Flip a byte of step 3 in the agent's memory (what a stray write would
+                # do), while the trainer lives: once it is gone the agent seals the
+                # memory and the kernel refuses every write (test_sealed_restore).
+                async with AgentClient("ck", base=base) as c:
+                    fetched = await c.fetch(0, 3, ns=str(tmp_path.resolve()))
+                    try:
+                        ref = next(r for r in fetched.handle.refs if r[0] == "t")
+                        fd = fetched.fds[ref[1]]
+                        mm = mmap.mmap(fd, fetched.handle.arenas[ref[1]].nbytes, flags=mmap.MAP_SHARED)
+                        mm[ref[2]] ^= 0xFF
+                        mm.close()
+                    finally:
+                        fetched.close()
             caplog.set_level(logging.WARNING, "async_stager.checkpoint")
             async with Checkpointer(tmp_path, agent=AgentClient("ck", base=base), persist_every=2) as ckpt:
                 state = blank()
                 assert await ckpt.restore(state) == 2  # never the damaged step 3
                 assert_same(values(state), values(state_of(2)))
+            # Found by the agent's check after its seal, or by the trainer's own.
             assert "do not match their checksum" in caplog.text
 
 

@@ -321,7 +321,10 @@ def arena_at(ptr: int, nbytes: int) -> tuple[bool, Arena | None]:
 def _make_shared_fd(nbytes: int) -> int:
     """A file descriptor of ``nbytes`` bytes of shared memory, with no name to leak."""
     if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("async_stager", os.MFD_CLOEXEC)
+        # Sealable: the memory tier's agent seals a snapshot's arenas once their writer
+        # is gone (``_tier.sealing``); the kernel grants that only while no process maps
+        # them shared and writable, so a seal never takes memory from a live writer.
+        fd = os.memfd_create("async_stager", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     else:  # pragma: no cover - non-Linux
         import tempfile
 
