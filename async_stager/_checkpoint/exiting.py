@@ -13,6 +13,7 @@ import anyio
 
 from async_stager._core.aio.threads import start_thread
 from async_stager._core.aio.waiting import wait_future
+from async_stager._core.interp import library_thread
 
 __all__ = ["CLOSE_GRACE", "close_by", "exit_fast_if_abandoned"]
 
@@ -37,11 +38,7 @@ def exit_fast_if_abandoned(code: int) -> None:
         import sys
         import threading
 
-        busy = [
-            t
-            for t in threading.enumerate()
-            if t.daemon and t.is_alive() and t.name.startswith("async-stager-")
-        ]
+        busy = [t for t in threading.enumerate() if t.daemon and t.is_alive() and library_thread(t)]
         if busy:
             for stream in (sys.stdout, sys.stderr):
                 try:

@@ -35,6 +35,8 @@ from typing import Any
 import anyio
 import torch
 
+from async_stager._core.interp import THREAD_PREFIX
+
 from .args import Checked, int_at_least, output_file
 from .report import BenchError
 
@@ -181,7 +183,7 @@ def _peak_rss() -> Iterator[list[int]]:
             out[0] = max(out[0], _rss() - base)
             time.sleep(0.0005)
 
-    t = threading.Thread(target=sample, daemon=True)
+    t = threading.Thread(target=sample, name=f"{THREAD_PREFIX}rss-sample", daemon=True)
     t.start()
     try:
         yield out

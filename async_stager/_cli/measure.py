@@ -34,6 +34,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from async_stager._core.aio.stager import Stager
+from async_stager._core.interp import THREAD_PREFIX
 from async_stager._dcp.default_stager import DefaultStager
 from async_stager._dcp.interface import CheckpointStagerConfig
 
@@ -164,7 +165,7 @@ class DcpContender:
 
             self._sds = StateDictStager(pin_memory=cuda, share_memory=share_memory)
             self._executor: concurrent.futures.ThreadPoolExecutor | None = (
-                concurrent.futures.ThreadPoolExecutor(1)
+                concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{THREAD_PREFIX}dcp-stager")
             )
             # Made here, on the calling thread, as DCP does: not the training stream.
             self._stream = torch.cuda.Stream() if cuda else None

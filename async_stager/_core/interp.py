@@ -22,15 +22,43 @@ import gc
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 
-__all__ = ["EXIT_JOIN_SECONDS", "gc_paused", "gil_interval", "at_exit"]
+__all__ = [
+    "EXIT_JOIN_SECONDS",
+    "THREAD_PREFIX",
+    "adopt_thread",
+    "at_exit",
+    "gc_paused",
+    "gil_interval",
+    "library_thread",
+]
 
 #: At interpreter exit, how long a hook waits for one staging thread. A job cancelled
 #: there stops at its next check (every 256 leaves, every copy piece); one that cannot be
 #: cancelled runs to its end. After this the thread is left to the interpreter (a thread
 #: blocked in a Python-level wait is safe then; one inside torch is not).
 EXIT_JOIN_SECONDS = 30.0
+
+# -- the library's threads ------------------------------------------------------------------
+
+#: The name of every thread the library starts begins with this (the exit hooks and the
+#: tests' leak checks find them by it), but a thread its caller names (``DefaultStager``'s
+#: ``config.thread_name``, as torch's), which is adopted instead (``adopt_thread``).
+THREAD_PREFIX = "async-stager-"
+_adopted: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+def adopt_thread(thread: threading.Thread) -> None:
+    """Count ``thread`` as the library's although its name was its caller's choice."""
+    _adopted.add(thread)
+
+
+def library_thread(thread: threading.Thread) -> bool:
+    """Whether the library started ``thread`` (by its name, or adopted)."""
+    return thread.name.startswith(THREAD_PREFIX) or thread in _adopted
+
 
 # -- the GIL switch interval ---------------------------------------------------------------
 

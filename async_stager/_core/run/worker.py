@@ -104,7 +104,7 @@ if hasattr(os, "register_at_fork"):
 class Worker:
     """A single thread with a FIFO of jobs; ``nice`` lowers its CPU priority (Linux)."""
 
-    def __init__(self, name: str = "async-stager", *, nice: int = 0) -> None:
+    def __init__(self, name: str = f"{_interp.THREAD_PREFIX}worker", *, nice: int = 0) -> None:
         self._name = name
         self._nice = nice
         self._ctl = _Control()
@@ -141,6 +141,8 @@ class Worker:
                 # interpreter from exiting; close() joins it deterministically, and the
                 # exit hook stops it before the interpreter finalizes.
                 thread = threading.Thread(target=_run, args=(ctl, self._nice), name=self._name, daemon=True)
+                if not self._name.startswith(_interp.THREAD_PREFIX):
+                    _interp.adopt_thread(thread)  # named by its caller: still the library's
                 _interp.at_exit(_exit_hook, order=0)
                 with _live_lock:
                     _live.add(ctl)
