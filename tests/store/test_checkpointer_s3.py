@@ -15,6 +15,7 @@ from async_stager import Checkpointer
 from async_stager._checkpoint import store_place
 from async_stager.errors import IntegrityError, InvalidOptionError
 from tests.store.conftest import admin_client
+from tests.store.s3proxy import FaultProxy, Rule
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -113,3 +114,17 @@ def test_other_schemes_are_refused_naming_the_supported_ones(tmp_path: Path) -> 
         with pytest.raises(InvalidOptionError) as info:
             Checkpointer(url)
         assert url in str(info.value) and "s3://bucket/prefix" in str(info.value)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_host_budget_bounds_the_uploads(bucket: str, proxy: FaultProxy, scratch: Path) -> None:
+    """With ``host_budget_bytes``, an upload holds at most that many bytes of parts
+    (12 MiB: parts of 6 MiB, two in flight), whatever the step's size (24 MiB here)."""
+    proxy.add(Rule("delay", method="PUT", path=r"partNumber=", delay=0.2, times=100))
+    state = {"a": torch.randn(3 << 20), "b": torch.randn(3 << 20)}
+    async with Checkpointer(f"s3://{bucket}/run", host_budget_bytes=12 << 20) as ckpt:
+        await ckpt.save(state, step=1)
+        await ckpt.wait()
+        assert 1 <= proxy.max_in_flight["PUT-part"] <= 2
+        got = {"a": torch.zeros(3 << 20), "b": torch.zeros(3 << 20)}
+        assert await ckpt.restore(got) == 1 and torch.equal(got["a"], state["a"])

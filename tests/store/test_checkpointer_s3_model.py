@@ -51,6 +51,7 @@ class S3Machine(RuleBasedStateMachine):
         self.order: list[int] = []  # commit order, a step once (its newest commit)
         self.versions: dict[int, int] = {}  # step -> the version of its newest save
         self.damaged: set[int] = set()
+        self.flips = 0
 
     def call(self, make: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
         return self.portal.call(make)
@@ -107,7 +108,9 @@ class S3Machine(RuleBasedStateMachine):
             if k.startswith(f"{self.prefix}/{committed[-1]}/") and k.endswith((".distcp", "state.pt"))
         )
         body = bytearray(client.get_object(Bucket=self.bucket, Key=target)["Body"].read())
-        body[len(body) // 2] ^= 0x5A
+        # A byte no earlier corruption changed (twice the same flip would undo it).
+        self.flips += 1
+        body[(len(body) // 2 + self.flips) % len(body)] ^= 0x5A
         client.put_object(Bucket=self.bucket, Key=target, Body=bytes(body))
         self.damaged.add(step)
 
