@@ -56,7 +56,7 @@ from async_stager._checkpoint.stored import file_digest
 from async_stager._core.checksum.digest import hasher
 from async_stager._store.objects import ObjectInfo, TransferOptions
 from async_stager._store.store import Store, open_store
-from async_stager.errors import IntegrityError, StoreError
+from async_stager.errors import IntegrityError, StagingError, StoreError
 
 __all__ = ["RETIRE_GRACE", "STALE_AFTER", "StorePlace", "make_place", "upload_options"]
 
@@ -395,6 +395,11 @@ class StorePlace(Place):
             try:
                 self._download(store, save, folder)
                 yield folder, save.seq, False
+            except StagingError as exc:
+                # Name the step's objects, not the local copy that is removed now.
+                exc.message = exc.message.replace(str(folder), store.url(save.prefix))
+                exc.args = (exc.message, *exc.args[1:])
+                raise
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
 

@@ -13,7 +13,7 @@ import torch
 
 from async_stager import Checkpointer
 from async_stager._checkpoint import store_place
-from async_stager.errors import IntegrityError, InvalidOptionError
+from async_stager.errors import CheckpointError, IntegrityError, InvalidOptionError
 from tests.store.conftest import admin_client
 from tests.store.s3proxy import FaultProxy, Rule
 
@@ -128,3 +128,45 @@ async def test_the_host_budget_bounds_the_uploads(bucket: str, proxy: FaultProxy
         assert 1 <= proxy.max_in_flight["PUT-part"] <= 2
         got = {"a": torch.zeros(3 << 20), "b": torch.zeros(3 << 20)}
         assert await ckpt.restore(got) == 1 and torch.equal(got["a"], state["a"])
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_restore_that_loses_its_step_to_retention_takes_the_next_newest(
+    bucket: str, moto_port: int, scratch: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No reader holds on a store: another process's retention may delete the step a
+    restore listed (past the grace period) before it is read. The restore then lists
+    again and loads the newest commit there is, never a torn state."""
+    url = f"s3://{bucket}/run"
+    async with Checkpointer(url, keep=3) as ckpt:
+        for step in (1, 2):
+            await ckpt.save(_state(float(step)), step=step)
+        await ckpt.wait()
+    download = store_place.StorePlace._download
+    gone: list[str] = []
+
+    def retired_meanwhile(self: Any, store: Any, save: Any, folder: Path) -> None:
+        if not gone:  # the first candidate's objects go, its record first
+            client = admin_client(moto_port)
+            keys = [k for k in _keys(moto_port, bucket) if k.startswith(f"run/{save.prefix}/")]
+            for key in sorted(keys, key=lambda k: not k.endswith("/COMMIT")):
+                client.delete_object(Bucket=bucket, Key=key)
+            gone.append(save.prefix)
+        download(self, store, save, folder)
+
+    monkeypatch.setattr(store_place.StorePlace, "_download", retired_meanwhile)
+    async with Checkpointer(url) as ckpt:
+        state = _state(0.0)
+        assert await ckpt.restore(state) == 1
+        assert torch.equal(state["w"], _state(1.0)["w"]) and gone and gone[0].startswith("step-00000002.")
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_restore_error_names_the_objects_not_the_local_copy(bucket: str, scratch: Path) -> None:
+    url = f"s3://{bucket}/run"
+    async with Checkpointer(url) as ckpt:
+        await ckpt.save(_state(1.0), step=1)
+        await ckpt.wait()
+        with pytest.raises(CheckpointError) as info:
+            await ckpt.restore({"other": torch.zeros(3)})
+    assert f"{url}/step-00000001." in str(info.value) and ".read-" not in str(info.value)
