@@ -10,12 +10,17 @@ node agent, then for each state size (float32 tensors of 16 MiB at most):
 2. restore after a trainer SIGKILL: a child saves one step to the agent and to disk
    and SIGKILLs itself; a fresh child then times ``Checkpointer.restore`` with the
    agent (from memory) and without it (from the folder, as today; the files are in
-   the page cache, as they are right after a crash); the better of two tries each;
+   the page cache, as they are right after a crash), and, in the same process, the
+   copy limit: one ``torch._foreach_copy_`` of the same bytes from existing tensors
+   into the state's tensors; the better of ``--tries`` each. With ``--busy 0 2`` the
+   restores are measured quiet and again beside two busy processes (``while True:
+   pass``, as ``scripts/suite_loaded.sh``), in the same run;
 3. steps lost at a crash: a child trains and saves every step to memory and every 50th
    to disk, is SIGKILLed at a random step, and the restarted one says what it
    restored; the same without the agent (disk every 50).
 
-Prints a Markdown table and writes JSON with ``--json``.
+``--restore-only`` measures the restores alone. Prints Markdown tables and writes JSON
+with ``--json``.
 """
 
 from __future__ import annotations
@@ -92,6 +97,7 @@ import asyncio, os, signal, sys, time
 sys.path.insert(0, {root!r})
 sys.path.insert(0, {scripts!r})
 from bench_memory_tier import make_state
+import torch
 from async_stager import Checkpointer
 
 async def main(mode, folder, job, mib, arg):
@@ -101,6 +107,7 @@ async def main(mode, folder, job, mib, arg):
         async with Checkpointer(folder, keep=1, **kw) as ckpt:
             assert await ckpt.save(make_state(mib, 7), step=7)
             await ckpt.wait()
+            print("SAVED", ckpt.memory, file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
     if mode == "restore":
         state = make_state(mib, 0)
@@ -108,8 +115,17 @@ async def main(mode, folder, job, mib, arg):
             t0 = time.perf_counter()
             got = await ckpt.restore(state)
             dt = time.perf_counter() - t0
-        ok = all(bool((a == b).all()) for a, b in zip(state["model"].values(), make_state(mib, 7)["model"].values()))
-        print("RESULT", got, dt, ok, ckpt.memory.restored if ckpt.memory else None, flush=True)
+        want = make_state(mib, 7)["model"]
+        ok = all(torch.equal(a, b) for a, b in zip(state["model"].values(), want.values()))
+        dst, src = list(state["model"].values()), list(want.values())
+        copy = float("inf")
+        for _ in range(3):  # the copy limit: the same bytes, existing tensors to existing tensors
+            t0 = time.perf_counter()
+            torch._foreach_copy_(dst, src)
+            copy = min(copy, time.perf_counter() - t0)
+        mem = ckpt.memory
+        print("RESULT", got, dt, ok, mem.restored if mem else None, copy,
+              mem.restored_sealed if mem else None, flush=True)
     if mode == "train":
         every = int(arg)
         extra = dict(memory_every=1, persist_every=every) if agent else {{}}
@@ -139,20 +155,42 @@ def child(code: str, *args: str, timeout: float = 600) -> subprocess.CompletedPr
     )
 
 
-def restore_times(mib: int, job: str, folder: str, code: str, tries: int = 2) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for name, agent in [p for p in (("memory", job), ("disk", "-")) for _ in range(tries)]:
+def restore_times(mib: int, job: str, folder: str, code: str, tries: int = 2) -> dict[str, Any]:
+    """The better of ``tries`` restores from memory and from disk (interleaved), and
+    the copy limit measured in the same processes (the best of all)."""
+    out: dict[str, Any] = {"sealed": []}
+    for name, agent in [p for _ in range(tries) for p in (("memory", job), ("disk", "-"))]:
         d = f"{folder}/r-{name}-{mib}"
         p = child(code, "save", d, agent, str(mib), "0")
         assert p.returncode == -signal.SIGKILL, p.stderr
+        saved = p.stderr[-1000:]
         p = child(code, "restore", d, agent, str(mib), "0")
         line = [x for x in p.stdout.splitlines() if x.startswith("RESULT")]
         assert line, p.stderr
-        _, got, dt, ok, restored = line[0].split()
+        _, got, dt, ok, restored, copy, sealed = line[0].split()
         assert got == "7" and ok == "True", line
-        assert (restored == "7") == (name == "memory"), line
+        assert (restored == "7") == (name == "memory"), (line, saved, p.stderr[-3000:])
         out[name] = min(float(dt), out.get(name, float("inf")))
+        out["copy"] = min(float(copy), out.get("copy", float("inf")))
+        if name == "memory":
+            out["sealed"].append(sealed == "True")
     return out
+
+
+def restores_beside(busy: int, mib: int, job: str, folder: str, code: str, tries: int) -> dict[str, Any]:
+    """``restore_times`` beside ``busy`` processes that each take a whole core."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+    try:
+        if busy:
+            time.sleep(2.0)  # let them take their cores
+        before = os.getloadavg()
+        r = restore_times(mib, job, folder, code, tries)
+        r["load_before"], r["load_after"] = before, os.getloadavg()
+        return r
+    finally:
+        for pr in procs:
+            pr.kill()
+            pr.wait()
 
 
 def steps_lost(mib: int, job: str, folder: str, code: str, kills: int, every: int) -> dict[str, list[int]]:
@@ -203,6 +241,9 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--kills", type=int, default=3)
     p.add_argument("--json", default=None)
+    p.add_argument("--busy", type=int, nargs="+", default=[0], help="restores beside N busy processes")
+    p.add_argument("--tries", type=int, default=2)
+    p.add_argument("--restore-only", action="store_true")
     args = p.parse_args()
     job = f"bench-{os.getpid()}"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -225,16 +266,34 @@ def main() -> int:
         assert "listening" in agent.stdout.readline()
         with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as folder:
             for mib in args.sizes_mib:
-                b = asyncio.run(blocked(mib, job, folder, args.repeats))
-                r = restore_times(mib, job, folder, code)
-                results["sizes"][mib] = {"blocked": b, "restore": r}
-                print(f"{mib} MiB: {b} {r}", flush=True)
-            results["lost"] = steps_lost(100, job, folder, code, args.kills, 50)
+                b = {} if args.restore_only else asyncio.run(blocked(mib, job, folder, args.repeats))
+                rs = {n: restores_beside(n, mib, job, folder, code, args.tries) for n in args.busy}
+                results["sizes"][mib] = {"blocked": b, "restore": rs[args.busy[0]], "restores": rs}
+                print(f"{mib} MiB: {b} {rs}", flush=True)
+            if not args.restore_only:
+                results["lost"] = steps_lost(100, job, folder, code, args.kills, 50)
     finally:
         agent.send_signal(signal.SIGTERM)
         agent.wait(60)
     results["load_after"] = os.getloadavg()
     print(f"load average before {results['load_before']}, after {results['load_after']}")
+    print()
+    print(
+        "| state | busy processes | load average (1 min, before/after) | restore from memory "
+        "| restore from disk | copy limit | memory / copy | disk / memory | sealed |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for mib, v in results["sizes"].items():
+        for busy, r in v["restores"].items():
+            print(
+                f"| {mib} MiB | {busy} | {r['load_before'][0]:.1f}/{r['load_after'][0]:.1f} "
+                f"| {r['memory'] * 1e3:.0f} ms | {r['disk'] * 1e3:.0f} ms | {r['copy'] * 1e3:.0f} ms "
+                f"| {r['memory'] / r['copy']:.2f}x | {r['disk'] / r['memory']:.1f}x | {all(r['sealed'])} |"
+            )
+    if args.restore_only:
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        return 0
     print()
     print(
         "| state | stage alone | memory checkpoint | disk checkpoint | memory / stage "

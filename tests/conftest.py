@@ -92,6 +92,7 @@ PROCESS_MODULES = {
     "test_budget_objects",
     "test_share_views",
     "test_agent_process",
+    "test_agent_signals",
     "test_agent_lifetime",
     "test_job_kills",
     "test_checkpointer_agent_crash",

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import anyio
 
+from async_stager._core.aio.signals import SignalCatcher
 from async_stager._core.memory.host_limits import HostLimits
 from async_stager._tier.agent import Agent
 from async_stager.errors import HostLimitError, InvalidOptionError
@@ -160,16 +161,36 @@ async def serve_until_stopped(
     if idle_exit is not None and not (idle_exit > 0 and math.isfinite(idle_exit)):
         raise InvalidOptionError(f"--idle-exit must be a positive number of seconds, got {idle_exit!r}")
     why = ""
-    async with anyio.create_task_group() as tg:
+    stopping = anyio.CancelScope()
 
-        async def on_signal() -> None:
-            nonlocal why
-            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async for signum in signals:
-                    why = f"signal {signum}"
-                    _log.info("agent: %s, freeing %d bytes and exiting", why, agent.held_bytes)
-                    break
-            tg.cancel_scope.cancel()
+    def on_signal(signum: int) -> None:
+        nonlocal why
+        if not why:
+            why = f"signal {signum}"
+            _log.info("agent: %s, freeing %d bytes and exiting", why, agent.held_bytes)
+        stopping.cancel()
+
+    # Caught the way a Checkpointer's ``Shutdown`` catches them (``SignalCatcher``): an
+    # agent served in a trainer's process never leaves its ``Shutdown`` deaf, nor the
+    # other way round; both hear a SIGTERM.
+    with stopping:
+        async with SignalCatcher((signal.SIGTERM, signal.SIGINT), on_signal):
+            why = await _serve(agent, parent, idle_exit, poll, on_ready) or why
+    _log.info("agent for job %r stopped (%s) and freed what it held", agent.job, why)
+    return why
+
+
+async def _serve(
+    agent: Agent,
+    parent: ParentProcess | None,
+    idle_exit: float | None,
+    poll: float,
+    on_ready: Callable[[], None] | None,
+) -> str:
+    """Serve until the parent exits or the idle bound passes (the reason), or until
+    cancelled (a signal: the caller's scope)."""
+    why = ""
+    async with anyio.create_task_group() as tg:
 
         async def watch() -> None:
             nonlocal why
@@ -184,12 +205,10 @@ async def serve_until_stopped(
                     break
             tg.cancel_scope.cancel()
 
-        tg.start_soon(on_signal)
         await tg.start(agent.serve)
         if parent is not None or idle_exit is not None:
             tg.start_soon(watch)
         if on_ready is not None:
             on_ready()
         await anyio.sleep_forever()
-    _log.info("agent for job %r stopped (%s) and freed what it held", agent.job, why)
     return why
