@@ -250,7 +250,8 @@ def _private(name: str) -> bool:
 def test_no_private_name_crosses_modules() -> None:
     """A module uses only the public names of another: no ``from m import _name``, no
     ``m._name`` on an imported module, no ``getattr(obj, "_name")`` on another object
-    (what a layer above needs is public in its module, or behind an internal handle).
+    (what a layer above needs is public in its module, or behind an internal handle),
+    nor ``async_stager.m._name`` through the full dotted name.
     Failed before: ``_save_blocking`` imported three times, ``getattr(stager,
     "_shared_arenas")`` twice, ``reducers._delegate_storage``."""
     modules = {_name(p) for p in _modules()}
@@ -287,6 +288,14 @@ def test_no_private_name_crosses_modules() -> None:
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and _private(node.attr):
                 if node.value.id in imported:
                     bad.append(f"{path.relative_to(PKG)}:{node.lineno} uses {node.value.id}.{node.attr}")
+            elif (
+                isinstance(node, ast.Attribute)
+                and _private(node.attr)
+                and ast.unparse(node.value) in modules
+                and ast.unparse(node) not in modules
+            ):
+                # ``import async_stager._core.x`` then ``async_stager._core.x._name``.
+                bad.append(f"{path.relative_to(PKG)}:{node.lineno} uses {ast.unparse(node)}")
             elif (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Name)
