@@ -18,12 +18,15 @@ Medians of ``--rounds`` rounds, each on a new prefix.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+import shutil
 import statistics
 import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +71,8 @@ def dcp_fsspec(url: str, state: dict[str, Any]) -> dict[str, float]:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save(state, storage_writer=FsspecWriter(url + "-warm"), no_dist=True)  # warm: s3fs's session
+        warm = {"w": torch.zeros(16)}
+        dcp.save(warm, storage_writer=FsspecWriter(url + "-warm"), no_dist=True)  # warm: s3fs's session
         t0 = time.perf_counter()
         response: Any = dcp.async_save(state, storage_writer=FsspecWriter(url), no_dist=True)
         blocked = time.perf_counter() - t0
@@ -79,6 +83,12 @@ def dcp_fsspec(url: str, state: dict[str, Any]) -> dict[str, float]:
         dcp.load(target, storage_reader=FsspecReader(url), no_dist=True)
         restore = time.perf_counter() - t1
     return {"blocked": blocked, "commit": commit, "restore": restore}
+
+
+def _empty(client: Any, prefix: str) -> None:
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket="bench", Prefix=prefix):
+        for item in page.get("Contents", []):
+            client.delete_object(Bucket="bench", Key=item["Key"])
 
 
 def main() -> None:
@@ -105,13 +115,32 @@ def main() -> None:
                 state = make_state(mib)
                 rows: dict[str, list[dict[str, float]]] = {"ours S3": [], "ours folder": [], "DCP+s3fs": []}
                 for r in range(args.rounds):
-                    rows["ours S3"].append(ours(f"s3://bench/ours-{mib}-{r}", state))
-                    rows["ours folder"].append(ours(os.path.join(tmp, f"folder-{mib}-{r}"), state))
-                    rows["DCP+s3fs"].append(dcp_fsspec(f"s3://bench/dcp-{mib}-{r}", state))
+                    s3_ours, s3_dcp = f"s3://bench/ours-{mib}-{r}", f"s3://bench/dcp-{mib}-{r}"
+                    folder = os.path.join(tmp, f"folder-{mib}-{r}")
+                    runs: list[tuple[str, Callable[[], dict[str, float]], str | None]] = [
+                        ("ours S3", functools.partial(ours, s3_ours, state), f"ours-{mib}-{r}"),
+                        ("ours folder", functools.partial(ours, folder, state), None),
+                        ("DCP+s3fs", functools.partial(dcp_fsspec, s3_dcp, state), f"dcp-{mib}-{r}"),
+                    ]
+                    for name, run, prefix in runs:
+                        try:
+                            got = run()
+                        except Exception as exc:  # noqa: BLE001 - reported, the others still run
+                            print(
+                                f"{mib} MiB round {r} {name}: FAILED {type(exc).__name__}: {str(exc)[:200]}"
+                            )
+                            continue
+                        rows[name].append(got)
+                        print(f"{mib} MiB round {r} {name}: {got}", flush=True)
+                        if prefix is not None:  # moto keeps every object in memory
+                            _empty(client, prefix)
+                        shutil.rmtree(os.path.join(tmp, f"folder-{mib}-{r}"), ignore_errors=True)
                 print(f"\n{mib} MiB, median of {args.rounds} (seconds)")
                 print(f"{'':14} {'blocked':>9} {'to commit':>10} {'restore':>9}")
-                for name, got in rows.items():
-                    med = {k: statistics.median(g[k] for g in got) for k in ("blocked", "commit", "restore")}
+                for name, done in rows.items():
+                    if not done:
+                        continue
+                    med = {k: statistics.median(g[k] for g in done) for k in ("blocked", "commit", "restore")}
                     print(f"{name:14} {med['blocked']:9.3f} {med['commit']:10.3f} {med['restore']:9.3f}")
     finally:
         proc.terminate()

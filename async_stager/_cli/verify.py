@@ -71,20 +71,24 @@ def add_verify_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--newest", action="store_true", help="check only the newest committed step")
 
 
-def _directory(text: str) -> Path:
-    """The DIR argument; an empty one (an unset shell variable) is a usage error, not
-    the current folder."""
+def _directory(text: str) -> Path | str:
+    """The DIR argument: a folder, or an object store's URL (``s3://bucket/prefix``,
+    as a str); an empty one (an unset shell variable) is a usage error, not the current
+    folder."""
     if not text:
         raise argparse.ArgumentTypeError("DIR is empty; give a Checkpointer directory or a step folder")
-    from async_stager._checkpoint.options import local_directory
+    from async_stager._checkpoint.options import resolve_directory
     from async_stager.errors import InvalidOptionError
 
     try:
-        return local_directory(text)  # a file:// URL names a folder; another scheme is refused
+        folder, url = resolve_directory(text)  # file:// names a folder; unsupported schemes are refused
     except InvalidOptionError as exc:
         raise argparse.ArgumentTypeError(
-            str(exc).replace("the Checkpointer writes to", "verify reads")
+            str(exc).replace(
+                "the Checkpointer does not support: it writes to", "verify does not read: it reads"
+            )
         ) from None
+    return folder if url is None else url
 
 
 class UsageProblem(Exception):
@@ -316,6 +320,8 @@ def run_verify(ns: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     ``out``; the exit status (see the module doc)."""
     from async_stager.errors import IntegrityError
 
+    if isinstance(ns.directory, str):
+        return _verify_store(ns.directory, ns.newest, out)
     try:
         folders, unordered = _folders(ns.directory, ns.newest)
     except UsageProblem as exc:
@@ -338,3 +344,40 @@ def run_verify(ns: argparse.Namespace, out: TextIO = sys.stdout) -> int:
             out.write(f"{folder.name}: ok ({summary})\n")
         out.flush()
     return status
+
+
+def _verify_store(url: str, newest: bool, out: TextIO) -> int:
+    """``verify`` of an object store's committed steps, newest commit first: each
+    downloaded into the scratch folder (``options.scratch_folder``) and verified there."""
+    from async_stager._checkpoint.commit import StepGone, step_name
+    from async_stager._checkpoint.options import scratch_folder
+    from async_stager._checkpoint.store_place import StorePlace
+    from async_stager.errors import IntegrityError, StoreError
+
+    place = StorePlace(url, scratch_folder(url))
+    try:
+        place.open()
+        steps = list(reversed(place.committed_steps()))
+        if not steps:
+            print(f"async-stager: error: {url} holds no committed checkpoint", file=sys.stderr)
+            return 2
+        status = 0
+        for step in steps[:1] if newest else steps:
+            try:
+                with place.reading(step) as (folder, _seq, _held):
+                    summary = verify_folder(step, folder)
+            except StepGone:
+                out.write(f"{step_name(step)}: retired while it was read (not checked)\n")
+                continue
+            except IntegrityError as exc:
+                out.write(f"{step_name(step)}: FAILED: {exc}\n")
+                status = 1
+            else:
+                out.write(f"{step_name(step)}: ok ({summary})\n")
+            out.flush()
+        return status
+    except StoreError as exc:
+        print(f"async-stager: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        place.close()

@@ -74,12 +74,12 @@ def test_verify_refuses_a_url_in_one_line(tmp_path: Path) -> None:
     import sys
 
     done = subprocess.run(
-        [sys.executable, "-m", "async_stager", "verify", "s3://bucket/run"],
+        [sys.executable, "-m", "async_stager", "verify", "gs://bucket/run"],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=tmp_path,
     )
     assert done.returncode == 2
-    assert "s3://bucket/run" in done.stderr and "Traceback" not in done.stderr
+    assert "gs://bucket/run" in done.stderr and "Traceback" not in done.stderr
     assert list(tmp_path.iterdir()) == []

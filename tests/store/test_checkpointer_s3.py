@@ -170,3 +170,37 @@ async def test_a_restore_error_names_the_objects_not_the_local_copy(bucket: str,
         with pytest.raises(CheckpointError) as info:
             await ckpt.restore({"other": torch.zeros(3)})
     assert f"{url}/step-00000001." in str(info.value) and ".read-" not in str(info.value)
+
+
+def test_verify_reads_a_store(
+    bucket: str, moto_port: int, scratch: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python -m async_stager verify s3://...``: each committed step downloaded and
+    checked, newest first; a damaged one FAILED (exit status 1)."""
+    import anyio
+
+    from async_stager._cli.main import main
+
+    url = f"s3://{bucket}/run"
+
+    async def save() -> None:
+        async with Checkpointer(url, keep=3) as ckpt:
+            for step in (1, 2):
+                await ckpt.save(_state(float(step)), step=step)
+            await ckpt.wait()
+
+    anyio.run(save)
+    assert main(["verify", url]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split(":")[0] for ln in lines] == ["step-00000002", "step-00000001"] and "ok" in lines[0]
+    client = admin_client(moto_port)
+    key = next(
+        k for k in _keys(moto_port, bucket) if k.startswith("run/step-00000001.") and k.endswith(".distcp")
+    )
+    body = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[-100] ^= 1
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    assert main(["verify", url]) == 1
+    out = capsys.readouterr().out
+    assert "step-00000001: FAILED" in out and "step-00000002: ok" in out
+    assert main(["verify", f"s3://{bucket}/empty"]) == 2
