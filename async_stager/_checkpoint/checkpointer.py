@@ -266,6 +266,7 @@ class Checkpointer:
             await run_in_thread(self._place.open, name="async-stager-open")
             token = await self._meet(root, ranks)
         except BaseException:
+            self._place.close()  # (a store's connections and thread)
             if self._ledger is not None:
                 self._ledger.close()  # nothing was reserved through it yet
                 self._ledger = None

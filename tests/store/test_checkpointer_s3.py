@@ -5,6 +5,7 @@ that verifies with fallback past a damaged one, a step saved again, the budget."
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,8 @@ async def test_save_keep_latest_restore(bucket: str, moto_port: int, scratch: Pa
         state = _state(0.0)
         assert await again.restore(state, step=2) == 2 and state["n"] == 2
     assert not any(p.name.startswith((".tmp-", ".read-")) for p in scratch.rglob("*"))
+    # Closed: the store's connections and its I/O thread are gone.
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("async-stager-store")]
 
 
 async def test_restore_falls_back_past_a_damaged_step(bucket: str, moto_port: int, scratch: Path) -> None:
