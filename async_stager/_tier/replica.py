@@ -244,7 +244,8 @@ def send_snapshot(
     if out.payload:
         _send(_bytes_tensor(out.payload), dst, group, tag)
     whole = True
-    for fd, n in zip(out.fds, sizes):
+    last = (len(sizes) - 1, max(0, (sizes[-1] - 1) // chunk * chunk)) if sizes else (-1, -1)
+    for slot, (fd, n) in enumerate(zip(out.fds, sizes)):
         mm = mmap.mmap(fd, n, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         try:
             arena = torch.frombuffer(mm, dtype=torch.uint8)
@@ -256,7 +257,7 @@ def send_snapshot(
                     part = torch.zeros(part.numel(), dtype=torch.uint8)
                 t0 = time.monotonic()
                 _send(part, dst, group, tag)
-                if pacer is not None and whole:
+                if pacer is not None and whole and (slot, a) != last:  # no wait after the last
                     pacer.after(part.numel(), time.monotonic() - t0)
             del arena, part
         finally:

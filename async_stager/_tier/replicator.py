@@ -121,6 +121,10 @@ class Replicator:
         self.session = f"{os.getpid()}-replicas"
         #: The step being sent (the tier keeps its buffers), and since when.
         self.pinned: int | None = None
+        #: The step every rank replicates now (the tier decides it from the ranks'
+        #: exchanges), and the newest this rank finished sending (verified or not).
+        self.target: int | None = None
+        self.done: int | None = None
         self._since = 0.0
         self._bytes = 0
         #: Steps of this rank its peer verified (newest last, a few).
@@ -154,10 +158,12 @@ class Replicator:
             tg.start_soon(self._sender)
 
     def offer(self, step: int, out: Outgoing) -> None:
-        """The rank's agent holds ``step`` complete: send it once the link is free
-        (replacing one offered and not yet sent)."""
+        """Send ``step`` (complete in the rank's agent, kept by the tier from now until
+        ``done``) once the link is free (replacing one offered and not yet sent)."""
         if not self.on or self._wake is None:
+            self.done = step
             return
+        self.pinned, self._since = step, time.monotonic()
         self._offer = (step, out)
         self._wake.set()
 
@@ -212,15 +218,18 @@ class Replicator:
                 if offer is None or self._stopping.is_set():
                     continue
                 step, out = offer
-                if self._held(step):
-                    await self._send(step, out)
+                try:
+                    if self._held(step):
+                        await self._send(step, out)
+                finally:
+                    self.pinned, self.done = None, step
         finally:
             self._task_done.set()
 
     async def _send(self, step: int, out: Outgoing) -> None:
         peer = self.peer
         assert peer is not None
-        self.pinned, self._since, self._bytes = step, time.monotonic(), int(out.body.get("nbytes", 0))
+        self._since, self._bytes = time.monotonic(), int(out.body.get("nbytes", 0))
         pacer = Pacer(self.options, self._stopping)
         t0 = time.monotonic()
 
@@ -246,12 +255,10 @@ class Replicator:
             )
             _log.warning("replication to rank %d broke at step %d: %s", peer, step, exc)
             return
-        finally:
-            self.pinned = None
         seconds = time.monotonic() - t0
         s = self._stats()
         if ack is Ack.HELD and whole:
-            self.verified = [*self.verified[-3:], step]
+            self.verified = [s for s in self.verified if self._held(s)] + [step]
             rate = pacer.sent / pacer.busy if pacer.busy > 0 else 0.0
             self._update(
                 replicated=s.replicated + 1,

@@ -96,10 +96,11 @@ class Agreement:
     """The ranks' exchanges of the steps each holds complete (see the module doc).
 
     ``agree(steps)``: a blocking all-gather of this rank's list on a process group of
-    the tier's own; ``published()``: this rank's complete steps now and those of them
-    replicated (read from the exchanges' thread: fresh tuples); ``on_common(step,
-    replicated)``: awaited on the loop after each exchange with the newest common step
-    and the newest common replicated one (None: none); ``on_broken``:
+    the tier's own; ``published()``: this rank's complete steps now, those of them
+    replicated and what its replication reports (read from the exchanges' thread: fresh
+    tuples); ``on_common(step, replicated, reports)``: awaited on the loop after each
+    exchange with the newest common step, the newest common replicated one (None:
+    none) and every rank's report; ``on_broken``:
     the exchange failed (a rank died) or its loop side was cancelled: no more exchanges.
 
     Hazard: the collectives run in a thread of their own, one ticket after another, as
@@ -112,8 +113,8 @@ class Agreement:
         self,
         agree: Callable[[list[Any]], list[Any]],
         *,
-        published: Callable[[], tuple[Sequence[int], Sequence[int]]],
-        on_common: Callable[[int | None, int | None], Awaitable[None]],
+        published: Callable[[], tuple[Sequence[int], Sequence[int], Sequence[int]]],
+        on_common: Callable[[int | None, int | None, list[Any]], Awaitable[None]],
         on_broken: Callable[[BaseException], None],
     ) -> None:
         self._agree = agree
@@ -184,8 +185,7 @@ class Agreement:
                 t.gathered.set_exception(failed)
                 continue
             try:
-                held, replicated = self._published()
-                got = self._agree([list(held), list(replicated)])
+                got = self._agree([list(part) for part in self._published()])
             except BaseException as exc:  # noqa: BLE001 - a dead rank: handed to the loop
                 failed = exc
                 t.gathered.set_exception(exc)
@@ -200,9 +200,9 @@ class Agreement:
             if self.broken is None:
                 # Each rank's (held, replicated): its complete steps, and those of them
                 # its peer node verified (``replicator``: empty without replication).
-                self.common = newest_common([[int(s) for s in held] for held, _ in got])
-                self.replicated = newest_common([[int(s) for s in rep] for _, rep in got])
-                await self._on_common(self.common, self.replicated)
+                self.common = newest_common([[int(s) for s in g[0]] for g in got])
+                self.replicated = newest_common([[int(s) for s in g[1]] for g in got])
+                await self._on_common(self.common, self.replicated, [g[2] for g in got])
         except BaseException as exc:  # a dead rank, or this task cancelled
             # An exchange failed, or its answer will not be applied: the ranks' views
             # are out of step from here on: no more exchanges.

@@ -140,8 +140,10 @@ class MemoryTier:
         self._restored: int | None = None
         #: The newest step every rank holds with its replica verified (``replicator``).
         self._replicated: int | None = None
-        #: Replication to another node's agent (set by whoever builds the tier).
+        #: Replication to another node's agent (set by whoever builds the tier), and
+        #: what it sends of each complete snapshot held.
         self.replicator: Replicator | None = None
+        self._outgoing: dict[int, Outgoing] = {}
         self._agreement = (
             None
             if agree is None
@@ -455,22 +457,46 @@ class MemoryTier:
             return None
         return min([base, *held])
 
-    def _published(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def _published(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         # Read from the exchanges' thread: one reference taken, then fresh tuples.
         held = tuple(s for s, _ in self._held)
-        verified = self.replicator.verified if self.replicator is not None else []
-        return held, tuple(s for s in held if s in verified)
+        rep = self.replicator
+        if rep is None:
+            return held, (), ()
+        return held, tuple(s for s in held if s in rep.verified), (-1 if rep.done is None else rep.done,)
 
-    async def _on_common(self, common: int | None, replicated: int | None = None) -> None:
-        """After an exchange: let go of what the rule allows (``retention``), never the
-        step being replicated nor the newest step every rank has replicated."""
+    async def _on_common(
+        self, common: int | None, replicated: int | None = None, extras: list[Any] | None = None
+    ) -> None:
+        """After an exchange: the next step to replicate (``_replicate_next``), then let
+        go of what the rule allows (``retention``), never the step being replicated nor
+        the newest step every rank has replicated."""
         async with self._retaining:
             self._common = common
             self._replicated = replicated
+            self._replicate_next(common, extras or [])
             pins = self._pins()
             drop = [s for s in droppable(self.held_steps(), common, self.keep) if s not in pins]
             if drop and self.available:
                 await self._let_go(drop)
+
+    def _replicate_next(self, common: int | None, extras: list[Any]) -> None:
+        """Every rank replicates the same steps, so that a step replicated by every rank
+        exists: once every rank reported the previous one done (sent, verified or not),
+        the newest common step is the next. A function of the exchanges' answers alone,
+        applied in order: every rank decides the same at the same exchange."""
+        rep = self.replicator
+        if rep is None or common is None or not extras:
+            return
+        target = -1 if rep.target is None else rep.target
+        if {int(e[0]) if e else -1 for e in extras} != {target} or common <= target:
+            return
+        rep.target = common
+        out = self._outgoing.get(common)
+        if out is None:
+            rep.done = common  # not held here any more (a failure): the round goes on
+        else:
+            rep.offer(common, out)
 
     async def _let_go(self, steps: list[int]) -> None:
         """Have the agent forget ``steps`` (of ``_held``), then release their buffers.
@@ -594,7 +620,8 @@ class MemoryTier:
                 "arenas": sizes, "refs": [list(r) for r in handle.refs], "digests": digests,
                 "piece_bytes": PIECE_BYTES, "tensors": handle.tensors, "nbytes": handle.nbytes,
             }  # fmt: skip
-            self.replicator.offer(step, Outgoing(body, handle.payload, fds))
+            self._outgoing = {s: o for s, o in self._outgoing.items() if s in self.held_steps()}
+            self._outgoing[step] = Outgoing(body, handle.payload, fds)
         self._update(
             saved=self._stats.saved + 1,
             last_step=step,

@@ -12,7 +12,7 @@ other node, ``disk``, ``none``). Then trains up to STEPS, saving every step, pri
 its replica is verified or refused: a deterministic kill point), ``mid`` (replicas
 paced to ``RATE`` bytes per second; prints ``REPLICATING step`` while one is sent),
 ``free`` (nothing waits for replication). Environment: ``PERSIST`` (default 10**9),
-``RATE``, ``BIG`` (a rank whose state is 8x bigger: for the memory bound).
+``RATE``, ``BIG`` (a rank whose state has 16 MiB more: for the memory bound).
 """
 
 from __future__ import annotations
@@ -22,18 +22,31 @@ import os
 import sys
 import time
 import warnings
+from typing import Any
 
 import anyio
 import torch
 
-from tests.tier.job_kill_child import N, advance, initial, replay, same, say
+from tests.tier.job_kill_child import N, advance, initial, replay, same
+
+
+def say(text: str) -> None:
+    # Under torchrun the ranks of a node share its launcher's stdout: each line says whose.
+    prefix = f"R{os.environ['RANK']} " if "LOCAL_RANK" in os.environ else ""
+    sys.stdout.write(prefix + text + "\n")
+    sys.stdout.flush()
 
 
 def state_of(rank: int) -> dict[str, object]:
     state = initial(rank)
     if os.environ.get("BIG") == str(rank):
-        state["big"] = torch.arange(8 * N, dtype=torch.float32)
+        state["big"] = torch.arange(64 * N, dtype=torch.float32)
     return state
+
+
+def failed(ckpt: Any) -> int:
+    s = ckpt.memory
+    return int(s.replica_skipped + s.replica_failures)
 
 
 async def main(directory: str, job: str, base: str, steps: int, mode: str, rank: int) -> None:
@@ -41,12 +54,20 @@ async def main(directory: str, job: str, base: str, steps: int, mode: str, rank:
 
     from async_stager import AgentClient, Checkpointer
 
-    state = state_of(rank)
+    # Each rank's tensors under a key of its own: DCP takes tensors of one name on
+    # several ranks for one replicated tensor, and writes it once.
+    inner = state_of(rank)
+    state = {f"rank{rank}": inner}
     rate = float(os.environ["RATE"]) if os.environ.get("RATE") else None
     client = AgentClient(job, base=base, timeout=30)
     persist = int(os.environ.get("PERSIST", str(10**9)))
     async with Checkpointer(
-        directory, agent=client, memory_every=1, persist_every=persist, replicate=True, replica_rate=rate
+        directory,
+        agent=client,
+        memory_every=1,
+        persist_every=persist,
+        replicate=os.environ.get("REPLICATE", "1") == "1",
+        replica_rate=rate,
     ) as ckpt:
         got = await ckpt.restore(state)
         step = got or 0
@@ -56,25 +77,29 @@ async def main(directory: str, job: str, base: str, steps: int, mode: str, rank:
         if got is not None and stats.restored == got:
             where = "peer" if stats.restored_from_peer else "memory"
         expected = replay(step, rank)
-        if "big" in state:
-            expected["big"] = state_of(rank)["big"]
-        if not same(state, expected):
+        if not same(inner, expected):
             say(f"MISMATCH {got}")
             os._exit(3)
         say(f"RESTORED {got} {where}")
         while step < steps:
+            before_failed = failed(ckpt)
             step += 1
-            advance(state, step, rank)
+            advance(inner, step, rank)
             dist.all_reduce(torch.ones(1))
             if await ckpt.save(state, step=step):
                 say(f"SAVED {step}")
             if mode == "sync":
-                end = time.monotonic() + 60
+                # Until this step's replica is verified, or refused (counted), or none
+                # comes (the job's common step did not move: a rank's agent is away).
+                await ckpt.wait()
+                end = time.monotonic() + (60 if before_failed == failed(ckpt) else 0)
                 while time.monotonic() < end:
                     s = ckpt.memory
                     assert s is not None
-                    if s.replica_step == step or s.replica_skipped + s.replica_failures >= step:
+                    if s.replica_step == step or failed(ckpt) > before_failed:
                         break
+                    if not ckpt.in_flight() and time.monotonic() > end - 57:
+                        break  # nothing being sent three seconds on: none was decided
                     await anyio.sleep(0.005)
             elif mode == "mid":
                 for _ in range(2000):

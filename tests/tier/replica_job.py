@@ -96,27 +96,19 @@ class Proc:
 def rank(
     directory: Path, job: str, base: str, steps: int, mode: str, r: int, world: int, port: int, **env: str
 ) -> Proc:
-    """Rank ``r`` of a job of ``world`` ranks (plain gloo rendezvous on ``port``)."""
-    cmd = [
-        sys.executable,
-        str(CHILD),
-        str(directory),
-        job,
-        base,
-        str(steps),
-        mode,
-        str(r),
-        str(world),
-        str(port),
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL if not env.pop("STDERR", "") else None,
-        text=True,
-        env=dict(child_env(), OMP_NUM_THREADS="1", **env),
-        start_new_session=True,
-    )
+    """Rank ``r`` of a job of ``world`` ranks (plain gloo rendezvous on ``port``); its
+    stderr goes to ``rank<r>.err`` beside ``directory`` (appended)."""
+    cmd = [sys.executable, str(CHILD), str(directory), job, base, str(steps), mode]
+    cmd += [str(r), str(world), str(port)]
+    with open(directory.parent / f"rank{r}.err", "a") as err:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env=dict(child_env(), OMP_NUM_THREADS="1", **env),
+            start_new_session=True,
+        )
     return Proc(proc).start_reading()
 
 

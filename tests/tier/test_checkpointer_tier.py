@@ -321,10 +321,10 @@ class Peer:
         self.calls = 0
 
     def agree(self, mine: list[list[int]]) -> list[list[list[int]]]:
-        # Each rank's (complete steps, those replicated): nothing replicated here.
+        # Each rank's (complete steps, those replicated, its replication): none here.
         self.go.wait(60)
         self.calls += 1
-        return [mine, [list(self.steps), []]]
+        return [mine, [list(self.steps), [], []]]
 
 
 async def _held(agent: Agent) -> list[int]:
