@@ -159,7 +159,7 @@ class Checkpointer:
         agent_timeout: float = 5.0,
         incremental: bool = False,
         replicate: bool = False,
-        replica_share: float = 0.5,
+        replica_share: float = 0.1,
         replica_rate: float | None = None,
     ) -> None:
         import torch.distributed.checkpoint  # noqa: F401 - imported here, not first in two threads at once

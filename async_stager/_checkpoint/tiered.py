@@ -81,7 +81,7 @@ def make_tier(
     keep: int = 2,
     namespace: str = "",
     replicate: bool = False,
-    replica_share: float = 0.5,
+    replica_share: float = 0.1,
     replica_rate: float | None = None,
 ) -> tuple[MemoryTier | None, TierSchedule]:
     """The memory tier for ``agent`` (a job id, or a client), or None without one

@@ -90,7 +90,7 @@ class Replication:
     <= 1, each chunk's send measured), ``rate`` bytes per second at most (None: no
     cap), ``chunk_bytes`` per send."""
 
-    share: float = 0.5
+    share: float = 0.1
     rate: float | None = None
     chunk_bytes: int = 4 << 20
 

@@ -35,6 +35,7 @@ import anyio
 from async_stager._core.aio.threads import run_in_thread
 from async_stager._share.handoff import AttachedStateDict, SharedArenaRef, SharedHandle, attach_shared
 from async_stager._tier.client import AgentClient, Fetched, verify_fetched
+from async_stager._tier.regions import PIECE_BYTES
 from async_stager._tier.replica import (
     BYE,
     RESTORE_TAG,
@@ -130,6 +131,8 @@ class Replicator:
         #: Steps of this rank its peer verified (newest last, a few).
         self.verified: list[int] = []
         self._offer: tuple[int, Outgoing] | None = None
+        #: What to send of each complete snapshot the tier holds.
+        self._outgoing: dict[int, Outgoing] = {}
         self._wake: anyio.Event | None = None
         self._stopping = threading.Event()
         self._broken = False
@@ -137,12 +140,57 @@ class Replicator:
         self._task_done: anyio.Event | None = None
         self._threads: list[threading.Thread] = []
 
+    #: Buffer sets the tier keeps apart: the step being sent, and the newest step every
+    #: rank has replicated (kept locally), so that a save never waits for replication.
+    EXTRA_SETS = 2
+
+    def pins(self, replicated: int | None) -> set[int]:
+        """The steps the tier must keep: the one being sent and ``replicated``."""
+        return {s for s in (self.pinned, replicated) if s is not None}
+
     @property
     def on(self) -> bool:
         """This rank sends replicas (a peer, and the link to it not broken)."""
         return self.peer is not None and not self._broken
 
     # -- the loop's side ---------------------------------------------------------------
+
+    def keep(
+        self, step: int, timeline: str, handle: SharedHandle, digests: list[list[int]], held: list[int]
+    ) -> None:
+        """The rank's agent holds ``step`` complete (``handle``: its arenas, this
+        process's; ``digests``: its regions'): what to send if it is chosen, kept while
+        the tier holds it (``held``: the steps it holds)."""
+        body = {
+            "step": step, "timeline": timeline, "world": self.world, "rank": self.rank,
+            "arenas": [a.nbytes for a in handle.arenas], "refs": [list(r) for r in handle.refs],
+            "digests": digests, "piece_bytes": PIECE_BYTES, "tensors": handle.tensors, "nbytes": handle.nbytes,
+        }  # fmt: skip
+        self._outgoing = {s: o for s, o in self._outgoing.items() if s in held}
+        self._outgoing[step] = Outgoing(body, handle.payload, [a.fd for a in handle.arenas])
+
+    def report(self, held: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """What this rank tells the others at an exchange (from the exchanges' thread):
+        its ``held`` steps its peer verified, and the newest step it finished sending."""
+        return tuple(s for s in held if s in self.verified), (-1 if self.done is None else self.done,)
+
+    def decide(self, common: int | None, reports: list[Any]) -> None:
+        """After an exchange (on the loop): every rank replicates the same steps, so that
+        a step replicated by every rank exists. Once every rank reported the previous one
+        done (sent, verified or not), the newest common step is the next. A function of
+        the exchanges' answers alone, applied in order: every rank decides the same at
+        the same exchange."""
+        if common is None or not reports:
+            return
+        target = -1 if self.target is None else self.target
+        if {int(e[0]) if e else -1 for e in reports} != {target} or common <= target:
+            return
+        self.target = common
+        out = self._outgoing.get(common)
+        if out is None:
+            self.done = common  # not held here any more (a failure): the round goes on
+        else:
+            self.offer(common, out)
 
     def open(self, tg: anyio.abc.TaskGroup) -> None:
         """Start the receivers (threads) and the sender (a task of ``tg``)."""

@@ -22,6 +22,11 @@ in common with it. Hence the rule, checked where the ranks meet:
   commit a step (refused, agent gone); then the oldest snapshot that is not the common
   one goes (the promise is already broken by that rank's failure, which it logged).
 
+With replication (``replicator``) each rank also reports the steps it holds whose
+replica its peer node verified, and what it finished sending: the newest step every
+rank replicated is kept too (a lost node restores it), and every rank replicates the
+same next step, decided from the same answers.
+
 Why the promise holds: a rank's ``save(n)`` returns only after its own snapshot of
 *n-1* ended (one snapshot at a time), so once every rank returned from ``save(n)``,
 every rank holds *n-1* complete, and none lets go of it before all hold a newer one.

@@ -1,40 +1,26 @@
 """A trainer's memory tier: snapshots handed to the node agent, restored from it.
 
-A snapshot costs its caller the stage only: the stage into this tier's own Stager,
-whose arenas are memfds (``share_memory=True``; pinned as well where a CUDA device
-copies into them): the memory the copies land in is the memory handed over, by
-descriptor, with no second copy. In the background: BEGIN (the agent lists the step
-as being written), the staged regions hashed (a thread), COMMIT; the agent re-hashes
-them and holds them.
+A snapshot costs its caller the stage only, into this tier's own Stager whose arenas
+are memfds (``share_memory=True``; pinned too where a CUDA device copies into them):
+the memory the copies land in is handed over by descriptor, no second copy. In the
+background: BEGIN, the regions hashed (a thread), COMMIT; the agent re-hashes them.
 
-Buffers: the tier's Stager has ``keep + 1`` buffer sets. The tier holds the leases of
-the complete snapshots it keeps (no stage writes into them) and stages into a free
-set. Which it keeps is the job's decision (``retention``): a snapshot goes only once
-every rank holds a newer one complete (and the newest ``keep`` stay); the agent forgets
-it first (``RETAIN``, or the ``protect`` of a ``COMMIT``), and the tier releases its
-buffers once that is answered. So the agent never holds as complete a snapshot whose
-buffers a stage may be writing. (After a failure, where what the agent holds is
-unknown, the next save BEGINs, and the agent forgets, before the stage writes.)
+Buffers: ``keep + 1`` buffer sets (2 more with a ``replicator``: the step being sent,
+the newest every rank replicated). The tier holds the leases of the complete snapshots
+it keeps and stages into a free set. Which it keeps is the job's decision
+(``retention``); the agent forgets a snapshot first (``RETAIN``, or a ``COMMIT``'s
+``protect``) and the tier releases its buffers once that is answered, so the agent
+never holds as complete a buffer a stage may be writing (after a failure the next save
+BEGINs first).
 
-A Checkpointer's snapshots travel its memory route (``_checkpoint/routes/memory``),
-whose save queue applies the policy, through ``ticket`` (at the call), ``prepare``
-(before the stage writes) and ``commit`` (the hand-over); ``save`` is the tier alone
-(a tool, a test), one snapshot at a time, with ``policy``.
-
-Failures never stop training: an agent that is gone or too slow (AgentUnavailableError,
-AgentTimeoutError) turns the tier off with one warning (saves return False; the
-Checkpointer's disk saves go on), and it is tried again ``retry_seconds`` later (a
-restarted agent starts empty and is used again). With no agent there at all, a save
-returns False (the tier connects while the stage runs). A snapshot the agent refuses
-(its memory bound, checksums) is logged and not held. The ranks' exchanges failing (a
-rank died) turn the tier off for good, with one warning.
-
-Restore: ``complete_snapshots`` (what the agent holds for this rank, of this world
-size: step and timeline) and ``load(step, timeline)``: the snapshot's descriptors,
-trusted if the agent sealed and verified it after its writer was gone, else verified
-here (every byte read once), attached without a copy (``loading``).
-The caller decides the step with the other ranks (never a step mixed from memory and
-disk: ``_checkpoint`` does that).
+The Checkpointer's memory route (``_checkpoint/routes/memory``) drives ``ticket``,
+``prepare`` and ``commit``; ``save`` is the tier alone (a tool, a test). Failures never
+stop training: an agent gone or too slow turns the tier off with one warning, tried
+again ``retry_seconds`` later; a refused snapshot is logged and not held; the ranks'
+exchanges failing (a rank died) turn it off for good. Restore: ``complete_snapshots``
+and ``load(step, timeline)``: the snapshot's descriptors, trusted if the agent sealed
+and verified it after its writer was gone, else verified here, attached without a copy
+(``loading``); the caller decides the step with the other ranks (``_checkpoint/tiered``).
 """
 
 from __future__ import annotations
@@ -61,7 +47,6 @@ from async_stager._share.handoff import export_shared
 from async_stager._tier.client import AgentClient
 from async_stager._tier.loading import Loaded, load_snapshot
 from async_stager._tier.regions import PIECE_BYTES, ArenaMaps, digests_of, regions_of
-from async_stager._tier.replica import Outgoing
 from async_stager._tier.retention import Agreement, Ticket, droppable, forced
 from async_stager._tier.stats import MemoryStats, TierProgress
 from async_stager.errors import (
@@ -140,10 +125,8 @@ class MemoryTier:
         self._restored: int | None = None
         #: The newest step every rank holds with its replica verified (``replicator``).
         self._replicated: int | None = None
-        #: Replication to another node's agent (set by whoever builds the tier), and
-        #: what it sends of each complete snapshot held.
+        #: Replication to another node's agent (set by whoever builds the tier).
         self.replicator: Replicator | None = None
-        self._outgoing: dict[int, Outgoing] = {}
         self._agreement = (
             None
             if agree is None
@@ -190,13 +173,10 @@ class MemoryTier:
 
     @property
     def _extra(self) -> int:
-        # Replicating: sets kept apart for the step being sent and the newest step
-        # every rank has replicated, so that a save never waits for replication.
-        return 2 if self.replicator is not None else 0
+        return self.replicator.EXTRA_SETS if self.replicator is not None else 0
 
     def _pins(self) -> set[int]:
-        r = self.replicator
-        return {s for s in (r.pinned if r is not None else None, self._replicated) if s is not None}
+        return self.replicator.pins(self._replicated) if self.replicator is not None else set()
 
     def held_steps(self) -> list[int]:
         """The steps of this rank's complete snapshots whose buffers it holds."""
@@ -461,9 +441,7 @@ class MemoryTier:
         # Read from the exchanges' thread: one reference taken, then fresh tuples.
         held = tuple(s for s, _ in self._held)
         rep = self.replicator
-        if rep is None:
-            return held, (), ()
-        return held, tuple(s for s in held if s in rep.verified), (-1 if rep.done is None else rep.done,)
+        return (held, *rep.report(held)) if rep is not None else (held, (), ())
 
     async def _on_common(
         self, common: int | None, replicated: int | None = None, extras: list[Any] | None = None
@@ -474,29 +452,12 @@ class MemoryTier:
         async with self._retaining:
             self._common = common
             self._replicated = replicated
-            self._replicate_next(common, extras or [])
+            if self.replicator is not None:
+                self.replicator.decide(common, extras or [])
             pins = self._pins()
             drop = [s for s in droppable(self.held_steps(), common, self.keep) if s not in pins]
             if drop and self.available:
                 await self._let_go(drop)
-
-    def _replicate_next(self, common: int | None, extras: list[Any]) -> None:
-        """Every rank replicates the same steps, so that a step replicated by every rank
-        exists: once every rank reported the previous one done (sent, verified or not),
-        the newest common step is the next. A function of the exchanges' answers alone,
-        applied in order: every rank decides the same at the same exchange."""
-        rep = self.replicator
-        if rep is None or common is None or not extras:
-            return
-        target = -1 if rep.target is None else rep.target
-        if {int(e[0]) if e else -1 for e in extras} != {target} or common <= target:
-            return
-        rep.target = common
-        out = self._outgoing.get(common)
-        if out is None:
-            rep.done = common  # not held here any more (a failure): the round goes on
-        else:
-            rep.offer(common, out)
 
     async def _let_go(self, steps: list[int]) -> None:
         """Have the agent forget ``steps`` (of ``_held``), then release their buffers.
@@ -615,13 +576,7 @@ class MemoryTier:
             if self._agreement is None:
                 self._common = step
         if self.replicator is not None:
-            body = {
-                "step": step, "timeline": self.timeline, "world": self.world, "rank": self.rank,
-                "arenas": sizes, "refs": [list(r) for r in handle.refs], "digests": digests,
-                "piece_bytes": PIECE_BYTES, "tensors": handle.tensors, "nbytes": handle.nbytes,
-            }  # fmt: skip
-            self._outgoing = {s: o for s, o in self._outgoing.items() if s in self.held_steps()}
-            self._outgoing[step] = Outgoing(body, handle.payload, fds)
+            self.replicator.keep(step, self.timeline, handle, digests, self.held_steps())
         self._update(
             saved=self._stats.saved + 1,
             last_step=step,
