@@ -247,8 +247,9 @@ def main() -> int:
     args = p.parse_args()
     job = f"bench-{os.getpid()}"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    bound = str(max(args.sizes_mib) * MiB * 4)  # the node's memory is shared: ask for what it needs
     agent = subprocess.Popen(
-        [sys.executable, "-m", "async_stager", "agent", "--job", job, "--max-bytes", str(8 << 30)],
+        [sys.executable, "-m", "async_stager", "agent", "--job", job, "--max-bytes", bound],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
