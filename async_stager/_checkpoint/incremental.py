@@ -159,9 +159,12 @@ class Increments:
             if base is None:
                 return None
             plan = self._decide(base, staged, table)
+            linked = True
             if plan is not None and ranks.coordinator:
-                self._link_files(plan, tmp)
-            ranks.broadcast(None)  # every rank read the base before the hold goes
+                linked = self._link_files(plan, tmp)
+            # Every rank read the base before the hold goes, and learns the links' fate.
+            if not ranks.broadcast(linked):
+                plan = None
         finally:
             self._let_go(seq)
         if plan is not None:
@@ -201,15 +204,26 @@ class Increments:
         )
         return Plan(base[0], folder, base[1], frozenset(reused), skip, nbytes, md)
 
-    def _link_files(self, plan: Plan, tmp: Path) -> None:
-        """Coordinator: link the base's data files that ``plan``'s references name."""
-        for index, info in plan.metadata.storage_data.items():
-            rel = str(info.relative_path)
-            if index.fqn in plan.reused and rel not in plan.names:
-                name = plan.names[rel] = (
-                    rel if rel.startswith(REF_PREFIX) else f"{REF_PREFIX}{plan.seq}-{rel}"
-                )
-                _link(plan.folder / rel, tmp / name)
+    def _link_files(self, plan: Plan, tmp: Path) -> bool:
+        """Coordinator: link the base's data files that ``plan``'s references name;
+        False (none left behind, a warning) when one can be neither linked nor copied:
+        the save then writes everything."""
+        try:
+            for index, info in plan.metadata.storage_data.items():
+                rel = str(info.relative_path)
+                if index.fqn in plan.reused and rel not in plan.names:
+                    name = rel if rel.startswith(REF_PREFIX) else f"{REF_PREFIX}{plan.seq}-{rel}"
+                    _link(plan.folder / rel, tmp / name)
+                    plan.names[rel] = name
+        except OSError as exc:
+            _log.warning(
+                "incremental: step %d is not referenced, every tensor is written: %s", plan.step, exc
+            )
+            for name in plan.names.values():
+                with contextlib.suppress(OSError):
+                    (tmp / name).unlink()
+            return False
+        return True
 
     def _let_go(self, seq: int) -> None:
         with self._lock:

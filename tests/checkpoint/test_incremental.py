@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -196,3 +198,84 @@ async def test_two_writers_on_one_folder_mix_and_lose_nothing(tmp_path: Path, an
                 assert await writer.restore(target, step=kept) == kept
                 equal(target, saved[kept])
     assert cli_main(["verify", str(tmp_path)]) == 0
+
+
+@pytest.mark.anyio
+async def test_the_memory_tiers_persisted_steps_are_incremental(tmp_path: Path, anyio_backend: Any) -> None:
+    """With a memory tier, the steps persisted to the folder (every ``persist_every``)
+    reference the previous persisted one; a new Checkpointer without the agent
+    restores each from the folder."""
+    import anyio
+
+    from async_stager._tier.agent import Agent
+    from async_stager._tier.client import AgentClient
+
+    base = tempfile.mkdtemp(prefix="ast-", dir="/tmp")  # a Unix socket's path is short
+    agent = Agent("inc", max_bytes=1 << 28, base=base)
+    stats: list[SaveStats] = []
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(agent.serve)
+            try:
+                client = AgentClient("inc", base=base)
+                async with Checkpointer(
+                    tmp_path, keep=2, agent=client, persist_every=2, incremental=True, on_saved=stats.append
+                ) as ckpt:
+                    for step in range(1, 7):
+                        assert await ckpt.save(lora(step), step=step)
+                        await ckpt.wait()
+                        while ckpt.in_flight():
+                            await anyio.sleep(0.01)
+                    assert ckpt.steps() == [4, 6]
+            finally:
+                await agent.stop()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    assert [s.step for s in stats] == [2, 4, 6]
+    assert [s.reused_bytes for s in stats] == [0, BASE * 4, BASE * 4]
+    async with Checkpointer(tmp_path, keep=2) as ckpt:
+        for step in (4, 6):
+            target = blank()
+            assert await ckpt.restore(target, step=step, fallback=False) == step
+            equal(target, lora(step))
+
+
+@pytest.mark.anyio
+async def test_without_hard_links_the_data_is_copied_or_written(
+    tmp_path: Path, anyio_backend: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A file system without hard links: the base's file is copied into the step (a
+    warning; the step still writes only what changed); where it cannot be copied
+    either, the save writes everything. Each step restores whole."""
+    import errno
+    import shutil as _shutil
+
+    def no_link(src: Any, dst: Any) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted (injected)", str(dst))
+
+    monkeypatch.setattr(os, "link", no_link)
+    stats: list[SaveStats] = []
+    with caplog.at_level(logging.WARNING, logger="async_stager"):
+        async with Checkpointer(tmp_path, keep=3, incremental=True, on_saved=stats.append) as ckpt:
+            await ckpt.save(lora(1), step=1)
+            await ckpt.save(lora(2), step=2)  # copied
+            await ckpt.wait()
+            copy = _shutil.copyfile
+
+            def no_copy(src: Any, dst: Any, **kwargs: Any) -> Any:
+                if "ref-" in str(dst):
+                    raise OSError(errno.ENOSPC, "No space left on device (injected)", str(dst))
+                return copy(src, dst, **kwargs)
+
+            monkeypatch.setattr(_shutil, "copyfile", no_copy)
+            await ckpt.save(lora(3), step=3)  # written in full
+            await ckpt.wait()
+            for step in (1, 2, 3):
+                target = blank()
+                assert await ckpt.restore(target, step=step, fallback=False) == step
+                equal(target, lora(step))
+    assert [s.reused_bytes for s in stats] == [0, BASE * 4, 0]
+    assert all(p.stat().st_nlink == 1 for p in (tmp_path / "step-00000002").glob("ref-*"))
+    assert not list((tmp_path / "step-00000003").glob("ref-*"))
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "could not be linked" in said and "every tensor is written" in said
