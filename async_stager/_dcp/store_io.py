@@ -189,10 +189,18 @@ class StoreFileSystem(FileSystemBase):
 
 
 def _close_all(stores: dict[str, Store]) -> None:
-    for store in list(stores.values()):
-        with contextlib.suppress(StoreError, RuntimeError):
-            store.blocking.close()
+    items = list(stores.values())
     stores.clear()
+
+    def close() -> None:
+        for store in items:
+            with contextlib.suppress(StoreError, RuntimeError):
+                store.blocking.close()
+
+    if items:
+        # Hazard: a finalizer runs in whatever thread dropped the last reference, which
+        # could be a store's own I/O thread, where a blocking close would wait for itself.
+        threading.Thread(target=close, name="async-stager-store-close", daemon=True).start()
 
 
 class StoreWriter(FileSystemWriter):
