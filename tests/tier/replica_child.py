@@ -105,7 +105,7 @@ async def main(directory: str, job: str, base: str, steps: int, mode: str, rank:
                 for _ in range(2000):
                     shown = [p for p in ckpt.in_flight() if p.phase == "memory-replicating"]
                     if shown:
-                        say(f"REPLICATING {shown[0].step}")
+                        say(f"REPLICATING {shown[0].step} {ckpt.status_line()!r}")
                         break
                     await anyio.sleep(0.005)
             s = ckpt.memory

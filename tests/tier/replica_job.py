@@ -127,3 +127,36 @@ def agent(job: str, base: str, *extra: str) -> Proc:
     line = proc.stdout.readline()
     assert "listening" in line, f"the agent did not start: {line!r}"
     return p.start_reading()
+
+
+class InProcessAgent:
+    """A node's agent served by a thread of this process (no process to start: the lean
+    test's). ``kill`` stops it: every snapshot it held is freed, as at its SIGKILL."""
+
+    def __init__(self, job: str, base: str) -> None:
+        from async_stager._tier.agent import Agent
+
+        self.agent = Agent(job, max_bytes=1 << 30, base=base)
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"agent-{base}", daemon=True)
+        self.thread.start()
+        assert self._ready.wait(WAIT), "the in-process agent did not start"
+
+    def _run(self) -> None:
+        import anyio
+
+        async def main() -> None:
+            async with anyio.create_task_group() as tg:
+                await tg.start(self.agent.serve)
+                self._ready.set()
+                while not self._stop.is_set():
+                    await anyio.sleep(0.02)
+                await self.agent.stop()
+
+        anyio.run(main)
+
+    def kill(self) -> None:
+        self._stop.set()
+        self.thread.join(WAIT)
+        assert not self.thread.is_alive()

@@ -19,7 +19,7 @@ import pytest
 from async_stager._tier.replica import Pacer, Replication, ring
 from async_stager.errors import InvalidOptionError
 from tests.tier.helpers_tier import short_base
-from tests.tier.replica_job import agent, free_port, rank
+from tests.tier.replica_job import InProcessAgent, free_port, rank
 
 
 def test_ring_places_each_node_on_the_next() -> None:
@@ -68,7 +68,9 @@ async def test_replicate_needs_an_agent(tmp_path: Path) -> None:
 @pytest.mark.timeout(240)
 def test_a_lost_node_resumes_from_the_peer_replica(tmp_path: Path) -> None:
     with short_base() as base_a, short_base() as base_b:
-        agent_a, agent_b = agent("rep", base_a), agent("rep", base_b)
+        # The agents serve from threads of this process (no process start); the slow
+        # tests (test_replication_faults.py) run each as a process and SIGKILL it.
+        agent_a, agent_b = InProcessAgent("rep", base_a), InProcessAgent("rep", base_b)
         port = free_port()
         r0 = rank(tmp_path, "rep", base_a, 3, "sync", 0, 2, port)
         r1 = rank(tmp_path, "rep", base_b, 3, "sync", 1, 2, port)
@@ -82,7 +84,7 @@ def test_a_lost_node_resumes_from_the_peer_replica(tmp_path: Path) -> None:
             r1.kill()
             agent_b.kill()
             r0.kill()
-            agent_b = agent("rep", base_b)  # a fresh, empty agent
+            agent_b = InProcessAgent("rep", base_b)  # a fresh, empty agent
             port = free_port()
             r0 = rank(tmp_path, "rep", base_a, 5, "sync", 0, 2, port)
             r1 = rank(tmp_path, "rep", base_b, 5, "sync", 1, 2, port)

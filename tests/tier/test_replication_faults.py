@@ -65,7 +65,10 @@ def test_a_node_lost_mid_replication_restores_the_replica_before(tmp_path: Path)
 
             _wait(sending_after_one, [r0, r1], "a replica in flight after one verified")
             verified = r1.replicated()
-            torn = int((r1.last("REPLICATING") or ["0"])[0])
+            sending = r1.last("REPLICATING") or ["0"]
+            torn = int(sending[0])
+            # in_flight() and status_line() show the replica on the wire.
+            assert f"step {torn}: memory-replicating" in " ".join(sending), sending
             for p in (r1, ab, r0):
                 p.kill()
             ab = agent("rep", bb)
