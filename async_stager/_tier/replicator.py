@@ -145,8 +145,11 @@ class Replicator:
     EXTRA_SETS = 2
 
     def pins(self, replicated: int | None) -> set[int]:
-        """The steps the tier must keep: the one being sent and ``replicated``."""
-        return {s for s in (self.pinned, replicated) if s is not None}
+        """The steps the tier must keep: the one being sent, the one every rank is
+        replicating (until the ranks agree every replica of it is verified, or a newer
+        one is decided: a rank that finished early must still hold it then) and
+        ``replicated``."""
+        return {s for s in (self.pinned, self.target, replicated) if s is not None}
 
     @property
     def on(self) -> bool:

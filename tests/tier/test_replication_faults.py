@@ -99,6 +99,7 @@ def test_the_peer_agent_lost(tmp_path: Path) -> None:
             r1.kill()
             r0, r1 = _pair(ckpt, ba, bb, 5, "sync")
             r0.wait_for("RESTORED", r1)
+            r1.wait_for("RESTORED", r0)
             assert r0.restored() == (3, "memory"), r0.lines
             assert r1.restored() == (3, "peer"), r1.lines
             # No agent on node B: rank 1's memory tier is off (it retries 30 s later), so
