@@ -33,7 +33,7 @@ STEPS = 400
 INCREMENTAL = "dcp+incremental"
 FROZEN = 64 * 1024
 #: Steps one run trains past its restored step (each one saved) unless killed first.
-RUN = 8
+RUN = int(os.environ.get("CRASH_CHILD_RUN", "8"))
 
 
 def build() -> tuple[nn.Module, torch.optim.Optimizer]:

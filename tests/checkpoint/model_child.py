@@ -46,6 +46,10 @@ W_NUMEL = 64 * 1024
 FSIZE_LIMIT = 64 * 1024
 
 
+#: Elements of the tensor every save holds unchanged.
+FROZEN_NUMEL = 4096
+
+
 def build(seq: int) -> dict[str, Any]:
     """The state of save ``seq``: a Linear with an AdamW that took one step (so it has
     ``exp_avg``, ``exp_avg_sq`` and ``step``), a tensor and nested plain values, all a
@@ -66,6 +70,8 @@ def build(seq: int) -> dict[str, Any]:
         "optim": optim,
         "w": w,
         "meta": {"seq": seq, "name": f"s{seq}", "l": [seq, str(seq)]},
+        # The same in every save: what an incremental save references.
+        "frozen": torch.arange(FROZEN_NUMEL, dtype=torch.float32) * 0.25,
     }
 
 
@@ -79,6 +85,7 @@ def fresh() -> dict[str, Any]:
         "optim": torch.optim.AdamW(model.parameters(), lr=0.5),
         "w": torch.zeros(W_NUMEL),
         "meta": {"seq": -1, "name": "", "l": [-1, ""]},
+        "frozen": torch.zeros(FROZEN_NUMEL),
     }
 
 
@@ -108,6 +115,7 @@ async def loop(directory: str, config: dict[str, Any]) -> None:
         keep=config["keep"],
         max_in_flight=config["max_in_flight"],
         host_budget_bytes=config["budget"],
+        incremental=config.get("incremental", False),
         checksum_threads=1,
         on_saved=lambda stats: say(f"commit {stats.step}"),
     ) as ckpt:

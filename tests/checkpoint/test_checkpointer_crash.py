@@ -43,8 +43,8 @@ TORCH_LONG = [
 ]
 
 
-def run_child(directory: Path, fmt: str, spec: str) -> tuple[int, str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+def run_child(directory: Path, fmt: str, spec: str, run: int = 8) -> tuple[int, str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CRASH_CHILD_RUN=str(run))
     proc = subprocess.run(
         [sys.executable, str(CHILD), str(directory), fmt, spec],
         env=env,
@@ -56,13 +56,13 @@ def run_child(directory: Path, fmt: str, spec: str) -> tuple[int, str]:
     return proc.returncode, proc.stdout
 
 
-def chain(tmp_path: Path, fmt: str, points: list[str]) -> None:
+def chain(tmp_path: Path, fmt: str, points: list[str], run: int = 8) -> None:
     ref = crash_child.reference()
     directory = tmp_path / "ckpt"
     kills = 0
     restored_steps = []
     for spec in [*points, "none"]:
-        rc, out = run_child(directory, fmt, spec)
+        rc, out = run_child(directory, fmt, spec, run)
         first = out.splitlines()[0].split()
         assert first[0] == "restored", out
         if first[1] != "None":
@@ -104,7 +104,7 @@ def test_kill_an_incremental_save_at_its_links_and_its_retention(tmp_path: Path)
     """Incremental saves (a frozen tensor referenced): killed while it links the
     previous commit's data and while retention deletes a step whose data a kept step
     still links; each restart restores a whole step, the frozen tensor bit-exact."""
-    chain(tmp_path, crash_child.INCREMENTAL, INCREMENTAL_SHORT)
+    chain(tmp_path, crash_child.INCREMENTAL, INCREMENTAL_SHORT, run=4)
 
 
 @pytest.mark.slow

@@ -1697,6 +1697,7 @@ class CrashMachine(RuleBasedStateMachine):
             "keep": data.draw(st.integers(1, 3), label="keep"),
             "max_in_flight": data.draw(st.integers(1, 3), label="max_in_flight"),
             "budget": budget,
+            "incremental": fmt == "dcp" and data.draw(st.booleans(), label="incremental"),
         }
 
     def restore_all(self, steps: list[int]) -> list[tuple[int, int]]:
