@@ -66,6 +66,7 @@ async def test_save_keep_latest_restore(bucket: str, moto_port: int, scratch: Pa
     assert not [t.name for t in threading.enumerate() if t.name.startswith("async-stager-store")]
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # (the loop: test_save_keep_latest_restore)
 async def test_restore_falls_back_past_a_damaged_step(bucket: str, moto_port: int, scratch: Path) -> None:
     url = f"s3://{bucket}/run"
     async with Checkpointer(url, keep=3) as ckpt:
@@ -87,6 +88,7 @@ async def test_restore_falls_back_past_a_damaged_step(bucket: str, moto_port: in
             await ckpt.restore(_state(0.0), step=2, fallback=False)
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # (the loop: test_save_keep_latest_restore)
 async def test_a_step_saved_again_replaces_it_and_old_objects_go_after_the_grace(
     bucket: str, moto_port: int, scratch: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
