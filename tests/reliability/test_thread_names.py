@@ -11,12 +11,11 @@ recognised, and the hook let the process finalize under it.
 
 from __future__ import annotations
 
-import atexit
-import os
 import sys
 import threading
 from concurrent.futures import Future
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -105,8 +104,9 @@ def test_the_exit_hook_sees_a_stagers_worker(
     named by its config. Only the process exit is replaced."""
     hooks: list[Any] = []
     exits: list[int] = []
-    monkeypatch.setattr(atexit, "register", hooks.append)
-    monkeypatch.setattr(os, "_exit", exits.append)
+    # The exiting module's own names only: the interpreter's other exit hooks stay.
+    monkeypatch.setattr(exiting, "atexit", SimpleNamespace(register=hooks.append))
+    monkeypatch.setattr(exiting, "os", SimpleNamespace(_exit=exits.append))
     monkeypatch.setattr(exiting, "_exit_hook", [])
     state = {"w": torch.ones(16)}
     if thread_name is None:
