@@ -138,10 +138,31 @@ async def cycles(n: int, *, fresh: bool, shared: bool) -> dict[str, Any]:
     }
 
 
+#: The default run keeps each event loop once and each kind of state dict at least once
+#: (60 cycles each: 2-4 s); CI's second call (slow) runs the whole matrix.
+_LEAK_DEFAULT = {("asyncio", False), ("uvloop", True), ("trio", False)}
+_LEAK_CASES = [
+    pytest.param(
+        backend,
+        fresh,
+        id=f"{name}-{'fresh' if fresh else 'reused'}",
+        marks=() if (name, fresh) in _LEAK_DEFAULT else pytest.mark.slow,
+    )
+    for name, backend in (
+        ("asyncio", ("asyncio", {})),
+        ("uvloop", ("asyncio", {"use_uvloop": True})),
+        ("trio", ("trio", {})),
+    )
+    for fresh in (False, True)
+]
+
+
 @pytest.mark.anyio
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("fresh", [False, True], ids=["reused", "fresh"])
+@pytest.mark.parametrize(("anyio_backend", "fresh"), _LEAK_CASES)
 async def test_stage_cycles_leak_nothing(anyio_backend: Any, fresh: bool, no_thread_leak: None) -> None:
+    if anyio_backend[1].get("use_uvloop"):
+        pytest.importorskip("uvloop")
     fig = await cycles(60, fresh=fresh, shared=True)
     assert fig["rss_delta_after_warmup_mb"] < 32, fig
     # Reused tensors: arenas made once. Fresh ones: dead sources' blocks are reused.
