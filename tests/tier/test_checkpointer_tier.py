@@ -106,6 +106,9 @@ async def test_disk_newer_than_memory_and_other_world(tmp_path: Path) -> None:
                 state = blank()
                 assert await ckpt.restore(state) == 2  # in memory and on disk
                 assert_same(values(state), values(state_of(2)))
+                # Its writer (this process's own tier) still maps the memory: the kernel
+                # refuses the seal, so the restore verified every byte itself.
+                assert ckpt.memory is not None and ckpt.memory.restored_sealed is False
             # The agent's snapshots of step 2 and 50: the folder's step 4 is newer.
             async with Checkpointer(tmp_path) as ckpt:
                 assert await ckpt.save(state_of(4), step=4)

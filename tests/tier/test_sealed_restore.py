@@ -61,10 +61,13 @@ def trained(seed: int) -> dict[str, Any]:
     with torch.no_grad():
         net.get_buffer("count").add_(seed)
         net.lowp.add_(seed)
+    base = torch.randn(50) + seed
     return {
         "model": net,
         "optim": opt,
         "extra": {"t": torch.randn(64, 3).t(), "list": [torch.randn(7), seed], "n": seed},
+        # A view of another tensor of the state, both saved: destinations that overlap.
+        "alias": {"base": base, "view": base[10:20]},
     }
 
 
@@ -75,7 +78,13 @@ def fresh() -> dict[str, Any]:
     opt.step()  # its state exists (the restore copies into it)
     opt.zero_grad()
     # A transposed tensor where a contiguous one was saved, and the reverse.
-    return {"model": net, "optim": opt, "extra": {"t": torch.zeros(3, 64), "list": [torch.zeros(7), -1]}}
+    base = torch.zeros(50)
+    return {
+        "model": net,
+        "optim": opt,
+        "extra": {"t": torch.zeros(3, 64), "list": [torch.zeros(7), -1]},
+        "alias": {"base": base, "view": base[10:20]},
+    }
 
 
 def values(state: dict[str, Any]) -> dict[str, Any]:
@@ -83,6 +92,7 @@ def values(state: dict[str, Any]) -> dict[str, Any]:
         "model": dict(state["model"].state_dict()),
         "optim": state["optim"].state_dict()["state"],
         "extra": {k: state["extra"][k] for k in ("t", "list")},
+        "alias": state["alias"],
     }
 
 
@@ -149,6 +159,8 @@ async def test_sealed_snapshot_restores_bit_exact_without_a_second_read(tmp_path
             net = state["model"]
             assert net.out.weight is net.emb.weight and net.lowp.dtype == torch.bfloat16
             assert state["extra"]["n"] == 3
+            alias = state["alias"]
+            assert alias["view"].untyped_storage().data_ptr() == alias["base"].untyped_storage().data_ptr()
             held = [h for h in agent.snapshots() if h.step == 3]
             assert held and held[0].seal.verified
 
