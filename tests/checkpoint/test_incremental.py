@@ -279,3 +279,39 @@ async def test_without_hard_links_the_data_is_copied_or_written(
     assert not list((tmp_path / "step-00000003").glob("ref-*"))
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "could not be linked" in said and "every tensor is written" in said
+
+
+@pytest.mark.anyio
+async def test_a_reader_beside_the_trainer_restores_whole_steps(tmp_path: Path, anyio_backend: Any) -> None:
+    """A second Checkpointer restores the newest step over and over while the trainer
+    saves incrementally with keep=1 (each commit retires the step the next references
+    and the reader may hold): every restore is a whole step, bit-exact."""
+    import anyio
+
+    done = anyio.Event()
+    restored: list[int] = []
+
+    async def reader() -> None:
+        async with Checkpointer(tmp_path, keep=1) as other:
+            while not done.is_set():
+                target = blank()
+                step = await other.restore(target)
+                if step is not None:
+                    equal(target, lora(step))
+                    restored.append(step)
+                await anyio.sleep(0)
+
+    async with Checkpointer(tmp_path, keep=1, incremental=True) as ckpt, anyio.create_task_group() as tg:
+        await ckpt.save(lora(1), step=1)
+        await ckpt.wait()
+        tg.start_soon(reader)
+        for step in range(2, 16):
+            await ckpt.save(lora(step), step=step)
+            await ckpt.wait()
+            await anyio.sleep(0.01)
+        done.set()
+    assert restored, "the reader restored nothing"
+    target = blank()
+    async with Checkpointer(tmp_path, keep=1) as ckpt:
+        assert await ckpt.restore(target, fallback=False) == 15
+    equal(target, lora(15))
