@@ -228,14 +228,19 @@ class Replicator:
     def sending_bytes(self) -> int:
         return self._bytes
 
+    def stop_sending(self) -> None:
+        """No more replicas (the Checkpointer closes): the sender task ends once the one
+        on the wire, if any, is sent (unpaced)."""
+        self._stopping.set()
+        if self._wake is not None:
+            self._wake.set()
+
     async def aclose(self, grace: float = 10.0) -> None:
         """Stop sending (a replica being sent is finished, unpaced), tell the peer no
         more come, and wait up to ``grace`` seconds for the sources to say the same.
         Cancellation: shielded."""
         with anyio.CancelScope(shield=True):
-            self._stopping.set()
-            if self._wake is not None:
-                self._wake.set()
+            self.stop_sending()
             if self._task_done is not None:
                 await self._task_done.wait()
             if self.on and self.peer is not None:

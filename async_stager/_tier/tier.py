@@ -202,6 +202,12 @@ class MemoryTier:
         if self.replicator is not None:
             self.replicator.open(tg)
 
+    def closing(self) -> None:
+        """Its owner closes: replication stops sending (its task ends with the owner's
+        task group; the snapshot on the wire, if any, is finished)."""
+        if self.replicator is not None:
+            self.replicator.stop_sending()
+
     async def aclose(self) -> None:
         """Wait for a commit in flight, release the held snapshots (the agent keeps its
         own descriptors: the memory stays with the agent), close the connection and

@@ -12,7 +12,8 @@ other node, ``disk``, ``none``). Then trains up to STEPS, saving every step, pri
 its replica is verified or refused: a deterministic kill point), ``mid`` (replicas
 paced to ``RATE`` bytes per second; prints ``REPLICATING step`` while one is sent),
 ``free`` (nothing waits for replication). Environment: ``PERSIST`` (default 10**9),
-``RATE``, ``BIG`` (a rank whose state has 16 MiB more: for the memory bound).
+``RATE``, ``BIG`` (a rank whose state has 16 MiB more: for the memory bound), ``EXIT``
+(after ``DONE``, close the Checkpointer, print ``CLOSED`` and exit).
 """
 
 from __future__ import annotations
@@ -56,6 +57,17 @@ async def main(directory: str, job: str, base: str, steps: int, mode: str, rank:
 
     # Each rank's tensors under a key of its own: DCP takes tensors of one name on
     # several ranks for one replicated tensor, and writes it once.
+    if os.environ.get("DUMP"):
+        import asyncio
+        import threading as _th
+
+        loop = asyncio.get_running_loop()
+
+        def dump() -> None:
+            for task in asyncio.all_tasks(loop):
+                task.print_stack(file=sys.stderr)
+
+        _th.Timer(float(os.environ["DUMP"]) - 5, lambda: loop.call_soon_threadsafe(dump)).start()
     inner = state_of(rank)
     state = {f"rank{rank}": inner}
     rate = float(os.environ["RATE"]) if os.environ.get("RATE") else None
@@ -120,11 +132,16 @@ async def main(directory: str, job: str, base: str, steps: int, mode: str, rank:
             f"DONE replicated={s.replicated} step={s.replica_step} skipped={s.replica_skipped} "
             f"failures={s.replica_failures} peer={s.replica_peer} line={ckpt.status_line()!r}"
         )
-        while True:
+        while not os.environ.get("EXIT"):
             await anyio.sleep(1)
+    say("CLOSED")
 
 
 if __name__ == "__main__":
+    if os.environ.get("DUMP"):  # a hang's stacks on stderr, after DUMP seconds
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["DUMP"]), exit=True)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     directory, job, base, steps, mode = sys.argv[1:6]
     torch.set_num_threads(1)
@@ -139,3 +156,4 @@ if __name__ == "__main__":
     else:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     anyio.run(main, directory, job, base, int(steps), mode, dist.get_rank())
+    dist.destroy_process_group()

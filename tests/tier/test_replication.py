@@ -19,7 +19,7 @@ import pytest
 from async_stager._tier.replica import Pacer, Replication, ring
 from async_stager.errors import InvalidOptionError
 from tests.tier.helpers_tier import short_base
-from tests.tier.replica_job import InProcessAgent, free_port, rank
+from tests.tier.replica_job import WAIT, InProcessAgent, free_port, rank
 
 
 def test_ring_places_each_node_on_the_next() -> None:
@@ -86,10 +86,13 @@ def test_a_lost_node_resumes_from_the_peer_replica(tmp_path: Path) -> None:
             r0.kill()
             agent_b = InProcessAgent("rep", base_b)  # a fresh, empty agent
             port = free_port()
-            r0 = rank(tmp_path, "rep", base_a, 5, "sync", 0, 2, port)
-            r1 = rank(tmp_path, "rep", base_b, 5, "sync", 1, 2, port)
+            r0 = rank(tmp_path, "rep", base_a, 5, "sync", 0, 2, port, EXIT="1")
+            r1 = rank(tmp_path, "rep", base_b, 5, "sync", 1, 2, port, EXIT="1")
             r0.wait_for("DONE", r1)
             r1.wait_for("DONE", r0)
+            # Both close the Checkpointer (replication ends cleanly on both sides) and exit.
+            assert r0.proc.wait(WAIT) == 0 and r1.proc.wait(WAIT) == 0, (r0.lines, r1.lines)
+            assert r0.first("CLOSED") is not None and r1.first("CLOSED") is not None
             assert r0.restored() == (3, "memory"), r0.lines
             assert r1.restored() == (3, "peer"), r1.lines
             # Replication goes on after the restore, both ways.

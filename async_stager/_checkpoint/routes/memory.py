@@ -181,6 +181,7 @@ class MemoryWay(Way):
         for item in list(self.queue.items):
             if not item.awaited and not item.wrote:
                 self.queue.skip(item, dropped=False)
+        self.tier.closing()  # replication's task must end with the Checkpointer's task group
 
     async def settle(self) -> None:
         await self.tier.settle()
