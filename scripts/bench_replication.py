@@ -184,6 +184,10 @@ def main() -> None:
                     lines = [_until(p, "STEPS") for p in ranks]
                     print(f"round {i} replicate={replicate} share={share}: {lines}", flush=True)
                     _kill(*ranks)
+                    # Fresh agents for each run: a run's snapshots (another folder each)
+                    # would stay in them and fill their bound.
+                    _kill(*agents)
+                    agents[:] = [_agent("bench", b) for b in bases]
             # The node loss: a run that replicates, then node B lost whole.
             folder = os.path.join(tmp, "loss")
             ranks = _ranks(folder, bases, args.mib, 6, 1)
