@@ -37,13 +37,14 @@ from async_stager._checkpoint.statefuls import (
     typed_paths,
     write_typed_paths,
 )
-from async_stager._checkpoint.stored import dcp_stored, file_digest
+from async_stager._checkpoint.stored import Layout, dcp_file_digests, dcp_layout, dcp_stored, file_digest
 from async_stager._core.copy.device import caller_cuda_device
 from async_stager.errors import IntegrityError, InvalidOptionError
 
 __all__ = [
     "FORMATS",
     "CheckpointFormat",
+    "Stored",
     "DcpFormat",
     "TorchFormat",
     "drop_planner_state",
@@ -81,9 +82,22 @@ class CheckpointFormat(ABC):
         them; only formats that can, DCP)."""
 
     @abstractmethod
-    def stored(self, tmp: Path, written: dict[str, Any] | None) -> Stored:
+    def stored(self, tmp: Path, written: dict[str, Any] | None, parts: Stored | None = None) -> Stored:
         """The digests of every file the ranks wrote into ``tmp`` and of the stored
-        non-tensor values (coordinator, at the commit, when checksums are on)."""
+        non-tensor values (coordinator, at the commit, when checksums are on).
+        ``parts``: what the ranks digested of their own files (``own_stored``), taken
+        as is: on several nodes the coordinator's ``tmp`` holds only its own files."""
+
+    def layout(self, tmp: Path) -> Any:
+        """What every rank needs to digest its own files (``own_stored``), read by the
+        coordinator after every rank's files are written and sent to every rank; None:
+        the coordinator digests every file itself (a format of one process)."""
+        return None
+
+    def own_stored(self, tmp: Path, layout: Any, rank: int) -> Stored:
+        """The digests of the files rank ``rank`` wrote into its ``tmp`` (every rank, at
+        the commit, before the ranks' gather; ``layout``: the coordinator's)."""
+        return {}, {}
 
     def verify(self, folder: Path, step: int, ranks: Ranks) -> None:
         """Check a committed step against its manifest before anything is loaded
@@ -151,11 +165,19 @@ class DcpFormat(CheckpointFormat):
             drop_planner_state(planner)
         return None
 
-    def stored(self, tmp: Path, written: dict[str, Any] | None) -> Stored:
-        files, objects = dcp_stored(tmp)
+    def stored(self, tmp: Path, written: dict[str, Any] | None, parts: Stored | None = None) -> Stored:
+        files, objects = dcp_stored(tmp, parts)
         if (tmp / KEYS).exists():
             files[KEYS] = file_digest(tmp / KEYS)
         return files, objects
+
+    def layout(self, tmp: Path) -> Layout:
+        return dcp_layout(tmp)
+
+    def own_stored(self, tmp: Path, layout: Any, rank: int) -> Stored:
+        # DCP names each rank's data files ``__<rank>_<n>.distcp`` (the rank in the group).
+        own = [name for name in layout if name.startswith(f"__{rank}_")]
+        return dcp_file_digests(tmp, layout, own)
 
     def verify(self, folder: Path, step: int, ranks: Ranks) -> None:
         try:
@@ -187,7 +209,7 @@ class TorchFormat(CheckpointFormat):
     ) -> dict[str, Any] | None:
         return torch_write(staged, tmp / TORCH_FILE)
 
-    def stored(self, tmp: Path, written: dict[str, Any] | None) -> Stored:
+    def stored(self, tmp: Path, written: dict[str, Any] | None, parts: Stored | None = None) -> Stored:
         return {TORCH_FILE: written or file_digest(tmp / TORCH_FILE)}, {}
 
     def load(self, state: dict[str, Any], folder: Path, step: int, ranks: Ranks, checksums: bool) -> None:

@@ -9,7 +9,8 @@ The routes, the save queue and the formats do not know which.
 
 What a place does, in the order of a save: ``upload_own`` (every rank, its own files,
 before the ranks meet for the commit), ``commit`` (the coordinator, after every rank's
-files are stored: the manifest, the commit point, ``latest``, retention); for a
+files are stored: the manifest, the commit point, ``latest``, retention), ``leave``
+(every other rank, after it: its local copy); for a
 reader: ``steps_for_reading``, ``reading`` (a committed step's files, as a local
 folder, for as long as the block runs) and ``commit_number``. Every method blocks (a
 worker thread).
@@ -48,6 +49,10 @@ class Place(ABC):
     def upload_own(self, tmp: Path, rank: int, world: int) -> None:
         """Store the files this rank wrote into ``tmp`` (every rank, before the commit's
         gather; nothing for a folder, where they are in place)."""
+
+    def leave(self, tmp: Path, rank: int) -> None:
+        """A rank other than the coordinator is done with a save's ``tmp`` (committed or
+        not): nothing for a folder, whose ``tmp`` the coordinator renames or removes."""
 
     @abstractmethod
     def commit(

@@ -281,6 +281,19 @@ class StorePlace(Place):
             own = [n for n in self._files(tmp) if (m := _RANK_FILE.match(n)) and int(m.group(1)) == rank]
             self._upload(store, tmp, own)
 
+    def leave(self, tmp: Path, rank: int) -> None:
+        """Remove this rank's own files from its scratch copy of the save, and the
+        folder once empty. Only its own: on one node the ranks share the scratch folder,
+        and the coordinator may still be writing or uploading the rest there."""
+        if not tmp.is_dir():
+            return
+        for name in self._files(tmp):
+            m = _RANK_FILE.match(name)
+            if m is not None and int(m.group(1)) == rank:
+                (tmp / name).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.rmdir()  # not empty: the coordinator's (one node), it removes it
+
     def commit(
         self,
         step: int,

@@ -8,12 +8,15 @@ single file) is hashed here, with the same digest (XXH3-64 per 8 MiB piece):
 
 - ``torch`` format: ``state.pt`` is hashed as it is written (``HashingFile``), so the
   digest is of the bytes handed to the file system, at no extra read.
-- ``dcp`` format: after every rank's files are written, the coordinator reads back
-  ``.metadata`` and the byte range of every bytes item (small: non-tensor values) and
-  hashes them, and hashes every data file whole except the raw bytes of its tensors
-  (``skip``: those are the tensor chunks' own digests): the zip framing ``torch.save``
-  wraps each tensor item in, a few hundred bytes each, is covered too, so a flipped
-  byte anywhere in a file is found, even one no reader checks.
+- ``dcp`` format: after every rank's files are written, the coordinator reads
+  ``.metadata`` (``dcp_layout``: which items each data file holds) and sends it to
+  every rank; each rank reads back the byte range of every bytes item (small:
+  non-tensor values) in its own files and hashes them, and hashes each of its data
+  files whole except the raw bytes of its tensors (``skip``: those are the tensor
+  chunks' own digests): the zip framing ``torch.save`` wraps each tensor item in, a
+  few hundred bytes each, is covered too, so a flipped byte anywhere in a file is
+  found, even one no reader checks. No rank reads another's files: on several nodes
+  each writes into a local folder of its own (an object store's scratch).
 
 On restore these are checked before anything is unpickled, so a torn or corrupted
 file is an IntegrityError (the Checkpointer falls back to an older step), never a
@@ -32,7 +35,17 @@ from typing import IO, Any
 
 from async_stager._core.checksum.digest import PIECE_BYTES, hasher
 
-__all__ = ["METADATA", "HashingFile", "bytes_digest", "dcp_stored", "file_digest", "framing_digest"]
+__all__ = [
+    "METADATA",
+    "HashingFile",
+    "Layout",
+    "bytes_digest",
+    "dcp_file_digests",
+    "dcp_layout",
+    "dcp_stored",
+    "file_digest",
+    "framing_digest",
+]
 
 #: DCP's metadata file in a checkpoint folder.
 METADATA = ".metadata"
@@ -213,42 +226,75 @@ class HashingFile:
         return {"bytes": self._digester.total, "digest": self._digester.result()}
 
 
-def dcp_stored(folder: Path) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
-    """The digests of a written DCP checkpoint's non-tensor bytes: ``files`` (its
-    ``.metadata``) and ``objects`` (each bytes item: flattened name, file, offset,
-    length, digest). Coordinator, after every rank's files are written."""
+#: A DCP checkpoint's data files and their items (``dcp_layout``): per file, per item,
+#: its flattened name, offset, length, and for a tensor chunk its raw bytes (None: a
+#: bytes item, -1: a tensor whose raw bytes cannot be told apart, hashed whole).
+Layout = dict[str, list[tuple[str, int, int, int | None]]]
+
+
+def dcp_layout(folder: Path) -> Layout:
+    """The items of each data file of the DCP checkpoint written in ``folder``, from its
+    ``.metadata`` (coordinator, after every rank's files are written): what each rank
+    needs to digest its own files (``dcp_file_digests``) without reading the others'."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-    files = {METADATA: file_digest(folder / METADATA)}
     metadata = dcp.FileSystemReader(str(folder)).read_metadata()
-    objects: dict[str, dict[str, Any]] = {}
-    storage = metadata.storage_data or {}
-    for index, info in storage.items():
+    layout: Layout = {}
+    for index, info in (metadata.storage_data or {}).items():
+        items = layout.setdefault(str(info.relative_path), [])
         md = metadata.state_dict_metadata.get(index.fqn)
-        if not isinstance(md, BytesStorageMetadata):
-            continue
-        rel = str(info.relative_path)
-        entry = file_digest(folder / rel, int(info.offset), int(info.length))
-        objects[index.fqn] = {"file": rel, "offset": int(info.offset), "length": int(info.length), **entry}
-    # Every data file, whole but for its tensors' raw bytes (see the module docstring).
-    skips: dict[str, list[list[int]]] = {}
-    tensor_items: dict[str, list[tuple[int, int, int]]] = {}
-    for index, info in storage.items():
-        rel = str(info.relative_path)
-        skips.setdefault(rel, [])
-        md = metadata.state_dict_metadata.get(index.fqn)
-        if isinstance(md, TensorStorageMetadata) and not getattr(info, "transform_descriptors", None):
+        nbytes: int | None = -1
+        if isinstance(md, BytesStorageMetadata):
+            nbytes = None
+        elif isinstance(md, TensorStorageMetadata) and not getattr(info, "transform_descriptors", None):
             nbytes = _chunk_bytes(md, index.offset)
-            if nbytes is not None:
-                tensor_items.setdefault(rel, []).append((int(info.offset), int(info.length), nbytes))
-    for rel in sorted(skips):
+            nbytes = -1 if nbytes is None else nbytes
+        items.append((index.fqn, int(info.offset), int(info.length), nbytes))
+    return layout
+
+
+def dcp_file_digests(
+    folder: Path, layout: Layout, names: list[str]
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """The digests of the data files ``names`` of ``layout`` (in ``folder``): ``files``
+    (each whole but for its tensors' raw bytes, see the module docstring) and
+    ``objects`` (each bytes item they hold: flattened name, file, offset, length,
+    digest). Any rank, for the files it wrote."""
+    files: dict[str, dict[str, Any]] = {}
+    objects: dict[str, dict[str, Any]] = {}
+    for rel in sorted(names):
+        skip: list[list[int]] = []
         with open(folder / rel, "rb") as f:
-            for offset, length, nbytes in sorted(tensor_items.get(rel, [])):
-                found = _tensor_data_range(f, offset, length, nbytes)
-                if found is not None:
-                    skips[rel].append(found)
-        files[rel] = {**framing_digest(folder / rel, skips[rel]), "skip": skips[rel]}
+            for fqn, offset, length, nbytes in sorted(layout[rel], key=lambda item: item[1]):
+                if nbytes is None:
+                    entry = file_digest(folder / rel, offset, length)
+                    objects[fqn] = {"file": rel, "offset": offset, "length": length, **entry}
+                elif nbytes >= 0:
+                    found = _tensor_data_range(f, offset, length, nbytes)
+                    if found is not None:
+                        skip.append(found)
+        files[rel] = {**framing_digest(folder / rel, skip), "skip": skip}
+    return files, objects
+
+
+def dcp_stored(
+    folder: Path, parts: tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]] | None = None
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """The digests of a written DCP checkpoint's non-tensor bytes: ``files`` (its
+    ``.metadata`` and data files) and ``objects`` (each bytes item). Coordinator, after
+    every rank's files are written. ``parts``: the data files' digests the ranks took
+    of their own files (``dcp_file_digests``; on several nodes the coordinator has only
+    its own): only the files they lack are read here."""
+    files = {METADATA: file_digest(folder / METADATA)}
+    objects: dict[str, dict[str, Any]] = {}
+    if parts is not None:
+        files.update(parts[0])
+        objects.update(parts[1])
+    layout = dcp_layout(folder)
+    more_files, more_objects = dcp_file_digests(folder, layout, [n for n in layout if n not in files])
+    files.update(more_files)
+    objects.update(more_objects)
     return files, objects
 
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from async_stager._checkpoint import commit as _commit, integrity as _integrity
 from async_stager._checkpoint.disk import failure_reason
-from async_stager._checkpoint.formats import CheckpointFormat
+from async_stager._checkpoint.formats import CheckpointFormat, Stored
 from async_stager._checkpoint.incremental import Increments
 from async_stager._checkpoint.manifest import MANIFEST
 from async_stager._checkpoint.options import CheckpointerOptions, SaveStats
@@ -138,34 +138,48 @@ class Writer:
             )
 
     def commit(self, item: SaveItem, manifest: Table, entry: dict[str, Any] | None) -> None:
-        """Gather the ranks' manifests; the coordinator commits; every rank learns the
-        outcome (a CheckpointError on every rank if the commit failed)."""
-        ranks = self.ranks
+        """Gather the ranks' manifests (and the digests of their own files); the
+        coordinator commits; every rank learns the outcome (a CheckpointError on every
+        rank if the commit failed). No rank reads another's files: on several nodes
+        each has its own local folder (an object store's scratch)."""
+        ranks, tmp = self.ranks, self.tmp(item)
         stored: str | None = None
+        own: Stored | None = None
         try:
-            # Each rank's own files reach the store before the ranks meet (a folder's
-            # are in place already): the commit follows every rank's data.
-            self.place.upload_own(self.tmp(item), ranks.rank, ranks.world)
+            if ranks.distributed and self.options.checksums and self.format.several_ranks:
+                own, stored = self._own_stored(tmp)
+            if stored is None:
+                # Each rank's own files reach the store before the ranks meet (a folder's
+                # are in place already): the commit follows every rank's data.
+                self.place.upload_own(tmp, ranks.rank, ranks.world)
         except Exception as exc:  # noqa: BLE001 - told to the coordinator, raised on every rank
-            stored = _store_failure(exc, self.tmp(item))
+            stored = _store_failure(exc, tmp)
             if ranks.distributed:
                 stored = f"rank {ranks.rank} could not store its files: {stored}"
-        gathered = ranks.gather((manifest, stored))
+        gathered = ranks.gather((manifest, stored, own))
         error: str | None = None
         local: Exception | None = None
         if ranks.coordinator:
             assert gathered is not None
-            manifests = [m for m, _ in gathered]
-            failed = next((e for _, e in gathered if e is not None), None)
+            manifests = [m for m, _, _ in gathered]
+            failed = next((e for _, e, _ in gathered if e is not None), None)
             if failed is not None:
                 error = failed
             else:
+                parts: Stored | None = None
+                if own is not None:
+                    parts = ({}, {})
+                    for _, _, (files, objects) in gathered:
+                        parts[0].update(files)
+                        parts[1].update(objects)
                 try:
-                    self._commit(item, manifests, entry)
+                    self._commit(item, manifests, entry, parts)
                 except Exception as exc:  # noqa: BLE001 - told to every rank, raised below
                     local = exc
-                    error = _store_failure(exc, self.tmp(item))
+                    error = _store_failure(exc, tmp)
         error = ranks.broadcast(error)
+        if not ranks.coordinator:
+            self.place.leave(tmp, ranks.rank)  # (a scratch folder of its own: its copy)
         if error is not None:
             # The coordinator chains its own error (a full disk's OSError first).
             raise CheckpointError(
@@ -175,7 +189,27 @@ class Writer:
         if self.increments is not None:
             self.increments.committed(item.step)  # the next save's base
 
-    def _commit(self, item: SaveItem, manifests: list[Table], entry: dict[str, Any] | None) -> None:
+    def _own_stored(self, tmp: Path) -> tuple[Stored | None, str | None]:
+        """The digests of this rank's own files for the manifest (every rank; the
+        coordinator's layout of the files first, sent to every rank), or why not."""
+        ranks = self.ranks
+        layout: Any = None
+        why: str | None = None
+        if ranks.coordinator:
+            try:
+                layout = self.format.layout(tmp)
+            except Exception as exc:  # noqa: BLE001 - every rank learns it, none waits
+                why = failure_reason(exc, tmp)
+        layout, why = ranks.broadcast((layout, why))
+        if why is not None:
+            return None, why if ranks.coordinator else "the coordinator could not read the step's metadata"
+        if layout is None:
+            return None, None
+        return self.format.own_stored(tmp, layout, ranks.rank), None
+
+    def _commit(
+        self, item: SaveItem, manifests: list[Table], entry: dict[str, Any] | None, parts: Stored | None
+    ) -> None:
         tmp = self.tmp(item)
         merged: Table = {}
         for m in manifests:
@@ -186,7 +220,7 @@ class Writer:
             if increments is not None:
                 increments.link(item.seq, tmp)  # before the manifest digests the folder
             if self.options.checksums:
-                files, objects = self.format.stored(tmp, entry)
+                files, objects = self.format.stored(tmp, entry, parts)
                 with naming_file(tmp / MANIFEST):
                     _integrity.write_manifest(tmp, item.step, merged, files=files, objects=objects)
 
@@ -202,9 +236,13 @@ class Writer:
     async def discard(self, item: SaveItem) -> None:
         """Remove a save's folder after it failed or was cancelled (coordinator).
         Cancellation: deferred until the folder is removed."""
-        if self.ranks.coordinator and not item.committed:
-            tmp = self.tmp(item)
+        if item.committed:
+            return
+        tmp, rank = self.tmp(item), self.ranks.rank
+        if self.ranks.coordinator:
             await run_in_thread(lambda: _commit.remove_tmp(tmp), name="async-stager-discard", daemon=True)
+        else:
+            await run_in_thread(lambda: self.place.leave(tmp, rank), name="async-stager-discard", daemon=True)
 
     def stats(
         self,

@@ -43,15 +43,33 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_two_ranks_write_one_step(bucket: str, moto_port: int) -> None:
+@pytest.mark.parametrize(
+    "scratches",
+    [
+        # Two nodes: each rank has a scratch folder of its own (no rank reads another's).
+        pytest.param("per-rank", id="per-rank"),
+        # One node: the ranks share one scratch folder.
+        pytest.param("shared", id="shared", marks=pytest.mark.slow),
+    ],
+)
+def test_two_ranks_write_one_step(
+    bucket: str, moto_port: int, tmp_path: Path, scratches: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two ranks save steps 1..3 (keep=2), list, restore step 3 and step 2, each rank its
+    own tensors: every rank's files uploaded by that rank, the record by the coordinator
+    after both. With a scratch folder per rank (the nodes of a multi-node job) every rank
+    hashes its own files for the manifest, and restores and verifies from the store."""
+    from async_stager._cli.main import main
+
     url = f"s3://{bucket}/job"
     port = _free_port()
+    folders = [tmp_path / (f"node{r}" if scratches == "per-rank" else "node") for r in range(2)]
     procs = [
         subprocess.Popen(
             [sys.executable, str(CHILD), "ranks", url, str(r), "2", str(port)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            env=_env(),
+            env=dict(_env(), ASYNC_STAGER_SCRATCH=str(folders[r])),
         )
         for r in range(2)
     ]
@@ -61,6 +79,12 @@ def test_two_ranks_write_one_step(bucket: str, moto_port: int) -> None:
     keys = [o["Key"] for o in admin_client(moto_port).list_objects_v2(Bucket=bucket)["Contents"]]
     step3 = sorted(k.split("/", 2)[2] for k in keys if k.startswith("job/step-00000003."))
     assert "__0_0.distcp" in step3 and "__1_0.distcp" in step3 and "COMMIT" in step3
+    # Nothing of a save or a restore is left in any rank's scratch folder.
+    left = [p.name for f in folders for p in f.glob("*/.*") if p.name.startswith((".tmp-", ".read-"))]
+    assert left == [], left
+    # The manifest the coordinator committed covers both ranks' files: verify checks them.
+    assert main(["verify", url]) == 0, capsys.readouterr().out
+    assert "step-00000003: ok" in capsys.readouterr().out
 
 
 @pytest.fixture
