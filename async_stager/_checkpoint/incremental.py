@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from async_stager._checkpoint import commit as _commit
-from async_stager._checkpoint.integrity import flatten, tensor_chunks
+from async_stager._checkpoint.integrity import flatten, tensor_chunks, verify_dcp
 from async_stager._checkpoint.manifest import HASH, load_manifest
 from async_stager._checkpoint.ranks import Ranks
 from async_stager._checkpoint.stored import file_digest
@@ -136,6 +136,10 @@ class Increments:
         self._plans: dict[int, Plan] = {}
         self._holds: dict[int, contextlib.ExitStack] = {}
         self._lock = threading.Lock()
+        #: The referenced tensors read back and found as committed, with the identity
+        #: (device, inode, size, mtime) of the file each is stored in: the first
+        #: reference of a tensor reads its bytes, later ones only if its file changed.
+        self._checked: set[tuple[str, tuple[int, int, int, int]]] = set()
 
     def committed(self, step: int) -> None:
         """A save of this Checkpointer committed ``step`` (every rank)."""
@@ -209,6 +213,18 @@ class Increments:
         False (none left behind, a warning) when one can be neither linked nor copied:
         the save then writes everything."""
         try:
+            self._check_base(plan)
+        except (IntegrityError, OSError) as exc:
+            # The base's bytes are not what it committed (damaged since): a step that
+            # referenced them would be damaged from its birth, though this save holds
+            # the good data. It writes everything instead, and is whole.
+            _log.warning(
+                "incremental: step %d is damaged, every tensor is written (not referenced): %s",
+                plan.step,
+                exc,
+            )
+            return False
+        try:
             for index, info in plan.metadata.storage_data.items():
                 rel = str(info.relative_path)
                 if index.fqn in plan.reused and rel not in plan.names:
@@ -224,6 +240,24 @@ class Increments:
                     (tmp / name).unlink()
             return False
         return True
+
+    def _check_base(self, plan: Plan) -> None:
+        """Read back the base's tensors ``plan`` references whose file is not known
+        good (IntegrityError or OSError naming the file when one is not what was
+        committed)."""
+        files: dict[str, set[str]] = {}
+        for index, info in plan.metadata.storage_data.items():
+            if index.fqn in plan.reused:
+                files.setdefault(index.fqn, set()).add(str(info.relative_path))
+        todo: set[tuple[str, tuple[int, int, int, int]]] = set()
+        for fqn, rels in files.items():
+            for rel in rels:
+                s = os.stat(plan.folder / rel)
+                todo.add((fqn, (s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns)))
+        todo -= self._checked
+        if todo:
+            verify_dcp(plan.folder, plan.step, only={fqn for fqn, _ in todo})
+            self._checked |= todo
 
     def _let_go(self, seq: int) -> None:
         with self._lock:

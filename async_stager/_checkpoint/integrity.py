@@ -23,7 +23,7 @@ import contextlib
 import ctypes
 import os
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -324,11 +324,12 @@ def verify_dcp(
     part: tuple[int, int] = (0, 1),
     batch_bytes: int = 256 * 2**20,
     device: int | None = None,
+    only: Collection[str] | None = None,
 ) -> int:
     """Read back every tensor of a DCP checkpoint folder (through DCP's own reader, in
     batches of about ``batch_bytes``) and check each stored chunk against the manifest.
     ``part=(i, n)`` checks only every n-th tensor starting at the i-th (one rank's
-    share). ``device``: the CUDA device big chunks are hashed on (None: the rank's,
+    share). ``only``: just those tensors (flattened names), nothing else of the folder. ``device``: the CUDA device big chunks are hashed on (None: the rank's,
     ``rank_cuda_device``; any thread may call this). Returns the number of chunks
     checked; raises IntegrityError."""
     import torch.distributed.checkpoint as dcp
@@ -336,7 +337,7 @@ def verify_dcp(
 
     manifest = load_manifest(folder, step)
     tensors = manifest.tensors
-    if part[0] == 0:
+    if part[0] == 0 and only is None:
         verify_stored(folder, step, manifest)  # .metadata before DCP unpickles it
     try:
         metadata = dcp.FileSystemReader(str(folder)).read_metadata()
@@ -349,7 +350,9 @@ def verify_dcp(
     for k, entry in tensors.items():
         by_fqn.setdefault(entry["fqn"], []).append(k)
     items = sorted(
-        (fqn, md) for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)
+        (fqn, md)
+        for fqn, md in metadata.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata) and (only is None or fqn in only)
     )
     mine = [item for i, item in enumerate(items) if i % part[1] == part[0]]
     checked = 0
@@ -389,7 +392,7 @@ def verify_dcp(
                         f"tensor {fqn!r}: chunk {k} is not in the checkpoint", step=step, tensor=fqn
                     )
         del target
-    if part == (0, 1) and by_fqn:
+    if part == (0, 1) and by_fqn and only is None:
         fqn = min(by_fqn)
         raise IntegrityError(f"tensor {fqn!r} is missing from the checkpoint", step=step, tensor=fqn)
     return checked

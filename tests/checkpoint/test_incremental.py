@@ -26,6 +26,7 @@ pytestmark = [
 ]
 
 BASE = 256 * 1024  # floats: 1 MiB frozen base
+REF = "ref-*"
 
 
 def lora(step: int) -> dict[str, Any]:
@@ -174,6 +175,45 @@ async def test_a_damaged_shared_file_fails_every_step_linking_it(
         equal(target, lora(0))
     said = [r.getMessage() for r in caplog.records if "does not verify" in r.getMessage()]
     assert len(said) == 3 and all(".distcp" in m for m in said), said
+
+
+def _flip(folder: Path, fqn: str) -> None:
+    """One byte of ``fqn``'s stored data in ``folder`` (every step linking its file sees it)."""
+    md = dcp.FileSystemReader(str(folder)).read_metadata()
+    info = next(i for k, i in md.storage_data.items() if k.fqn == fqn)
+    with open(folder / str(info.relative_path), "r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+@pytest.mark.anyio
+async def test_a_save_after_its_base_was_damaged_writes_in_full(
+    tmp_path: Path, anyio_backend: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The trainer holds the good data: a save must not reference bytes damaged since
+    # their commit (its step would never verify, nor would any later one linking them).
+    async with Checkpointer(tmp_path, keep=5, incremental=True) as ckpt:
+        await ckpt.save(lora(1), step=1)
+        await ckpt.save(lora(2), step=2)  # references 1's base
+        await ckpt.wait()
+        _flip(tmp_path / "step-00000002", "model.base")  # the file 1 and 2 share
+        with caplog.at_level(logging.WARNING, logger="async_stager"):
+            await ckpt.save(lora(3), step=3)
+            await ckpt.wait()
+        assert ckpt.last is not None and ckpt.last.reused_bytes == 0
+        assert not list((tmp_path / "step-00000003").glob(REF))
+        await ckpt.save(lora(4), step=4)  # references 3's own data again
+        await ckpt.wait()
+        assert ckpt.last is not None and ckpt.last.reused_bytes > 0
+        for step in (4, 3):
+            target = blank()
+            assert await ckpt.restore(target, step=step, fallback=False) == step
+            equal(target, lora(step))
+    said = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert said and "model.base" in said[0] and "__0_0.distcp" in said[0], said
+    assert cli_main(["verify", str(tmp_path)]) == 1  # 1 and 2 fail, naming the file
 
 
 @pytest.mark.anyio
