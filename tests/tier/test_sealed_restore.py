@@ -244,3 +244,25 @@ async def test_damage_while_a_writer_maps_it_is_found_by_the_trainer(
             assert got == 2
             assert_values(values(state), values(trained(2)))
             assert "do not match their checksum" in caplog.text
+
+
+async def test_a_failed_check_after_the_seal_never_stops_the_agent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The agent's hash after the seal fails (here: out of memory in its thread): the
+    agent serves on, nothing is trusted, and the restore verifies every byte itself."""
+    from async_stager._tier import sealing
+
+    def no_memory(*args: Any, **kw: Any) -> Any:
+        raise MemoryError("no memory for the hash")
+
+    monkeypatch.setattr(sealing, "digests_in", no_memory)
+    caplog.set_level(logging.WARNING)
+    with short_base() as base:
+        async with agent_on_loop(base) as agent:
+            await save_steps(tmp_path, base, range(1, 3))
+            got, state, sealed = await restore(tmp_path, base)
+            assert got == 2 and sealed is False
+            assert_values(values(state), values(trained(2)))
+            assert "its check after the seal failed" in caplog.text
+            assert not agent.closed and 2 in [h.step for h in agent.snapshots() if h.complete]
