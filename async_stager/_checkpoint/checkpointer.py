@@ -18,7 +18,6 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Coroutine
-from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -264,13 +263,15 @@ class Checkpointer:
             )
         try:
             await run_in_thread(self._place.open, name="async-stager-open")
-            token = await self._meet(root, ranks)
+            session, created, token = await _session.meet(root, ranks)
         except BaseException:
             self._place.close()  # (a store's connections and thread)
             if self._ledger is not None:
                 self._ledger.close()  # nothing was reserved through it yet
                 self._ledger = None
             raise
+        if created is not None:  # the coordinator opened the folder
+            self._session, self._created = session, created
         self._read_only = token[1:] if token.startswith("?") else ""
         token = "" if self._read_only else token
         if self._stager is None:
@@ -284,29 +285,6 @@ class Checkpointer:
             self._tier.open(self._tg)
         self._schedule.open(self._tg)
         return self
-
-    async def _meet(self, root: Path, ranks: Ranks) -> str:
-        """The coordinator opens the folder's session; every rank learns its token
-        (``?why``: read only). Raises the coordinator's CheckpointError on every rank."""
-        token = ""
-        if ranks.coordinator:
-            try:
-                opened = await run_in_thread(lambda: _session.Session.open(root), name="async-stager-open")
-            except CheckpointError as exc:
-                if not ranks.distributed:
-                    raise
-                token = "!" + str(exc)  # every rank raises it, none waits for the others
-            else:
-                self._created = opened.created
-                if isinstance(opened, _session.ReadOnly):
-                    _log.warning("%s: open for restore only: %s", root, opened.why)
-                    token = "?" + opened.why
-                else:
-                    self._session, token = opened, opened.token
-        token = await run_in_thread(lambda: ranks.broadcast(token), name="async-stager-open")
-        if token.startswith("!"):
-            raise CheckpointError(token[1:])
-        return token
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

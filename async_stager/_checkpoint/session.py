@@ -30,9 +30,11 @@ from async_stager._checkpoint.commit import (
     read_latest,
     write_latest,
 )
+from async_stager._checkpoint.ranks import Ranks
+from async_stager._core.aio.threads import run_in_thread
 from async_stager.errors import CheckpointError
 
-__all__ = ["ReadOnly", "Session", "clean_stale", "remove_own_leftovers"]
+__all__ = ["ReadOnly", "Session", "clean_stale", "meet", "remove_own_leftovers"]
 
 _log = logging.getLogger("async_stager.checkpoint")
 
@@ -233,3 +235,41 @@ def _clean_one(root: Path, name: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         os.rename(path, root / final)
+
+
+async def meet(root: Path, ranks: Ranks) -> tuple[Session | None, bool | None, str]:
+    """A Checkpointer's open, across its ranks: the coordinator opens the folder's
+    session; every rank learns the session's token (``?why``: the folder is open for
+    restore only). Returns the coordinator's session (None on the other ranks, or read
+    only), whether its open created the folder (None where it did not open it) and the
+    token. Raises the coordinator's CheckpointError on every rank (none waits for the
+    others). Cancellation: deferred until the thread of the open (or of the broadcast)
+    returns, then raised; a session opened before the broadcast is closed first (one
+    whose open was cancelled is lost: its writer lock stays until the process exits,
+    and only marks its own temporary folders as live)."""
+    token = ""
+    session: Session | None = None
+    created: bool | None = None
+    if ranks.coordinator:
+        try:
+            opened = await run_in_thread(lambda: Session.open(root), name="async-stager-open")
+        except CheckpointError as exc:
+            if not ranks.distributed:
+                raise
+            token = "!" + str(exc)  # every rank raises it, none waits for the others
+        else:
+            created = opened.created
+            if isinstance(opened, ReadOnly):
+                _log.warning("%s: open for restore only: %s", root, opened.why)
+                token = "?" + opened.why
+            else:
+                session, token = opened, opened.token
+    try:
+        token = await run_in_thread(lambda: ranks.broadcast(token), name="async-stager-open")
+    except BaseException:
+        if session is not None:
+            session.close()
+        raise
+    if token.startswith("!"):
+        raise CheckpointError(token[1:])
+    return session, created, token
