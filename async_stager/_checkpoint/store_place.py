@@ -434,9 +434,19 @@ class StorePlace(Place):
             try:
                 store.blocking.get_many_into(items)
             except StoreError as exc:
-                if exc.reason == "missing":
-                    raise _commit.StepGone(save.step) from exc
-                raise
+                if exc.reason != "missing":
+                    raise
+                if any(s.prefix == save.prefix for s in self._live(self._list(store))):
+                    # Still committed (retention retires a step before it deletes an
+                    # object): lost or deleted by hand, damage that restore falls back
+                    # past. Taken as gone, the step would be listed and tried again
+                    # and again, and restore would end with nothing restored.
+                    raise IntegrityError(
+                        f"{exc.key or store.url(save.prefix)}: missing from committed step "
+                        f"{save.step} (deleted or lost; it was not retired)",
+                        step=save.step,
+                    ) from exc
+                raise _commit.StepGone(save.step) from exc
         finally:
             items.clear()
             for m in maps:

@@ -167,6 +167,34 @@ async def test_a_restore_that_loses_its_step_to_retention_takes_the_next_newest(
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_an_object_deleted_from_a_committed_step_is_damage_named_not_a_gone_step(
+    bucket: str, moto_port: int, scratch: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A data object deleted by hand (or lost) while its step's record stays: restore
+    falls back to the newest whole step naming the object (it restored nothing before,
+    taking the step as retired and listing it again), and verify fails it."""
+    from async_stager._cli.main import main
+
+    url = f"s3://{bucket}/run"
+    async with Checkpointer(url, keep=3) as ckpt:
+        for step in (1, 2):
+            await ckpt.save(_state(float(step)), step=step)
+        await ckpt.wait()
+        lost = next(
+            k for k in _keys(moto_port, bucket) if k.startswith("run/step-00000002.") and "distcp" in k
+        )
+        admin_client(moto_port).delete_object(Bucket=bucket, Key=lost)
+        state = _state(0.0)
+        assert await ckpt.restore(state) == 1 and state["n"] == 1
+        with pytest.raises(IntegrityError, match=lost) as info:
+            await ckpt.restore(_state(0.0), step=2, fallback=False)
+        assert info.value.step == 2
+    assert main(["verify", url]) == 1
+    out = capsys.readouterr().out
+    assert f"step-00000002: FAILED: s3://{bucket}/{lost}" in out and "step-00000001: ok" in out
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_restore_error_names_the_objects_not_the_local_copy(bucket: str, scratch: Path) -> None:
     url = f"s3://{bucket}/run"
     async with Checkpointer(url) as ckpt:
