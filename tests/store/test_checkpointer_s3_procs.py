@@ -20,6 +20,7 @@ from async_stager import Checkpointer
 from async_stager._checkpoint import store_place
 from tests.store.ckpt_s3_child import state
 from tests.store.conftest import admin_client
+from tests.store.s3proxy import FaultProxy, Rule
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -85,6 +86,37 @@ def test_two_ranks_write_one_step(
     # The manifest the coordinator committed covers both ranks' files: verify checks them.
     assert main(["verify", url]) == 0, capsys.readouterr().out
     assert "step-00000003: ok" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_two_nodes_a_denied_upload_fails_the_step_on_both(
+    bucket: str, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """A scratch folder per rank; rank 1's upload of step 2 is denied: step 2 is
+    committed on neither rank (the error names rank 1), step 3 is, and no rank leaves
+    its copy of the failed save in its scratch folder."""
+    url = f"s3://{bucket}/job"
+    port = _free_port()
+    proxy.add(
+        Rule(
+            "error", method="PUT", path=r"step-00000002\.[^/]+/__1_0\.distcp", status=403, code="AccessDenied"
+        )
+    )
+    folders = [tmp_path / f"node{r}" for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(CHILD), "denied", url, str(r), "2", str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=dict(_env(), ASYNC_STAGER_SCRATCH=str(folders[r])),
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0 and out.strip().endswith(b"OK"), err.decode()[-3000:]
+    left = [p.name for f in folders for p in f.glob("*/.*") if p.name.startswith((".tmp-", ".read-"))]
+    assert left == [], left
 
 
 @pytest.fixture
