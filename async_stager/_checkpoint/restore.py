@@ -87,7 +87,14 @@ async def restore(
 
 def _say_nothing_restored(place: Place, created: bool) -> None:
     root = place.where
-    if created or not place.exists():
+    if "://" in root and not place.exists():
+        # An object store makes no folder: nothing was created, nothing failed to be.
+        _log.warning(
+            "restore: nothing to restore: %s holds no object; training starts from scratch "
+            "(a typo in the URL?)",
+            root,
+        )
+    elif created or not place.exists():
         made = "this Checkpointer created it" if created else "it could not be created"
         _log.warning(
             "restore: nothing to restore: %s did not exist (%s); training starts from scratch "

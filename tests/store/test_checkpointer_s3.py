@@ -5,6 +5,7 @@ that verifies with fallback past a damaged one, a step saved again, the budget."
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 from typing import Any
@@ -192,6 +193,22 @@ async def test_an_object_deleted_from_a_committed_step_is_damage_named_not_a_gon
     assert main(["verify", url]) == 1
     out = capsys.readouterr().out
     assert f"step-00000002: FAILED: s3://{bucket}/{lost}" in out and "step-00000001: ok" in out
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_restore_from_an_empty_prefix_says_it_holds_nothing(
+    bucket: str, scratch: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Not "this Checkpointer created it" nor "it could not be created": a store makes no folder.
+    url = f"s3://{bucket}/typo"
+    with caplog.at_level(logging.WARNING, logger="async_stager"):
+        async with Checkpointer(url) as ckpt:
+            assert await ckpt.restore(_state(0.0)) is None
+    said = [r.getMessage() for r in caplog.records if "nothing to restore" in r.getMessage()]
+    assert said == [
+        f"restore: nothing to restore: {url} holds no object; training starts from scratch "
+        "(a typo in the URL?)"
+    ], said
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
