@@ -217,6 +217,21 @@ async def test_a_save_after_its_base_was_damaged_writes_in_full(
 
 
 @pytest.mark.anyio
+async def test_a_transposed_tensor_is_referenced(tmp_path: Path, anyio_backend: Any) -> None:
+    # Stored in its memory order, not the digest's row-major one: the base's check of
+    # its stored bytes must not take that for damage.
+    w = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32).t()
+    async with Checkpointer(tmp_path, keep=3, incremental=True) as ckpt:
+        for step in (1, 2):
+            await ckpt.save({"w": w, "n": step}, step=step)
+            await ckpt.wait()
+        assert ckpt.last is not None and ckpt.last.reused_bytes == w.numel() * 4
+        target = {"w": torch.zeros(32, 64), "n": 0}
+        assert await ckpt.restore(target, step=2, fallback=False) == 2
+        assert torch.equal(target["w"], w)
+
+
+@pytest.mark.anyio
 async def test_two_writers_on_one_folder_mix_and_lose_nothing(tmp_path: Path, anyio_backend: Any) -> None:
     """Two incremental Checkpointers save into one folder in turn; each one's
     retention retires the other's steps. Every kept step restores bit-exact."""
