@@ -32,6 +32,7 @@ included) that the next open removes; the committed steps are untouched.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import logging
@@ -253,6 +254,8 @@ class Increments:
         chunk the manifest cannot place, hashed otherwise, or not matching (damaged, or
         stored transposed) is read through DCP's reader, which decides."""
         marks: dict[str, list[tuple[str, tuple[int, int, int, int]]]] = {}
+        current: set[tuple[str, tuple[int, int, int, int]]] = set()
+        starts: dict[str, list[list[int]]] = {}  # each file's raw tensor ranges, by start
         for index, info in plan.metadata.storage_data.items():
             if index.fqn not in plan.reused:
                 continue
@@ -261,24 +264,29 @@ class Increments:
             st = os.stat(path)
             key = chunk_key(index.fqn, index.offset or ())
             mark = (key, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+            current.add(mark)
             if mark in self._checked:
                 continue
             entry = plan.tensors.get(key)
-            skip = (plan.files.get(rel) or {}).get("skip") or []
-            raw = [r for r in skip if info.offset <= r[0] < info.offset + info.length]
-            if entry is None or entry.get("hash", HASH) != HASH or len(raw) != 1:
+            if rel not in starts:
+                starts[rel] = sorted((plan.files.get(rel) or {}).get("skip") or [])
+            ranges = starts[rel]
+            at = bisect.bisect_left(ranges, [info.offset])
+            raw = ranges[at] if at < len(ranges) and ranges[at][0] < info.offset + info.length else None
+            if raw is not None and at + 1 < len(ranges) and ranges[at + 1][0] < info.offset + info.length:
+                raw = None  # two ranges in one item: not a tensor's own
+            if entry is None or entry.get("hash", HASH) != HASH or raw is None:
                 marks.setdefault(index.fqn, []).append(mark)
                 continue
-            got = file_digest(path, raw[0][0], raw[0][1])
-            if got["bytes"] != raw[0][1] or got["digest"] != entry["digest"]:
+            got = file_digest(path, raw[0], raw[1])
+            if got["bytes"] != raw[1] or got["digest"] != entry["digest"]:
                 # Damaged, or stored in another memory order than the digest's row-major
                 # one (a transposed tensor): DCP's reader decides.
                 marks.setdefault(index.fqn, []).append(mark)
-                continue
-            self._checked.add(mark)
         if marks:
             verify_dcp(plan.folder, plan.step, only=set(marks))
-            self._checked.update(m for ms in marks.values() for m in ms)
+        # Only what this save references: the next one's base references no other.
+        self._checked = current
 
     def _let_go(self, seq: int) -> None:
         with self._lock:
