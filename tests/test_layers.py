@@ -311,3 +311,21 @@ def test_no_private_name_crosses_modules() -> None:
                     f"{path.relative_to(PKG)}:{node.lineno} {node.func.id}(..., {node.args[1].value!r})"
                 )
     assert not bad, "private names used across modules:\n" + "\n".join(bad)
+
+
+# -- module size -----------------------------------------------------------------------
+
+#: The most lines a module of the package may have (CONTRIBUTING: one module, one
+#: responsibility; a module past this is split by responsibility, not cut anywhere).
+MAX_MODULE_LINES = 600
+
+
+def test_every_module_is_at_most_600_lines() -> None:
+    """Every module under ``async_stager/`` has at most ``MAX_MODULE_LINES`` lines.
+    Failed before: ``_tier/tier.py`` (632) and ``_tier/agent.py`` (612), split into
+    ``solo`` (``save`` alone) and ``holdings`` (what the agent holds)."""
+    sizes = {p: len(p.read_text(encoding="utf-8").splitlines()) for p in _modules()}
+    over = [f"{p.relative_to(PKG)} ({n} lines)" for p, n in sorted(sizes.items()) if n > MAX_MODULE_LINES]
+    assert not over, f"modules over {MAX_MODULE_LINES} lines (split them by responsibility): " + ", ".join(
+        over
+    )

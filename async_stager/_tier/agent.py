@@ -44,7 +44,6 @@ import os
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -52,6 +51,7 @@ import anyio.abc
 from anyio.abc import SocketStream
 
 from async_stager._tier import sealing, wire
+from async_stager._tier.holdings import Arena, Held
 from async_stager._tier.regions import ALGORITHM, PIECE_BYTES, ArenaMaps, digests_of, regions_of
 from async_stager._tier.wire import Kind, Message
 from async_stager.errors import AgentError, AgentRefusedError, AgentUnavailableError, InvalidOptionError
@@ -62,57 +62,6 @@ _log = logging.getLogger("async_stager.agent")
 
 #: The agent's INFO log: one summary of the snapshots accepted at most this often.
 SUMMARY_SECONDS = 60.0
-
-
-@dataclass(eq=False)
-class _Arena:
-    """One arena held: the agent's descriptor, its bytes, and the snapshots using it."""
-
-    fd: int
-    nbytes: int
-    key: tuple[int, int]
-    users: int = 0
-
-
-@dataclass(eq=False)
-class Held:
-    """One snapshot of one rank: begun (``complete`` False: never handed out) or
-    committed and verified."""
-
-    rank: int
-    step: int
-    world: int
-    complete: bool = False
-    arenas: list[_Arena] = field(default_factory=list)
-    meta: dict[str, Any] = field(default_factory=dict)
-    payload: bytes = b""
-    since: float = field(default_factory=time.time)
-    #: The trainer process (its session token) that began it.
-    session: str = ""
-    #: Its namespace: the Checkpointer's folder (two in one job never mix).
-    ns: str = ""
-    #: The job's run it belongs to (the ranks agree on one at start and at each
-    #: restore): a restore never mixes two runs' snapshots of one step.
-    timeline: str = ""
-    #: Sealed and verified after the seal (``sealing``), or not yet.
-    seal: sealing.SealState = field(default_factory=sealing.SealState)
-
-    @property
-    def bytes(self) -> int:
-        return sum(a.nbytes for a in self.arenas)
-
-    def info(self) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "ns": self.ns,
-            "step": self.step,
-            "world": self.world,
-            "complete": self.complete,
-            "timeline": self.timeline,
-            "bytes": self.bytes,
-            "tensors": int(self.meta.get("tensors", 0)),
-            "since": self.since,
-        }
 
 
 class Agent:
@@ -145,7 +94,7 @@ class Agent:
         self._uid = os.getuid()
         #: (namespace, rank) -> its snapshots, oldest commit first.
         self._ranks: dict[tuple[str, int], list[Held]] = {}
-        self._arenas: dict[tuple[int, int], _Arena] = {}
+        self._arenas: dict[tuple[int, int], Arena] = {}
         self._reserved = 0
         self._maps = ArenaMaps()
         self._lock = anyio.Lock()
@@ -514,7 +463,7 @@ class Agent:
                 for fd, key, n in zip(m.fds, keys, sizes):
                     arena = self._arenas.get(key)
                     if arena is None:
-                        arena = self._arenas[key] = _Arena(os.dup(fd), n, key)
+                        arena = self._arenas[key] = Arena(os.dup(fd), n, key)
                     arena.users += 1
                     pending.arenas.append(arena)
                 pending.meta = {

@@ -31,23 +31,21 @@ import os
 import time
 import uuid
 import warnings
-import weakref
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import anyio.abc
-import anyio.lowlevel
 
-from async_stager._core.aio.stager import Stager, stager_internals
+from async_stager._core.aio.stager import Stager
 from async_stager._core.aio.threads import run_in_thread
 from async_stager._core.memory.lease import Lease
-from async_stager._core.run.records import Captures
 from async_stager._share.handoff import export_shared
 from async_stager._tier.client import AgentClient
 from async_stager._tier.loading import Loaded, load_snapshot
 from async_stager._tier.regions import PIECE_BYTES, ArenaMaps, digests_of, regions_of
 from async_stager._tier.retention import Agreement, Ticket, droppable, forced
+from async_stager._tier.solo import SoloSaves
 from async_stager._tier.stats import MemoryStats, TierProgress
 from async_stager.errors import (
     AgentError,
@@ -136,12 +134,10 @@ class MemoryTier:
         )
         #: Guards ``_held`` and the agent's view of it across an await (one message).
         self._retaining = anyio.Lock()
-        #: Set while a snapshot is being staged or committed (the busy slot).
-        self._busy: anyio.Event | None = None
         #: After a failure or refusal: BEGIN before the next stage writes.
         self._dirty = False
-        #: ``save`` alone: the snapshot in flight (step, phase, called, staged seconds).
-        self._progress: tuple[int, str, float, float | None] | None = None
+        #: ``save`` alone: the busy slot and the snapshot in flight (``solo``).
+        self._solo = SoloSaves(self)
         #: A snapshot was let go without the ranks' agreement (warned once).
         self._forced = False
         self._tg: anyio.abc.TaskGroup | None = None
@@ -202,6 +198,12 @@ class MemoryTier:
         if self.replicator is not None:
             self.replicator.open(tg)
 
+    @property
+    def task_group(self) -> anyio.abc.TaskGroup:
+        """The task group of ``open`` (the commits of ``save`` run there)."""
+        assert self._tg is not None, "MemoryTier.open(task_group) first"
+        return self._tg
+
     def closing(self) -> None:
         """Its owner closes: replication stops sending (its task ends with the owner's
         task group; the snapshot on the wire, if any, is finished)."""
@@ -213,8 +215,7 @@ class MemoryTier:
         own descriptors: the memory stays with the agent), close the connection and
         this tier's Stager. Cancellation: shielded."""
         with anyio.CancelScope(shield=True):
-            while self._busy is not None:
-                await self._busy.wait()
+            await self._solo.idle()
             if self.replicator is not None:
                 await self.replicator.aclose()
             if self._agreement is not None:
@@ -228,8 +229,7 @@ class MemoryTier:
     async def wait(self) -> None:
         """Until no snapshot of ``save`` is in flight and the ranks' exchanges of those
         that ended ran (``settle``). Cancellation: only the wait."""
-        while self._busy is not None:
-            await self._busy.wait()
+        await self._solo.idle()
         await self.settle()
 
     def _release_held(self) -> None:
@@ -241,15 +241,12 @@ class MemoryTier:
         """The snapshot being staged or committed, if any, and the replica being sent to
         the peer node (a snapshot; no I/O)."""
         sending = self.replicator.in_flight() if self.replicator is not None else []
-        if self._progress is None:
-            return sending
-        step, phase, called, staged = self._progress
-        return [TierProgress(step, phase, time.monotonic() - called, staged), *sending]
+        return [*self._solo.in_flight(), *sending]
 
     @property
     def busy(self) -> bool:
         """A snapshot of ``save`` is being staged or committed."""
-        return self._busy is not None
+        return self._solo.busy
 
     def _fail(self, exc: AgentError, step: int) -> None:
         """The agent is gone or too slow: off until the retry, one warning."""
@@ -292,8 +289,8 @@ class MemoryTier:
     def ticket(self) -> Ticket | None:
         """A memory save's place in the ranks' exchanges, taken at every call (None: one
         process); set its ``ready`` once the save ended, whatever became of it."""
-        assert self._tg is not None, "MemoryTier.open(task_group) first"
-        return self._agreement.ticket(self._tg) if self._agreement is not None else None
+        tg = self.task_group  # asserts ``open`` first, one process too
+        return self._agreement.ticket(tg) if self._agreement is not None else None
 
     def not_taken(self) -> None:
         """A snapshot not taken (skipped, the tier off, no agent, no room): counted."""
@@ -339,61 +336,7 @@ class MemoryTier:
         commit, for the ranks' exchanges). Await the returned coroutine: True once
         staged, False when not taken. The snapshot point is this call; the commit goes
         on in the background. Cancellation: nothing is handed to the agent."""
-        ticket = self.ticket()
-        if not self.available or (self.policy == "skip" and (self._busy is not None or not self.room)):
-            return self._skip(ticket)
-        point = stager_internals(self.stager).snapshot_point(sd)
-        coro = self._alone(point, sd, step, time.monotonic(), ticket)
-        if ticket is not None:  # never awaited: the ranks' exchanges must not wait for it
-            weakref.finalize(coro, ticket.ready.set)
-        return coro
-
-    async def _skip(self, ticket: Ticket | None) -> bool:
-        if ticket is not None:
-            ticket.ready.set()
-        self.not_taken()
-        await anyio.lowlevel.checkpoint()
-        return False
-
-    async def _alone(
-        self, point: Captures, sd: dict[str, Any], step: int, called: float, ticket: Ticket | None
-    ) -> bool:
-        handed = False
-        busy: anyio.Event | None = None
-        try:
-            while self._busy is not None:
-                await self._busy.wait()
-            busy = self._busy = anyio.Event()
-            if not await self.prepare(step, ticket):
-                self.not_taken()
-                return False
-            self._progress = (step, "memory-staging", called, None)
-            lease = await stager_internals(self.stager).lease_at(sd, point)
-            staged = time.monotonic() - called
-            self._progress = (step, "memory-committing", called, staged)
-            assert self._tg is not None, "MemoryTier.open(task_group) first"
-            self._tg.start_soon(self._commit_alone, lease, step, staged, busy, ticket)
-            handed = True
-            return True
-        finally:
-            if not handed:
-                self._end(busy, ticket)
-
-    async def _commit_alone(
-        self, lease: Lease[Any], step: int, staged: float, busy: anyio.Event, ticket: Ticket | None
-    ) -> None:
-        try:
-            await self.commit(lease, step, staged)
-        finally:
-            self._end(busy, ticket)
-
-    def _end(self, busy: anyio.Event | None, ticket: Ticket | None) -> None:
-        self._progress = None
-        if self._busy is busy:
-            self._busy = None
-        for event in (busy, ticket.ready if ticket is not None else None):
-            if event is not None:
-                event.set()
+        return self._solo.save(sd, step)
 
     async def _probe(self, step: int) -> bool:
         """Connect to the agent (not connected: the first save, or after a failure);
