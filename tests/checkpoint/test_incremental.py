@@ -226,7 +226,7 @@ async def test_a_transposed_tensor_is_referenced(tmp_path: Path, anyio_backend: 
             await ckpt.save({"w": w, "n": step}, step=step)
             await ckpt.wait()
         assert ckpt.last is not None and ckpt.last.reused_bytes == w.numel() * 4
-        target = {"w": torch.zeros(32, 64), "n": 0}
+        target: dict[str, Any] = {"w": torch.zeros(32, 64), "n": 0}
         assert await ckpt.restore(target, step=2, fallback=False) == 2
         assert torch.equal(target["w"], w)
 
